@@ -50,7 +50,8 @@ class ModelConfig:
     vocab_pad_multiple: int = F(
         1,
         "Pad the embedding/output vocabulary up to a multiple of this (64 for tensor cores; 1 = no padding). "
-        "Padded logits are masked to -inf, so they are never predicted and do not change the loss.",
+        "The head is computed on the padded matrix and the padded columns are sliced off the logits, so "
+        "they are never predicted and do not change the loss.",
     )
     block_size: int = F(1024, "Context length in tokens (sequence length of every training window).")
     n_layer: int = F(12, "Number of transformer blocks.")

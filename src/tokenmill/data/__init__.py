@@ -1,0 +1,52 @@
+"""Data: tokenizers, ``tokenmill prepare``, the embedded corpus, token files and the global stream.
+
+Typical use::
+
+    from tokenmill.data import build_datasets, build_train_loader, val_batches, to_device
+
+    src = build_datasets(cfg.data, cfg.model.block_size, cfg.train.seed, cfg.model.vocab_size)
+    loader = build_train_loader(src.train, cfg.data, B, A, start_step, max_steps, rank, world, "cuda")
+"""
+
+from .corpus import embedded_corpus_files, ensure_embedded_corpus
+from .dataset import (
+    SyntheticDataset,
+    TokenFile,
+    WindowDataset,
+    global_indices,
+    open_token_data,
+)
+from .errors import DataError
+from .loader import (
+    DataSources,
+    StreamBatchSampler,
+    build_datasets,
+    build_train_loader,
+    to_device,
+    val_batches,
+)
+from .prepare import add_prepare_args, prepare, run_prepare
+from .tokenizers import get_tokenizer, load_tokenizer_for_data, train_bpe
+
+__all__ = [
+    "DataError",
+    "DataSources",
+    "StreamBatchSampler",
+    "SyntheticDataset",
+    "TokenFile",
+    "WindowDataset",
+    "add_prepare_args",
+    "build_datasets",
+    "build_train_loader",
+    "embedded_corpus_files",
+    "ensure_embedded_corpus",
+    "get_tokenizer",
+    "global_indices",
+    "load_tokenizer_for_data",
+    "open_token_data",
+    "prepare",
+    "run_prepare",
+    "to_device",
+    "train_bpe",
+    "val_batches",
+]

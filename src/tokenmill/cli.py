@@ -1,0 +1,144 @@
+"""Command line: ``tokenmill prepare | train | sample | bench | profile | doctor``.
+
+Config overrides are ``--section.field VALUE`` (or ``--section.field=VALUE``); every field is
+listed with its documentation by ``tokenmill train --help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from tokenmill import __version__
+from tokenmill import config as C
+
+
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    """--preset / --config / --run-dir / --resume and one --section.field option per config field."""
+    p.add_argument("--preset", help=f"start from a shipped preset: {', '.join(C.preset_names())}")
+    p.add_argument("--config", action="append", default=[], metavar="FILE.toml",
+                   help="TOML config file(s), applied after the preset, in order")
+    p.add_argument("--run-dir", help="run directory (default runs/<preset>-<date-time>)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --run-dir")
+    for sname, scls in C.sections().items():
+        g = p.add_argument_group(f"[{sname}] {scls.__doc__.strip()}")
+        for key, (tp, default, doc) in C.field_specs().items():
+            if key.startswith(sname + "."):
+                g.add_argument(f"--{key}", dest=f"cfg:{key}", metavar="VALUE", default=None,
+                               help=f"{doc} (default: {default!r})")
+
+
+def config_from_args(args: argparse.Namespace) -> C.Config:
+    overrides = {k[4:]: v for k, v in vars(args).items() if k.startswith("cfg:") and v is not None}
+    return C.resolve(args.preset, args.config, overrides)
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        bad = extra[0].split("=")[0]
+        if bad.startswith("--") and "." in bad:
+            raise C.ConfigError(f"unknown config key '{bad[2:]}'.{C._closest(bad[2:], list(C.field_specs()))}")
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
+def default_run_dir(args: argparse.Namespace) -> Path:
+    return Path("runs") / f"{args.preset or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from tokenmill.train.trainer import train
+
+    cfg = config_from_args(args)
+    if args.resume and not args.run_dir:
+        raise C.ConfigError("--resume needs --run-dir (the run to continue).")
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args)
+    train(cfg, run_dir, resume=args.resume)
+    return 0
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    from tokenmill.train.sample import load_run, sample_text
+
+    model, cfg, data_dir = load_run(args.run_dir, args.device)
+    text = sample_text(model, data_dir, args.prompt, args.max_new_tokens, args.temperature,
+                       args.top_k or None, device=args.device, seed=args.seed)
+    print(text)
+    return 0
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from tokenmill.data.prepare import run_prepare
+
+    run_prepare(args)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"tokenmill {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train a GPT", allow_abbrev=False,
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_config_args(p)
+    p.set_defaults(func=cmd_train)
+
+    from tokenmill.data.prepare import add_prepare_args
+
+    p = sub.add_parser("prepare", help="tokenize text into a token folder", allow_abbrev=False)
+    add_prepare_args(p)
+    p.set_defaults(func=cmd_prepare)
+
+    p = sub.add_parser("sample", help="generate text from a run's latest checkpoint", allow_abbrev=False)
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--prompt", default="\n")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=200, help="0 = no top-k filtering")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=cmd_sample)
+
+    for register in _extensions():
+        register(sub)
+    return parser
+
+
+def _extensions():
+    """Sub-commands living in their own packages (bench, profile, doctor), when present."""
+    regs = []
+    for mod in ("tokenmill.bench.cli", "tokenmill.profiling.cli"):
+        try:
+            module = __import__(mod, fromlist=["register"])
+        except ModuleNotFoundError as e:
+            if e.name != mod:
+                raise
+            continue
+        regs.append(module.register)
+    return regs
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    try:
+        sub = argv[0] if argv else None
+        args = _parse(parser, argv) if sub in ("train",) else parser.parse_args(argv)
+        return args.func(args) or 0
+    except C.ConfigError as e:
+        print(f"tokenmill: config error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("tokenmill: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        from tokenmill.errors import USER_ERRORS
+
+        if isinstance(e, USER_ERRORS):
+            print(f"tokenmill: error: {e}", file=sys.stderr)
+            return 1
+        raise

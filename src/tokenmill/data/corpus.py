@@ -1,0 +1,119 @@
+"""The embedded corpus: the ``.py`` sources of the running Python's standard library.
+
+Present on every machine with no download (about 11 MB in ~670 files on CPython 3.11). Prepared
+on first use into a cache folder keyed by Python version, file list and tokenizer, then reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import sysconfig
+import uuid
+from pathlib import Path
+
+from .errors import DataError
+from .meta import META_NAME
+
+EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"})
+
+
+def stdlib_root() -> Path:
+    """The standard-library folder of the running Python."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def embedded_corpus_files(max_files: int | None = None) -> list[Path]:
+    """The corpus files: stdlib ``*.py`` outside site-packages, test(s) folders and idlelib, sorted by
+    relative path (the first ``max_files`` when given)."""
+    root = stdlib_root()
+    files = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in EXCLUDED_DIRS]
+        files.extend(Path(folder) / n for n in names if n.endswith(".py"))
+    files.sort(key=lambda p: p.relative_to(root).as_posix())
+    if not files:
+        raise DataError(
+            f"the embedded corpus is empty: no .py files under '{root}' (a Python without its stdlib "
+            "sources?). Fix: prepare your own text with `tokenmill prepare INPUT --out DIR` and set "
+            "data.path."
+        )
+    return files[:max_files] if max_files is not None else files
+
+
+def cache_root(cache_dir: str | None = None) -> Path:
+    """``cache_dir``, else $TOKENMILL_CACHE, else ~/.cache/tokenmill."""
+    if cache_dir:
+        return Path(cache_dir).expanduser()
+    if os.environ.get("TOKENMILL_CACHE"):
+        return Path(os.environ["TOKENMILL_CACHE"]).expanduser()
+    return Path.home() / ".cache" / "tokenmill"
+
+
+def corpus_key(tokenizer: str, vocab_size: int, files: list[Path]) -> str:
+    """Cache folder name: Python version, a fingerprint of the file list (paths and sizes), tokenizer."""
+    root = stdlib_root()
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f"{f.relative_to(root).as_posix()}:{f.stat().st_size}\n".encode())
+    v = sys.version_info
+    tok = f"bpe{vocab_size}" if tokenizer == "bpe" else tokenizer
+    return f"stdlib-py{v.major}.{v.minor}.{v.micro}-{h.hexdigest()[:10]}-{tok}"
+
+
+def _is_valid(folder: Path) -> bool:
+    from .dataset import open_token_data
+
+    if not (folder / META_NAME).is_file():
+        return False
+    try:
+        for split in ("train", "val"):
+            open_token_data(folder, split, validate="quick")
+    except DataError:
+        return False
+    return True
+
+
+def ensure_embedded_corpus(data_cfg, progress: bool = True, max_files: int | None = None) -> Path:
+    """The prepared embedded-corpus folder for ``data_cfg`` (tokenizer, bpe_vocab_size, cache_dir).
+
+    Prepared on first use (one line on stderr says so and where); later calls only check and return
+    it. Concurrent callers each prepare into a private temporary folder and rename it into place; a
+    caller that finds the place taken uses the folder already there.
+    """
+    tokenizer = data_cfg.tokenizer
+    vocab_size = data_cfg.bpe_vocab_size
+    files = embedded_corpus_files(max_files)
+    root = cache_root(getattr(data_cfg, "cache_dir", None))
+    final = root / corpus_key(tokenizer, vocab_size, files)
+    if _is_valid(final):
+        return final
+
+    from .prepare import prepare
+
+    root.mkdir(parents=True, exist_ok=True)
+    v = sys.version_info
+    tok = f"bpe, {vocab_size} ids" if tokenizer == "bpe" else tokenizer
+    print(
+        f"tokenmill: preparing the embedded corpus (Python {v.major}.{v.minor}.{v.micro} standard library, "
+        f"{len(files)} files, tokenizer {tok}) into {final} (first use only)",
+        file=sys.stderr,
+        flush=True,
+    )
+    tmp = root / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        prepare(None, tmp, tokenizer=tokenizer, vocab_size=vocab_size, progress=progress, max_files=max_files)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if _is_valid(final):  # another process finished first: use its folder
+                return final
+            stale = root / f".{final.name}.stale-{uuid.uuid4().hex[:8]}"
+            os.rename(final, stale)
+            os.rename(tmp, final)
+            shutil.rmtree(stale, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final

@@ -1,0 +1,150 @@
+"""DataLoaders over the global stream, validation batches, and datasets from a DataConfig."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from .dataset import SyntheticDataset, WindowDataset, global_indices, open_token_data
+
+
+class StreamBatchSampler(Sampler[list[int]]):
+    """Yields, in order, this rank's micro-batches (lists of global indices) of steps
+    ``start_step .. max_steps-1``: for each step, micro-steps ``0 .. grad_accum-1``."""
+
+    def __init__(
+        self,
+        batch_size: int,
+        grad_accum: int,
+        start_step: int,
+        max_steps: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+    ):
+        if batch_size < 1 or grad_accum < 1 or not 0 <= dp_rank < dp_size or start_step < 0:
+            raise ValueError(
+                f"bad stream layout: batch_size={batch_size}, grad_accum={grad_accum}, dp_rank={dp_rank}, "
+                f"dp_size={dp_size}, start_step={start_step}"
+            )
+        self.batch_size, self.grad_accum = batch_size, grad_accum
+        self.start_step, self.max_steps = start_step, max_steps
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for step in range(self.start_step, self.max_steps):
+            for m in range(self.grad_accum):
+                yield list(
+                    global_indices(step, m, self.dp_rank, self.batch_size, self.grad_accum, self.dp_size)
+                )
+
+    def __len__(self) -> int:
+        return max(0, self.max_steps - self.start_step) * self.grad_accum
+
+
+def build_train_loader(
+    dataset: Dataset,
+    data_cfg,
+    batch_size: int,
+    grad_accum: int,
+    start_step: int,
+    max_steps: int,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    device_type: str = "cpu",
+) -> DataLoader:
+    """A DataLoader yielding ``(x, y)`` of shape ``[batch_size, block_size]`` for every micro-step of
+    steps ``start_step .. max_steps-1`` of this rank, in order (``grad_accum`` batches per step).
+
+    Uses data_cfg.num_workers, prefetch_factor and persistent_workers (the last two only with workers)
+    and pin_memory (only when ``device_type == 'cuda'``).
+    """
+    sampler = StreamBatchSampler(batch_size, grad_accum, start_step, max_steps, dp_rank, dp_size)
+    workers = data_cfg.num_workers
+    kwargs = {}
+    if workers > 0:
+        kwargs = {
+            "persistent_workers": data_cfg.persistent_workers,
+            "prefetch_factor": data_cfg.prefetch_factor,
+        }
+    return DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=workers,
+        pin_memory=bool(data_cfg.pin_memory and device_type == "cuda"),
+        **kwargs,
+    )
+
+
+def val_batches(
+    val_dataset: Dataset, batch_size: int, n_batches: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n_batches`` fixed validation micro-batches ``(x, y)`` (CPU, int64), the same on every call.
+
+    For a token dataset: ``batch_size * n_batches`` windows with starts spread evenly over the val file
+    (non-overlapping while the file is long enough). Otherwise (synthetic): samples ``0 .. N-1``.
+    """
+    n = batch_size * n_batches
+    if isinstance(val_dataset, WindowDataset):
+        span = val_dataset.n_starts
+        samples = [val_dataset.window(i * span // n) for i in range(n)]
+    else:
+        samples = [val_dataset[i] for i in range(n)]
+    out = []
+    for b in range(n_batches):
+        chunk = samples[b * batch_size : (b + 1) * batch_size]
+        out.append((torch.stack([x for x, _ in chunk]), torch.stack([y for _, y in chunk])))
+    return out
+
+
+def to_device(batch, device, non_blocking: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move ``(x, y)`` to ``device`` (``non_blocking`` overlaps the copy when the batch is pinned)."""
+    x, y = batch
+    return x.to(device, non_blocking=non_blocking), y.to(device, non_blocking=non_blocking)
+
+
+@dataclass
+class DataSources:
+    """What :func:`build_datasets` returns."""
+
+    train: Dataset
+    val: Dataset | None
+    vocab_size: int
+    data_dir: (
+        Path | None
+    )  # the prepared folder (None: synthetic); tokenizer: load_tokenizer_for_data(data_dir)
+
+
+def build_datasets(
+    data_cfg,
+    block_size: int,
+    seed: int,
+    model_vocab_size: int | None = None,
+    with_val: bool = True,
+    progress: bool = True,
+) -> DataSources:
+    """Train/val datasets for a DataConfig: synthetic ids, ``data_cfg.path``, or the embedded corpus
+    (prepared and cached on first use). Raises DataError for bad data (checked per data_cfg.validate).
+    ``with_val=False`` skips the val split (no evaluation), so a short val file is no error."""
+    if data_cfg.source == "synthetic":
+        if model_vocab_size is None:
+            raise ValueError("synthetic data needs model_vocab_size (model.vocab_size)")
+        train = SyntheticDataset(model_vocab_size, block_size, seed, data_cfg.cpu_work_ms)
+        val = SyntheticDataset(model_vocab_size, block_size, seed + 1_000_003) if with_val else None
+        return DataSources(train, val, model_vocab_size, None)
+    if data_cfg.path is None:
+        from .corpus import ensure_embedded_corpus
+
+        folder = ensure_embedded_corpus(data_cfg, progress=progress)
+    else:
+        folder = Path(data_cfg.path)
+    tf = open_token_data(folder, "train", model_vocab_size, data_cfg.validate)
+    train = WindowDataset(tf, block_size, data_cfg.sampling, seed, data_cfg.cpu_work_ms)
+    val = None
+    if with_val:
+        vf = open_token_data(folder, "val", model_vocab_size, data_cfg.validate)
+        val = WindowDataset(vf, block_size, "sequential", seed)
+    return DataSources(train, val, tf.vocab_size, folder)

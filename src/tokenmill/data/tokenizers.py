@@ -1,0 +1,253 @@
+"""Tokenizers: ``gpt2`` (tiktoken), ``bytes`` (UTF-8 bytes) and ``bpe`` (byte-level BPE, HF tokenizers).
+
+Every tokenizer has ``name``, ``vocab_size``, ``eot_id`` (end-of-text id or None), ``encode(text) ->
+list[int]``, ``decode(ids) -> str`` and ``encode_array(text, dtype) -> np.ndarray`` (the fast path used
+by ``prepare``). Text is always encoded as plain text: a literal ``<|endoftext|>`` inside a document
+is not turned into the special id; only ``prepare`` inserts that id, between documents.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+from .errors import DataError
+from .meta import read_meta, tmp_name
+
+EOT_TEXT = "<|endoftext|>"
+TOKENIZER_FILE = "tokenizer.json"
+NAMES = ("gpt2", "bytes", "bpe")
+
+
+class ByteTokenizer:
+    """Ids 0..255 are the bytes of the UTF-8 encoding. No end-of-text id (documents are separated
+    by a newline)."""
+
+    name = "bytes"
+    vocab_size = 256
+    eot_id = None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_array(self, text: str, dtype: np.dtype | str = np.uint16) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(dtype)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+class TiktokenTokenizer:
+    """The GPT-2 BPE of tiktoken (50257 ids, end-of-text 50256)."""
+
+    def __init__(self, encoding_name: str = "gpt2"):
+        self.name = encoding_name
+        self._enc = _load_tiktoken(encoding_name)
+        self.vocab_size = self._enc.n_vocab
+        self.eot_id = self._enc.eot_token
+
+    def encode(self, text: str) -> list[int]:
+        return self._enc.encode_ordinary(text)
+
+    def encode_array(self, text: str, dtype: np.dtype | str = np.uint16) -> np.ndarray:
+        return np.asarray(self._enc.encode_ordinary(text), dtype=dtype)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._enc.decode([int(i) for i in ids], errors="replace")
+
+    def __getstate__(self) -> dict:
+        return {"name": self.name}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["name"])
+
+
+GPT2_URLS = (
+    "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
+    "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json",
+)
+
+
+def _tiktoken_hint(encoding_name: str) -> str:
+    """How to make tiktoken's files available offline: the cache folder and the file names."""
+    urls = GPT2_URLS if encoding_name == "gpt2" else ()
+    files = "; ".join(f"{u} -> $TIKTOKEN_CACHE_DIR/{hashlib.sha1(u.encode()).hexdigest()}" for u in urls)
+    return (
+        "tiktoken downloads its BPE files on first use and caches them in the folder named by the "
+        "environment variable TIKTOKEN_CACHE_DIR, each file stored under the sha1 hex digest of its URL"
+        + (f" ({files})" if files else "")
+        + '. Fix: on a machine with network, run `TIKTOKEN_CACHE_DIR=DIR python -c "import tiktoken; '
+        f"tiktoken.get_encoding('{encoding_name}')\"`, copy DIR here and set TIKTOKEN_CACHE_DIR=DIR; "
+        "or use a tokenizer that needs no download: `--data.tokenizer bpe` (trained on your data) or "
+        "`--data.tokenizer bytes` (for `tokenmill prepare`: `--tokenizer bpe` / `--tokenizer bytes`)."
+    )
+
+
+def _load_tiktoken(encoding_name: str):
+    try:
+        import tiktoken
+    except ImportError:
+        raise DataError(
+            f"tokenizer '{encoding_name}' needs the tiktoken package, which is not installed. Fix: "
+            "`pip install tiktoken` (then see TIKTOKEN_CACHE_DIR for offline use), or use "
+            "`--data.tokenizer bpe` or `--data.tokenizer bytes`."
+        ) from None
+    try:
+        return tiktoken.get_encoding(encoding_name)
+    except Exception as e:  # network errors come from requests/urllib3 and vary by version
+        cache = os.environ.get("TIKTOKEN_CACHE_DIR", "<unset>")
+        raise DataError(
+            f"tokenizer '{encoding_name}': tiktoken could not load its BPE files (TIKTOKEN_CACHE_DIR="
+            f"{cache}): {type(e).__name__}: {str(e)[:200]}. {_tiktoken_hint(encoding_name)}"
+        ) from None
+
+
+class BpeTokenizer:
+    """Byte-level BPE (GPT-2 style pre-tokenization, every byte in the base alphabet) trained with HF
+    ``tokenizers``, plus the special token ``<|endoftext|>``. Stored as ``tokenizer.json``."""
+
+    name = "bpe"
+
+    def __init__(self, tok, path: Path | None = None):
+        self._tok = tok
+        # Encode special-token text as ordinary text; the eot id only comes from prepare.
+        self._tok.encode_special_tokens = True
+        self.path = path
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self.eot_id = tok.token_to_id(EOT_TEXT)
+
+    @classmethod
+    def load(cls, path: str | Path) -> BpeTokenizer:
+        from tokenizers import Tokenizer
+
+        path = Path(path)
+        if not path.is_file():
+            raise DataError(
+                f"BPE tokenizer file '{path}' is missing. Fix: the 'bpe' tokenizer is trained by "
+                "`tokenmill prepare INPUT --out DIR --tokenizer bpe`, which writes DIR/tokenizer.json; "
+                "prepare the folder again."
+            )
+        try:
+            return cls(Tokenizer.from_file(str(path)), path)
+        except Exception as e:
+            raise DataError(
+                f"BPE tokenizer file '{path}' cannot be loaded ({e}). Fix: prepare the folder again."
+            ) from None
+
+    def save(self, path: str | Path) -> None:
+        """Write the tokenizer.json to ``path`` atomically."""
+        path = Path(path)
+        tmp = tmp_name(path)
+        try:
+            self._tok.save(str(tmp))
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_array(self, text: str, dtype: np.dtype | str = np.uint16) -> np.ndarray:
+        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=dtype)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def __getstate__(self) -> dict:
+        return {"json": self._tok.to_str(), "path": self.path}
+
+    def __setstate__(self, state: dict) -> None:
+        from tokenizers import Tokenizer
+
+        self.__init__(Tokenizer.from_str(state["json"]), state["path"])
+
+
+def read_text_file(path: Path) -> str:
+    """A UTF-8 text file as str (a leading BOM dropped); DataError naming the file when not UTF-8."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"'{path}' is not UTF-8 text (bad byte {data[e.start]:#04x} at byte offset {e.start}). Fix: "
+            "convert it to UTF-8 (e.g. `iconv -f latin1 -t utf-8`) or exclude it with --glob."
+        ) from None
+
+
+def _texts(texts_or_files: Iterable[str | Path]) -> Iterator[str]:
+    for item in texts_or_files:
+        yield read_text_file(item) if isinstance(item, Path) else item
+
+
+def train_bpe(texts_or_files: Iterable[str | Path], vocab_size: int, out_path: str | Path) -> BpeTokenizer:
+    """Train a byte-level BPE with ``vocab_size`` ids (256 bytes + ``<|endoftext|>`` + merges) and
+    save it atomically as ``out_path`` (a tokenizer.json).
+
+    ``texts_or_files``: ``pathlib.Path`` items are read as UTF-8 files, ``str`` items are texts.
+    Training is deterministic. On a small corpus the vocabulary can end up smaller than asked
+    (no pair left to merge): the returned tokenizer's ``vocab_size`` is the real one.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < 257:
+        raise DataError(
+            f"bpe vocab_size must be >= 257 (256 byte ids + <|endoftext|>), got {vocab_size}. "
+            "Fix: raise --vocab-size, or use --tokenizer bytes."
+        )
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOT_TEXT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_texts(texts_or_files), trainer=trainer)
+    bpe = BpeTokenizer(tok, Path(out_path))
+    bpe.save(out_path)
+    return bpe
+
+
+def get_tokenizer(name: str, data_dir: str | Path | None = None, vocab_size: int | None = None):
+    """The tokenizer called ``name``: 'gpt2', 'bytes', or 'bpe' (loaded from ``data_dir/tokenizer.json``).
+
+    ``vocab_size``, when given, must match the tokenizer's (a check, e.g. against meta.json).
+    """
+    if name == "bytes":
+        tok = ByteTokenizer()
+    elif name == "bpe":
+        if data_dir is None:
+            raise DataError(
+                "the 'bpe' tokenizer is trained per data folder and needs data_dir (the folder holding "
+                "tokenizer.json). Fix: pass the prepared folder, or train one with "
+                "`tokenmill prepare INPUT --out DIR --tokenizer bpe`."
+            )
+        tok = BpeTokenizer.load(Path(data_dir) / TOKENIZER_FILE)
+    elif name == "gpt2":
+        tok = TiktokenTokenizer(name)
+    else:
+        raise DataError(f"unknown tokenizer {name!r}; choose one of {list(NAMES)}.")
+    if vocab_size is not None and vocab_size != tok.vocab_size:
+        where = f" in '{data_dir}'" if data_dir is not None else ""
+        raise DataError(
+            f"tokenizer '{name}'{where} has {tok.vocab_size} ids but {vocab_size} were expected. "
+            "Fix: prepare the data folder again so tokenizer and tokens match."
+        )
+    return tok
+
+
+def load_tokenizer_for_data(data_dir: str | Path):
+    """The tokenizer a prepared folder was made with (from its meta.json)."""
+    meta = read_meta(data_dir)
+    info = meta["tokenizer"]
+    if not isinstance(info, dict) or "name" not in info:
+        raise DataError(
+            f"'{Path(data_dir) / 'meta.json'}': 'tokenizer' must be an object with a 'name'. "
+            "Fix: prepare the folder again."
+        )
+    return get_tokenizer(info["name"], data_dir, info.get("vocab_size"))

@@ -1,0 +1,59 @@
+"""Text generation from a trained model or a run directory's latest checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tokenmill import config as C
+from tokenmill.data import load_tokenizer_for_data
+from tokenmill.model import GPT
+from tokenmill.train import checkpoint as ckpt
+
+
+class SampleError(RuntimeError):
+    pass
+
+
+def sample_text(
+    model: GPT,
+    data_dir: str | Path,
+    prompt: str,
+    max_new_tokens: int,
+    temperature: float = 0.8,
+    top_k: int | None = 200,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+) -> str:
+    tok = load_tokenizer_for_data(Path(data_dir))
+    ids = tok.encode(prompt) or ([tok.eot_id] if tok.eot_id is not None else [0])
+    idx = torch.tensor([ids], dtype=torch.long, device=device)
+    torch.manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k)
+    model.train(was_training)
+    return tok.decode(out[0].tolist())
+
+
+def load_run(run_dir: str | Path, device: str = "cpu") -> tuple[GPT, C.Config, Path]:
+    """The model of a run directory's latest checkpoint, with the run's config and data folder."""
+    found = ckpt.load_latest(run_dir, map_location="cpu")
+    if found is None:
+        raise SampleError(f"no checkpoint in {Path(run_dir) / 'checkpoints'}; train first (tokenmill train --run-dir {run_dir}).")
+    path, state = found
+    cfg = C.from_dict(state["config"])
+    if cfg.data.source == "synthetic":
+        raise SampleError(f"{run_dir} was trained on synthetic tokens: there is no tokenizer to sample text with.")
+    from tokenmill.data import ensure_embedded_corpus
+
+    data_dir = Path(cfg.data.path) if cfg.data.path else ensure_embedded_corpus(cfg.data)
+    vocab = state["model"]["wte.weight"].shape[0]
+    model_cfg = cfg.model
+    true_vocab = cfg.model.vocab_size or load_tokenizer_for_data(data_dir).vocab_size
+    if true_vocab > vocab:  # pragma: no cover - defensive
+        raise SampleError(f"checkpoint {path} has {vocab} embedding rows but the data has {true_vocab} tokens.")
+    model = GPT(model_cfg, true_vocab)
+    model.load_state_dict(state["model"])
+    return model.to(device), cfg, data_dir

@@ -1,0 +1,434 @@
+"""The training loop. Read top to bottom: set up, then one optimizer step per loop iteration.
+
+Every switch is applied by one named function, in this order:
+``apply_precision`` -> ``apply_activation_checkpointing`` -> ``apply_compile`` -> ``build_optimizer``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from tokenmill import config as C
+from tokenmill.data import (
+    SyntheticDataset,
+    WindowDataset,
+    build_train_loader,
+    ensure_embedded_corpus,
+    open_token_data,
+    to_device,
+    val_batches,
+)
+from tokenmill.memory.activation_checkpointing import apply_activation_checkpointing
+from tokenmill.model import GPT, flops_per_token, math_mode, peak_flops
+from tokenmill.train import checkpoint as ckpt
+from tokenmill.train.compile import apply_compile
+from tokenmill.train.metrics import MetricsWriter, Progress, ThroughputMeter, read_metrics
+from tokenmill.train.optim import build_optimizer, build_scheduler
+from tokenmill.train.precision import apply_precision, apply_tf32, autocast, check_supported, grad_scaler
+from tokenmill.train.timing import PHASES, PhaseTimer
+
+
+class TrainingError(RuntimeError):
+    """A run stopped for a reason the user can act on; the message says what to do."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise TrainingError("train.device='cuda' but no CUDA GPU is visible; use --train.device auto or cpu.")
+    if name == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise TrainingError("train.device='mps' but MPS is not available; use --train.device auto or cpu.")
+    return torch.device(name)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+@dataclass
+class DataBundle:
+    train: torch.utils.data.Dataset
+    val: Optional[torch.utils.data.Dataset]
+    vocab_size: int
+    data_dir: Optional[Path]
+
+
+def build_data(cfg: C.Config) -> DataBundle:
+    d, m = cfg.data, cfg.model
+    if d.source == "synthetic":
+        vocab = int(m.vocab_size)
+        return DataBundle(
+            SyntheticDataset(vocab, m.block_size, cfg.train.seed),
+            SyntheticDataset(vocab, m.block_size, cfg.train.seed + 1),
+            vocab,
+            None,
+        )
+    data_dir = Path(d.path) if d.path else ensure_embedded_corpus(d)
+    train_file = open_token_data(data_dir, "train", model_vocab_size=m.vocab_size, validate=d.validate)
+    val_file = open_token_data(data_dir, "val", model_vocab_size=m.vocab_size, validate=d.validate)
+    vocab = m.vocab_size or train_file.vocab_size
+    train_ds = WindowDataset(train_file, m.block_size, d.sampling, cfg.train.seed, d.cpu_work_ms)
+    val_ds = WindowDataset(val_file, m.block_size, "sequential", cfg.train.seed)
+    return DataBundle(train_ds, val_ds, vocab, data_dir)
+
+
+def build_model(cfg: C.Config, vocab_size: int, device: torch.device) -> GPT:
+    """The model with every model-level switch applied, on ``device``."""
+    torch.manual_seed(cfg.train.seed)
+    with torch.device(device):
+        model = GPT(cfg.model, vocab_size)
+    apply_precision(model, cfg.train)
+    apply_activation_checkpointing(model, cfg.memory.activation_checkpointing)
+    apply_compile(model, cfg.compile)
+    return model
+
+
+def memory_stats(device: torch.device) -> dict[str, float]:
+    if device.type != "cuda":
+        return {}
+    mb = 1024**2
+    return {
+        "peak_alloc_mb": torch.cuda.max_memory_allocated(device) / mb,
+        "peak_reserved_mb": torch.cuda.max_memory_reserved(device) / mb,
+    }
+
+
+def device_info(device: torch.device) -> dict[str, Any]:
+    info = {"device": device.type, "torch": torch.__version__, "cuda": torch.version.cuda}
+    if device.type == "cuda":
+        info["gpu_name"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def oom_message(cfg: C.Config, device: torch.device, err: BaseException) -> str:
+    peak = memory_stats(device).get("peak_alloc_mb")
+    peak_s = f"{peak:,.0f} MB" if peak is not None else "unknown"
+    t, m = cfg.train, cfg.model
+    tips = [
+        f"--train.batch_size {max(1, t.batch_size // 2)} --train.grad_accum_steps {t.grad_accum_steps * 2} "
+        "(same global batch, half the activations)",
+    ]
+    if cfg.memory.activation_checkpointing != 1:
+        tips.append("--memory.activation_checkpointing 1 (recompute activations in backward)")
+    if t.precision == "fp32":
+        tips.append("--train.precision bf16-autocast (half-size activations)")
+    if m.attention == "manual":
+        tips.append("--model.attention sdpa (no T x T attention matrix)")
+    if cfg.optim.impl != "for-loop":
+        tips.append("--optim.impl for-loop (smaller optimizer temporaries)")
+    lines = "\n".join(f"  {x}" for x in tips)
+    return (
+        f"out of memory on {device} at batch_size={t.batch_size}, block_size={m.block_size} "
+        f"(peak allocated {peak_s}).\nSwitches that reduce memory:\n{lines}\n"
+        f"Find the largest batch that fits with `tokenmill bench max-batch`. ({str(err).splitlines()[0]})"
+    )
+
+
+def _clean_metrics(run_dir: Path, upto_step: int) -> None:
+    """On resume, drop metric lines of steps after the checkpoint (they will be trained again)."""
+    rows = [r for r in read_metrics(run_dir) if r.get("step", 0) <= upto_step]
+    path = run_dir / "metrics.jsonl"
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.replace(path)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches, cfg: C.Config, device: torch.device) -> float:
+    model.eval()
+    total = torch.zeros((), device=device)
+    n = 0
+    for batch in batches:
+        x, y = to_device(batch, device, cfg.data.non_blocking)
+        with autocast(cfg.train, device):
+            _, loss = model(x, y)
+        total += loss.float()
+        n += 1
+    model.train()
+    return (total / max(n, 1)).item()
+
+
+def train(
+    cfg: C.Config,
+    run_dir: str | Path,
+    resume: bool = False,
+    on_step_end: Optional[Callable[[int], None]] = None,
+    quiet: bool = False,
+) -> dict[str, Any]:
+    """Train ``cfg`` into ``run_dir``; returns the run summary (also written as summary.json)."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not resume and ckpt.list_checkpoints(run_dir):
+        raise TrainingError(
+            f"run directory {run_dir} already holds checkpoints; pass --resume to continue that run, "
+            "or choose another --run-dir."
+        )
+    device = resolve_device(cfg.train.device)
+    check_supported(cfg.train, device)
+    apply_tf32(cfg.train, device)
+
+    data = build_data(cfg)
+    model = build_model(cfg, data.vocab_size, device)
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
+    scaler = grad_scaler(cfg.train, device)
+
+    start_step = 0
+    rng_to_restore = None
+    if resume:
+        found = ckpt.load_latest(run_dir, map_location=device)
+        if found is not None:
+            path, state = found
+            _check_same_model(state.get("config", {}), cfg)
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            if scaler is not None and state.get("scaler"):
+                scaler.load_state_dict(state["scaler"])
+            rng_to_restore = state["rng"]
+            start_step = int(state["step"])
+            _clean_metrics(run_dir, start_step)
+            if not quiet:
+                print(f"tokenmill: resumed from {path} at step {start_step}")
+    C.save(cfg, run_dir / "config.toml")
+
+    t = cfg.train
+    tokens_per_step = t.batch_size * t.grad_accum_steps * cfg.model.block_size
+    n_params = model.num_params()
+    fpt = flops_per_token(cfg.model, model.num_params(exclude_position=True), cfg.model.block_size)
+    info = device_info(device)
+    peak = peak_flops(info.get("gpu_name", "cpu"), math_mode(t.precision, t.tf32))
+    loader = build_train_loader(
+        data.train, cfg.data, t.batch_size, t.grad_accum_steps, start_step, t.max_steps, 0, 1, device.type
+    )
+    val = val_batches(data.val, t.batch_size, t.eval_batches) if (data.val is not None and t.eval_batches) else []
+
+    writer = MetricsWriter(run_dir, cfg.log.tensorboard)
+    progress = Progress(cfg.log.progress, t.max_steps, start_step, enabled=not quiet)
+    progress.log(
+        f"tokenmill: {n_params / 1e6:.2f}M parameters on {info.get('gpu_name', device.type)}, "
+        f"{tokens_per_step:,} tokens/step, steps {start_step}->{t.max_steps}, run dir {run_dir}"
+    )
+    meter = ThroughputMeter(tokens_per_step, cfg.log.timing_warmup_steps, start_step)
+    timer = PhaseTimer(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    pending: list[torch.Tensor] = []  # per-step losses since the last log (read with one sync)
+    last = {"loss": None, "val_loss": None}
+    it = iter(loader)  # may draw from the global RNG (worker seeds): restore the RNG after it
+    if rng_to_restore is not None:
+        ckpt.set_rng_state(rng_to_restore, device)
+    meter.mark(start_step)
+    model.train()
+    try:
+        for step in range(start_step, t.max_steps):
+            done = step + 1
+            is_log = done % cfg.log.every_steps == 0 or done == t.max_steps
+            loss_sum = torch.zeros((), device=device)
+            for _ in range(t.grad_accum_steps):
+                t0 = time.perf_counter()
+                batch = next(it)
+                timer.add_host("data", time.perf_counter() - t0)
+                with timer.phase("h2d"):
+                    x, y = to_device(batch, device, cfg.data.non_blocking)
+                with timer.phase("forward"), autocast(t, device):
+                    _, loss = model(x, y)
+                loss_sum += loss.detach().float()
+                with timer.phase("backward"):
+                    scaled = loss / t.grad_accum_steps
+                    (scaler.scale(scaled) if scaler is not None else scaled).backward()
+            with timer.phase("optimizer"):
+                if scaler is not None:
+                    scaler.unscale_(optimizer)
+                grad_norm = None
+                if cfg.optim.grad_clip > 0:
+                    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
+                elif is_log:
+                    grad_norm = torch.nn.utils.clip_grad_norm_(params, float("inf"))
+                if scaler is not None:
+                    scaler.step(optimizer)
+                    scaler.update()
+                else:
+                    optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                lr = scheduler.get_last_lr()[0]
+                scheduler.step()
+            pending.append(loss_sum / t.grad_accum_steps)
+            meter.step_done()
+            progress.update()
+            if on_step_end is not None:
+                on_step_end(done)
+
+            if is_log:
+                sync(device)
+                tps = meter.close_window()
+                losses = torch.stack(pending).tolist()
+                first_steps = list(range(done - len(losses) + 1, done + 1))
+                pending.clear()
+                for s, v in zip(first_steps, losses):
+                    if not math.isfinite(v):
+                        _stop_on_nan(run_dir, writer, s, v, cfg)
+                phases = timer.collect()
+                nsteps = max(1, len(losses))
+                rec = {
+                    "step": done,
+                    "loss": losses[-1],
+                    "lr": lr,
+                    "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                    "tokens_per_sec": tps,
+                    "mfu": (fpt * tps / peak) if (tps and peak) else None,
+                    **{f"{p}_ms": 1000 * phases.get(p, 0.0) / nsteps for p in PHASES},
+                    **memory_stats(device),
+                }
+                if tps:
+                    step_ms = 1000 * tokens_per_step / tps
+                    rec["step_ms"] = step_ms
+                    rec["other_ms"] = max(0.0, step_ms - sum(rec[f"{p}_ms"] for p in PHASES))
+                writer.write(rec)
+                last["loss"] = losses[-1]
+                progress.log(_format(rec))
+
+            did_work = False
+            if val and t.eval_every_steps and done % t.eval_every_steps == 0 and done != t.max_steps:
+                last["val_loss"] = _eval_and_log(model, val, cfg, device, done, writer, progress)
+                did_work = True
+            if cfg.checkpoint.every_steps and done % cfg.checkpoint.every_steps == 0 and done != t.max_steps:
+                if not is_log:  # never save a model whose losses were not checked
+                    _check_pending(pending, done, run_dir, writer, cfg, device)
+                _save(run_dir, done, model, optimizer, scheduler, scaler, cfg, device)
+                did_work = True
+            if is_log or did_work or done == meter.timing_from:
+                if done == meter.timing_from:
+                    sync(device)
+                meter.mark(done)
+    except torch.OutOfMemoryError as e:
+        raise TrainingError(oom_message(cfg, device, e)) from None
+    finally:
+        progress.close()
+
+    if start_step < t.max_steps:
+        if val:
+            last["val_loss"] = _eval_and_log(model, val, cfg, device, t.max_steps, writer, progress)
+        if cfg.checkpoint.save_final:
+            _save(run_dir, t.max_steps, model, optimizer, scheduler, scaler, cfg, device)
+    writer.close()
+
+    summary = {
+        "steps": t.max_steps,
+        "start_step": start_step,
+        "final_loss": last["loss"],
+        "val_loss": last["val_loss"],
+        "params": n_params,
+        "flops_per_token": fpt,
+        "tokens_per_step": tokens_per_step,
+        **meter.summary(),
+        **memory_stats(device),
+        **info,
+        "peak_flops": peak,
+    }
+    summary["mfu"] = fpt * summary["tokens_per_sec"] / peak if (summary["tokens_per_sec"] and peak) else None
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if t.sample_at_end and data.data_dir is not None and not quiet:
+        from tokenmill.train.sample import sample_text
+
+        text = sample_text(model, data.data_dir, t.sample_prompt, t.sample_tokens, device=device, seed=t.seed)
+        print(f"\n--- sample ({t.sample_tokens} tokens, prompt {t.sample_prompt!r}) ---\n{text}\n---")
+        summary["sample"] = text
+    if not quiet and summary["tokens_per_sec"]:
+        mfu = f", MFU {100 * summary['mfu']:.1f}%" if summary["mfu"] else ""
+        print(f"tokenmill: steady-state {summary['tokens_per_sec']:,.0f} tokens/s{mfu}; final loss {last['loss']:.4f}")
+    return summary
+
+
+def _format(rec: dict[str, Any]) -> str:
+    s = f"step {rec['step']:>6} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e}"
+    if rec.get("tokens_per_sec"):
+        s += f" | {rec['tokens_per_sec']:,.0f} tok/s"
+    if rec.get("mfu"):
+        s += f" | MFU {100 * rec['mfu']:.1f}%"
+    if rec.get("peak_alloc_mb"):
+        s += f" | peak {rec['peak_alloc_mb']:,.0f} MB"
+    if rec.get("data_ms") is not None:
+        s += f" | data {rec['data_ms']:.1f} ms"
+    return s
+
+
+def _eval_and_log(model, val, cfg, device, step, writer, progress) -> float:
+    v = evaluate(model, val, cfg, device)
+    writer.write({"step": step, "val_loss": v})
+    progress.log(f"step {step:>6} | val_loss {v:.4f}")
+    return v
+
+
+def _state(model, optimizer, scheduler, scaler, cfg, device, step) -> dict[str, Any]:
+    return {
+        "model": ckpt.clean_state_dict(model.state_dict()),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "scaler": scaler.state_dict() if scaler is not None else {},
+        "step": step,
+        "data_position": {"step": step, "global_samples": step * cfg.train.batch_size * cfg.train.grad_accum_steps},
+        "rng": ckpt.rng_state(device),
+        "config": cfg.to_dict(),
+    }
+
+
+def _save(run_dir, step, model, optimizer, scheduler, scaler, cfg, device) -> Path:
+    state = _state(model, optimizer, scheduler, scaler, cfg, device, step)
+    return ckpt.save_checkpoint(run_dir, step, state, cfg.checkpoint.keep_last)
+
+
+def _check_pending(pending, done, run_dir, writer, cfg, device) -> None:
+    if not pending:
+        return
+    losses = torch.stack(pending).tolist()
+    for i, v in enumerate(losses):
+        if not math.isfinite(v):
+            _stop_on_nan(run_dir, writer, done - len(losses) + 1 + i, v, cfg)
+
+
+def _stop_on_nan(run_dir, writer, step, value, cfg) -> None:
+    writer.write({"step": step, "event": "non_finite_loss", "loss": None})
+    good = ckpt.list_checkpoints(run_dir)
+    keep = f"the last good checkpoint is {good[-1][1]}" if good else "no checkpoint was written before it"
+    hints = ["--optim.lr (lower it)", "--optim.grad_clip 1.0", "--optim.warmup_steps (longer)"]
+    if cfg.train.precision == "fp16-autocast":
+        hints.append("--train.precision bf16-autocast (fp16 overflows)")
+    raise TrainingError(
+        f"loss became {value} at step {step}; the run was stopped and {keep} (resume with --resume after "
+        f"changing a setting). Try: {', '.join(hints)}."
+    )
+
+
+def _check_same_model(saved: dict[str, Any], cfg: C.Config) -> None:
+    saved_model = saved.get("model", {})
+    now = dataclasses.asdict(cfg.model)
+    diff = [k for k in now if k in saved_model and saved_model[k] != now[k] and k in _SHAPE_FIELDS]
+    if diff:
+        pairs = ", ".join(f"model.{k}: checkpoint {saved_model[k]!r} vs now {now[k]!r}" for k in diff)
+        raise TrainingError(f"cannot resume: the model differs from the checkpoint's ({pairs}).")
+
+
+_SHAPE_FIELDS = {
+    "vocab_size", "vocab_pad_multiple", "block_size", "n_layer", "n_head", "n_embd",
+    "bias", "qkv_bias", "tie_embeddings", "fused_qkv",
+}

@@ -1,0 +1,35 @@
+import os
+
+import pytest
+import torch
+
+from tokenmill import config as C
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    """Each test session prepares the embedded corpus in its own cache folder, never the user's."""
+    cache = tmp_path_factory.getbasetemp() / "tokenmill-cache"
+    monkeypatch.setenv("TOKENMILL_CACHE", str(cache))
+    monkeypatch.setenv("TOKENMILL_TEST", "1")
+
+
+def tiny_cfg(**overrides) -> C.Config:
+    """The tiny preset on synthetic tokens (vocab 64), quiet, on CPU."""
+    base = {
+        "data.source": "synthetic",
+        "model.vocab_size": 64,
+        "train.device": "cpu",
+        "log.progress": "plain",
+        "log.tensorboard": False,
+    }
+    base.update(overrides)
+    return C.resolve("tiny", overrides=base, overrides_from_string=False)
+
+
+def cpu_env() -> dict:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    return env

@@ -1,0 +1,69 @@
+import subprocess
+import sys
+
+import pytest
+
+from tokenmill import config as C
+from tokenmill.cli import main
+
+
+def test_resolution_order(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("[train]\nbatch_size = 7\nmax_steps = 11\n[model]\nn_layer = 3\n")
+    cfg = C.resolve("tiny", [str(f)], {"train.max_steps": "13"})
+    assert cfg.model.n_embd == 32  # preset
+    assert cfg.model.n_layer == 3 and cfg.train.batch_size == 7  # file over preset
+    assert cfg.train.max_steps == 13  # CLI over file
+    assert C.Config().model.n_embd == 768  # defaults untouched
+
+
+def test_unknown_key_suggests_closest(tmp_path):
+    with pytest.raises(C.ConfigError, match=r"unknown config key 'train\.batchsize'.*'train\.batch_size'"):
+        C.resolve(overrides={"train.batchsize": "3"})
+    f = tmp_path / "c.toml"
+    f.write_text("[optimizer]\nlr = 1.0\n")
+    with pytest.raises(C.ConfigError, match=r"unknown config section '\[optimizer\]'.*'optim'"):
+        C.resolve(config_files=[str(f)])
+    with pytest.raises(C.ConfigError, match="unknown preset 'gpt2-smal'.*'gpt2-small'|unknown preset 'gpt2-smal'"):
+        C.resolve("gpt2-smal")
+
+
+def test_bad_values_named():
+    with pytest.raises(C.ConfigError, match=r"model\.attention: 'sdp' is not one of.*'sdpa'"):
+        C.resolve(overrides={"model.attention": "sdp"})
+    with pytest.raises(C.ConfigError, match=r"train\.batch_size: expected an integer, got 'eight'"):
+        C.resolve(overrides={"train.batch_size": "eight"})
+    with pytest.raises(C.ConfigError, match=r"train\.tf32: expected true or false"):
+        C.resolve(overrides={"train.tf32": "maybe"})
+    with pytest.raises(C.ConfigError, match=r"divisible by model\.n_head"):
+        C.resolve(overrides={"model.n_embd": "100", "model.n_head": "12"})
+    with pytest.raises(C.ConfigError, match=r"needs model\.vocab_size"):
+        C.resolve(overrides={"data.source": "synthetic"})
+
+
+def test_every_field_documented_and_round_trips(tmp_path):
+    for key, (_, _, doc) in C.field_specs().items():
+        assert len(doc) > 10, f"{key} has no docstring"
+    cfg = C.resolve("demo", overrides={"model.vocab_size": "300", "train.precision": "bf16-autocast"})
+    C.save(cfg, tmp_path / "config.toml")
+    again = C.resolve(config_files=[str(tmp_path / "config.toml")])
+    assert again == cfg
+
+
+@pytest.mark.parametrize("name", C.preset_names())
+def test_presets_resolve(name):
+    cfg = C.resolve(name)
+    assert cfg.model.n_embd % cfg.model.n_head == 0
+
+
+def test_cli_help_lists_every_field():
+    out = subprocess.run([sys.executable, "-m", "tokenmill", "train", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    for key in C.field_specs():
+        assert f"--{key}" in out.stdout
+
+
+def test_cli_unknown_override_exits_with_suggestion(capsys):
+    assert main(["train", "--preset", "tiny", "--train.max_step", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "train.max_step" in err and "train.max_steps" in err
