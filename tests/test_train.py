@@ -5,8 +5,8 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_cfg
 
+from conftest import tiny_cfg
 from tokenmill.train import checkpoint as ckpt
 from tokenmill.train.metrics import read_metrics
 from tokenmill.train.optim import lr_at

@@ -24,7 +24,7 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --run-dir")
     for sname, scls in C.sections().items():
         g = p.add_argument_group(f"[{sname}] {scls.__doc__.strip()}")
-        for key, (tp, default, doc) in C.field_specs().items():
+        for key, (_tp, default, doc) in C.field_specs().items():
             if key.startswith(sname + "."):
                 g.add_argument(f"--{key}", dest=f"cfg:{key}", metavar="VALUE", default=None,
                                help=f"{doc} (default: {default!r})")

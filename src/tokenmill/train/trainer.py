@@ -10,23 +10,15 @@ import dataclasses
 import json
 import math
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from tokenmill import config as C
-from tokenmill.data import (
-    SyntheticDataset,
-    WindowDataset,
-    build_train_loader,
-    ensure_embedded_corpus,
-    open_token_data,
-    to_device,
-    val_batches,
-)
+from tokenmill.data import build_datasets, build_train_loader, to_device, val_batches
 from tokenmill.memory.activation_checkpointing import apply_activation_checkpointing
 from tokenmill.model import GPT, flops_per_token, math_mode, peak_flops
 from tokenmill.train import checkpoint as ckpt
@@ -60,33 +52,6 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
     elif device.type == "mps":
         torch.mps.synchronize()
-
-
-@dataclass
-class DataBundle:
-    train: torch.utils.data.Dataset
-    val: Optional[torch.utils.data.Dataset]
-    vocab_size: int
-    data_dir: Optional[Path]
-
-
-def build_data(cfg: C.Config) -> DataBundle:
-    d, m = cfg.data, cfg.model
-    if d.source == "synthetic":
-        vocab = int(m.vocab_size)
-        return DataBundle(
-            SyntheticDataset(vocab, m.block_size, cfg.train.seed),
-            SyntheticDataset(vocab, m.block_size, cfg.train.seed + 1),
-            vocab,
-            None,
-        )
-    data_dir = Path(d.path) if d.path else ensure_embedded_corpus(d)
-    train_file = open_token_data(data_dir, "train", model_vocab_size=m.vocab_size, validate=d.validate)
-    val_file = open_token_data(data_dir, "val", model_vocab_size=m.vocab_size, validate=d.validate)
-    vocab = m.vocab_size or train_file.vocab_size
-    train_ds = WindowDataset(train_file, m.block_size, d.sampling, cfg.train.seed, d.cpu_work_ms)
-    val_ds = WindowDataset(val_file, m.block_size, "sequential", cfg.train.seed)
-    return DataBundle(train_ds, val_ds, vocab, data_dir)
 
 
 def build_model(cfg: C.Config, vocab_size: int, device: torch.device) -> GPT:
@@ -184,8 +149,11 @@ def train(
     check_supported(cfg.train, device)
     apply_tf32(cfg.train, device)
 
-    data = build_data(cfg)
-    model = build_model(cfg, data.vocab_size, device)
+    t = cfg.train
+    data = build_datasets(cfg.data, cfg.model.block_size, t.seed, cfg.model.vocab_size,
+                          with_val=t.eval_batches > 0, progress=not quiet)
+    vocab_size = cfg.model.vocab_size or data.vocab_size
+    model = build_model(cfg, vocab_size, device)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
     scaler = grad_scaler(cfg.train, device)
@@ -209,7 +177,6 @@ def train(
                 print(f"tokenmill: resumed from {path} at step {start_step}")
     C.save(cfg, run_dir / "config.toml")
 
-    t = cfg.train
     tokens_per_step = t.batch_size * t.grad_accum_steps * cfg.model.block_size
     n_params = model.num_params()
     fpt = flops_per_token(cfg.model, model.num_params(exclude_position=True), cfg.model.block_size)
