@@ -8,6 +8,7 @@ import importlib
 import json
 import multiprocessing as mp
 import os
+import pickle
 import subprocess
 import sys
 import time
@@ -462,6 +463,25 @@ def test_loader_resume_and_workers(prepared):
     assert workers.num_workers == 2 and workers.persistent_workers
     for a, b in zip(full, workers):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_datasets_pickle_without_the_tokens(prepared):
+    ds = WindowDataset(open_token_data(prepared, "train"), 8, seed=2)
+    ds[0]  # maps the file
+    blob = pickle.dumps(ds)
+    assert len(blob) < ds.token_file.n_tokens  # spawn-started workers get the path, not a copy of the tokens
+    assert torch.equal(pickle.loads(blob)[3][0], ds[3][0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_pinned_loader_on_cuda():
+    ds = SyntheticDataset(100, 16, seed=0)
+    loader = build_train_loader(ds, _cfg(pin_memory=True, num_workers=1), 4, 1, 0, 2, device_type="cuda")
+    batch = next(iter(loader))
+    assert loader.pin_memory and batch[0].is_pinned()
+    x, y = to_device(batch, torch.device("cuda"), non_blocking=True)
+    assert x.is_cuda and torch.equal(x.cpu(), batch[0]) and torch.equal(y.cpu(), batch[1])
 
 
 def test_loader_options():

@@ -84,6 +84,13 @@ class ModelConfig:
     init_std: float = F(
         0.02, "GPT-2 initialisation: std of Linear/Embedding weights; residual projections get std/sqrt(2*n_layer)."
     )
+    loss_impl: Literal["full", "chunked"] = F(
+        "full",
+        "'full' = head over all tokens, then cross-entropy on the (B*T, vocab) logits; 'chunked' = head + "
+        "cross-entropy over model.loss_chunk_size tokens at a time, gradients computed chunk by chunk, so "
+        "the full logits are never materialised (training returns no logits). Same loss and gradients.",
+    )
+    loss_chunk_size: int = F(1024, "Tokens per chunk for model.loss_impl='chunked'.")
 
 
 @dataclass
@@ -199,6 +206,61 @@ class MemoryConfig:
     activation_checkpointing: int = F(
         0, "Recompute activations in backward for every n-th block (0 = off, 1 = every block)."
     )
+    optimizer_in_backward: bool = F(
+        False,
+        "Step the optimizer inside backward, one parameter at a time as soon as its gradient is ready "
+        "(register_post_accumulate_grad_hook), so the full set of gradients never exists at once. Needs "
+        "train.grad_accum_steps=1, optim.grad_clip=0, no fp16 GradScaler and a single process.",
+    )
+    optimizer_offload: bool = F(
+        False,
+        "Keep fp32 master weights and AdamW state in (pinned) CPU memory and run the optimizer step on the "
+        "CPU; gradients are copied down and updated weights copied back each step (ZeRO-Offload style, "
+        "single process). On a CPU run it changes nothing but adds copies.",
+    )
+    optimizer_8bit: bool = F(
+        False,
+        "8-bit AdamW state (torchao.optim.AdamW8bit; needs `pip install torchao`). Approximate: "
+        "block-wise quantised moments.",
+    )
+    expandable_segments: bool = F(
+        False,
+        "CUDA caching allocator with expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, "
+        "set before CUDA initialises): less fragmentation, lower reserved memory.",
+    )
+
+
+@dataclass
+class ParallelConfig:
+    """Multi-process training (launch with torchrun). The degrees multiply to the world size."""
+
+    dp_replicate: int = F(
+        -1,
+        "Data-parallel replicas: DDP, or the replicate dimension of HSDP when dp_shard > 1. "
+        "-1 = the rest of the world size.",
+    )
+    dp_shard: int = F(1, "FSDP2 (fully_shard) sharding degree; 1 = no sharding. -1 = the rest of the world size.")
+    backend: Literal["auto", "nccl", "gloo"] = F("auto", "Process-group backend; 'auto' = nccl on CUDA, gloo on CPU.")
+    ddp_bucket_mb: float = F(25.0, "DDP gradient bucket size in MB (bucket_cap_mb).")
+    ddp_grad_as_bucket_view: bool = F(
+        False, "DDP gradient_as_bucket_view: gradients are views into the all-reduce buckets (saves one copy)."
+    )
+    zero1: bool = F(
+        False,
+        "ZeRO-1: shard the optimizer state over data-parallel ranks (ZeroRedundancyOptimizer over DDP); "
+        "not with dp_shard > 1 (FSDP already shards it).",
+    )
+    fsdp_reshard_after_forward: bool = F(
+        True,
+        "FSDP: free the gathered parameters after forward and gather again in backward (ZeRO-3); "
+        "False keeps them until backward (ZeRO-2-like: more memory, one all-gather less).",
+    )
+    fsdp_mixed_precision: Literal["none", "bf16"] = F(
+        "none", "FSDP mixed precision: 'bf16' = bf16 parameters for compute, fp32 gradient reduction."
+    )
+    fsdp_cpu_offload: bool = F(
+        False, "FSDP: keep sharded parameters, gradients and optimizer step on the CPU (CPUOffloadPolicy)."
+    )
 
 
 @dataclass
@@ -234,6 +296,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
@@ -418,9 +481,42 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("data.source='synthetic' needs model.vocab_size (e.g. --model.vocab_size 50257).")
     if cfg.memory.activation_checkpointing < 0:
         raise ConfigError("memory.activation_checkpointing must be >= 0 (0 = off, n = every n-th block).")
+    _validate_memory_and_parallel(cfg)
     if cfg.data.cpu_work_ms < 0 or cfg.data.num_workers < 0:
         raise ConfigError("data.cpu_work_ms and data.num_workers must be >= 0.")
     return cfg
+
+
+def _validate_memory_and_parallel(cfg: Config) -> None:
+    mem, p = cfg.memory, cfg.parallel
+    if cfg.model.loss_chunk_size < 1:
+        raise ConfigError(f"model.loss_chunk_size must be >= 1, got {cfg.model.loss_chunk_size}.")
+    if mem.optimizer_in_backward:
+        if cfg.train.grad_accum_steps != 1:
+            raise ConfigError(
+                "memory.optimizer_in_backward steps each parameter as soon as its gradient is ready, so it cannot "
+                f"accumulate gradients: set train.grad_accum_steps=1 (now {cfg.train.grad_accum_steps})."
+            )
+        if cfg.optim.grad_clip > 0:
+            raise ConfigError(
+                "memory.optimizer_in_backward cannot clip the global gradient norm (the norm needs every "
+                "gradient before the first update): set --optim.grad_clip 0."
+            )
+        if cfg.train.precision == "fp16-autocast":
+            raise ConfigError("memory.optimizer_in_backward does not work with fp16 GradScaler; use bf16-autocast.")
+    chosen = [k for k in ("optimizer_in_backward", "optimizer_offload", "optimizer_8bit") if getattr(mem, k)]
+    if len(chosen) > 1:
+        raise ConfigError(f"choose one of memory.{', memory.'.join(chosen)}.")
+    for k in ("dp_replicate", "dp_shard"):
+        v = getattr(p, k)
+        if v == 0 or v < -1:
+            raise ConfigError(f"parallel.{k} must be >= 1 or -1 (the rest), got {v}.")
+    if p.dp_replicate == -1 and p.dp_shard == -1:
+        raise ConfigError("only one of parallel.dp_replicate and parallel.dp_shard may be -1.")
+    if p.zero1 and p.dp_shard != 1:
+        raise ConfigError("parallel.zero1 shards optimizer state over DDP; with dp_shard > 1 FSDP already does.")
+    if p.ddp_bucket_mb <= 0:
+        raise ConfigError(f"parallel.ddp_bucket_mb must be > 0, got {p.ddp_bucket_mb}.")
 
 
 def _divisor_near(n: int, k: int) -> int:

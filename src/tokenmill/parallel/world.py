@@ -1,0 +1,167 @@
+"""Process group and device mesh: who am I, how many of us, and along which dimensions.
+
+``tokenmill train`` started by ``torchrun`` finds ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` in its
+environment and joins the process group (``nccl`` on CUDA, ``gloo`` on CPU). The data-parallel
+degrees of the config (``parallel.dp_replicate`` x ``parallel.dp_shard``) must multiply to the world
+size; one of them may be -1, "the rest". A single process without torchrun is a world of one and
+never touches ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from tokenmill.config import ParallelConfig
+
+
+class ParallelError(RuntimeError):
+    """A parallel layout that cannot run; the message says what to change."""
+
+
+@dataclass
+class World:
+    """This process's place in the job."""
+
+    rank: int = 0
+    local_rank: int = 0
+    size: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    device: torch.device = torch.device("cpu")
+    mesh: Optional[object] = None  # DeviceMesh ("dp_replicate", "dp_shard") when size > 1
+    owns_group: bool = False  # this process created the process group (and destroys it at the end)
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_rank(self) -> int:
+        """Index of this rank's slice of the global batch (row-major over (dp_replicate, dp_shard))."""
+        if self.mesh is None:
+            return 0
+        return self.mesh.get_local_rank("dp_replicate") * self.dp_shard + self.mesh.get_local_rank("dp_shard")
+
+    @property
+    def sharded(self) -> bool:
+        return self.dp_shard > 1
+
+    def layout(self) -> str:
+        if not self.distributed:
+            return "single"
+        if self.dp_shard > 1:
+            return "hsdp" if self.dp_replicate > 1 else "fsdp"
+        return "ddp"
+
+
+def torchrun_env() -> Optional[tuple[int, int, int]]:
+    """(rank, local_rank, world_size) when launched by torchrun (or any launcher setting them), else None."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return rank, int(os.environ.get("LOCAL_RANK", rank)), size
+
+
+def is_elastic_restart() -> bool:
+    """True in a worker that torchrun restarted after a failure (resume from the last checkpoint)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+
+def resolve_degrees(cfg: ParallelConfig, world_size: int) -> tuple[int, int]:
+    """(dp_replicate, dp_shard) with -1 replaced by the rest; their product must be the world size."""
+    rep, shard = cfg.dp_replicate, cfg.dp_shard
+    known = (rep if rep > 0 else 1) * (shard if shard > 0 else 1)
+    if -1 in (rep, shard):
+        if world_size % known:
+            raise ParallelError(
+                f"world size {world_size} is not divisible by the fixed parallel degrees (product {known}); "
+                "change parallel.dp_replicate / parallel.dp_shard or --nproc-per-node."
+            )
+        rest = world_size // known
+        rep, shard = (rest, shard) if rep == -1 else (rep, rest)
+    if rep * shard != world_size:
+        raise ParallelError(
+            f"parallel.dp_replicate ({rep}) x parallel.dp_shard ({shard}) = {rep * shard}, but the world size is "
+            f"{world_size}: the degrees must multiply to the number of processes (use -1 for 'the rest')."
+        )
+    return rep, shard
+
+
+def _backend(cfg: ParallelConfig, device: torch.device) -> str:
+    if cfg.backend != "auto":
+        return cfg.backend
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_world(cfg: ParallelConfig, device: torch.device) -> World:
+    """Join the process group (when launched by torchrun) and build the device mesh.
+
+    ``device`` is the resolved device type; on CUDA each rank takes ``cuda:LOCAL_RANK``. A process group
+    that the caller already initialised is used as it is (and left alive at the end).
+    """
+    env = torchrun_env()
+    if env is None or env[2] == 1:
+        rep, shard = resolve_degrees(cfg, 1)
+        return World(dp_replicate=rep, dp_shard=shard, device=device)
+    rank, local_rank, size = env
+    rep, shard = resolve_degrees(cfg, size)
+    if device.type == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise ParallelError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible.")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    elif device.type != "cpu":
+        raise ParallelError(f"multi-process training runs on CUDA or CPU, not {device.type}.")
+    owns = not dist.is_initialized()
+    if owns:
+        kw = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(_backend(cfg, device), timeout=timedelta(minutes=10), **kw)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (rep, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+    return World(rank, local_rank, size, rep, shard, device, mesh, owns)
+
+
+def shutdown(world: World) -> None:
+    if world.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(world: World) -> None:
+    if world.distributed:
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def rank0_first(world: World):
+    """Rank 0 runs the body first (e.g. prepares and caches the corpus), then the others."""
+    if not world.is_rank0:
+        barrier(world)
+    yield
+    if world.is_rank0:
+        barrier(world)
+
+
+def global_mean(values: torch.Tensor, world: World) -> torch.Tensor:
+    """Mean over data-parallel ranks (each rank's values are means over equal-sized slices, so this is
+    the mean over the whole global batch). One collective for all the values."""
+    if not world.distributed:
+        return values
+    out = values.detach().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)  # gloo has no AVG
+    return out / world.size

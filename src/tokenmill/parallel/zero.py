@@ -1,0 +1,40 @@
+"""ZeRO-1: optimizer state sharded over data-parallel ranks, the model replicated by DDP.
+
+``ZeroRedundancyOptimizer`` gives each rank the AdamW state of a subset of the parameters; after the
+step it broadcasts the updated parameters. Its ``state_dict()`` is the full, consolidated AdamW
+state dict (gathered to rank 0 by :func:`consolidated_state_dict`), so checkpoints look like those of
+a single process and resume under any layout.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill.config import OptimConfig
+from tokenmill.parallel.world import World
+from tokenmill.train.optim import _IMPL_KWARGS, param_groups
+
+
+def build_zero1_optimizer(model: nn.Module, cfg: OptimConfig, world: World) -> torch.optim.Optimizer:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(
+        param_groups(model, cfg),
+        optimizer_class=torch.optim.AdamW,
+        process_group=world.mesh.get_group("dp_replicate"),
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        **_IMPL_KWARGS[cfg.impl],
+    )
+
+
+def consolidated_state_dict(optimizer: torch.optim.Optimizer, world: World) -> dict | None:
+    """The full optimizer state dict on rank 0 (None elsewhere); a collective for ZeRO-1."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizer.consolidate_state_dict(to=0)
+        return optimizer.state_dict() if world.is_rank0 else None
+    return optimizer.state_dict() if world.is_rank0 else None

@@ -1,0 +1,93 @@
+"""End to end through the real command line: prepare -> train -> sample, reproduce, kill and resume."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from conftest import cpu_env
+
+from tokenmill.train.metrics import read_metrics
+
+TINY = ["--preset", "tiny", "--train.device", "cpu", "--log.progress", "plain"]
+SYNTH = ["--data.source", "synthetic", "--model.vocab_size", "64"]
+
+
+def tm(*args, check=True, **kw):
+    out = subprocess.run([sys.executable, "-m", "tokenmill", *map(str, args)], capture_output=True, text=True,
+                         env=cpu_env(), **kw)
+    if check and out.returncode != 0:
+        raise AssertionError(f"tokenmill {args} failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
+    return out
+
+
+def step_losses(run_dir):
+    return [(r["step"], r["loss"]) for r in read_metrics(run_dir) if r.get("loss") is not None]
+
+
+def test_prepare_train_sample_and_reproduce(tmp_path):
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for i in range(4):
+        (texts / f"doc{i}.txt").write_text(("the quick brown fox jumps over the lazy dog. " * 40) + f"doc {i}\n")
+    tm("prepare", texts, "--out", tmp_path / "data", "--tokenizer", "bpe", "--vocab-size", "300", "--no-progress")
+    meta = json.loads((tmp_path / "data" / "meta.json").read_text())
+    assert meta["tokenizer"]["name"] == "bpe" and meta["vocab_size"] <= 300
+
+    run = tmp_path / "run"
+    out = tm("train", *TINY, "--data.path", tmp_path / "data", "--train.max_steps", 6, "--log.every_steps", 2,
+             "--run-dir", run)
+    assert "tokens/s" in out.stdout
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows if "loss" in r] == [2, 4, 6]
+    assert any("val_loss" in r for r in rows)
+
+    sample = tm("sample", "--run-dir", run, "--prompt", "the quick", "--max-new-tokens", 20)
+    assert sample.stdout.startswith("the quick")
+
+    # the saved config reproduces the run exactly
+    again = tmp_path / "again"
+    tm("train", "--config", run / "config.toml", "--run-dir", again)
+    assert step_losses(again) == step_losses(run)
+
+
+def test_embedded_corpus_is_prepared_once(tmp_path):
+    args = [*TINY, "--data.tokenizer", "bytes", "--train.max_steps", 2, "--train.eval_batches", 1]
+    first = tm("train", *args, "--run-dir", tmp_path / "a")
+    assert "preparing" in (first.stdout + first.stderr).lower()
+    second = tm("train", *args, "--run-dir", tmp_path / "b")
+    assert "preparing" not in (second.stdout + second.stderr).lower()
+    assert step_losses(tmp_path / "a") == step_losses(tmp_path / "b")
+
+
+def test_errors_are_clear_and_exit_nonzero(tmp_path):
+    out = tm("train", *TINY, "--data.path", tmp_path / "nothing-here", "--run-dir", tmp_path / "r", check=False)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "nothing-here" in out.stderr
+    out = tm("sample", "--run-dir", tmp_path / "empty", check=False)
+    assert out.returncode == 1 and "no checkpoint" in out.stderr
+
+
+def test_killed_run_resumes_to_the_same_trajectory(tmp_path):
+    common = [*TINY, *SYNTH, "--train.max_steps", 30, "--log.every_steps", 1, "--checkpoint.every_steps", 4,
+              "--model.dropout", 0.1]
+    tm("train", *common, "--run-dir", tmp_path / "full")
+
+    cut = tmp_path / "cut"
+    proc = subprocess.Popen([sys.executable, "-m", "tokenmill", "train", *map(str, common), "--run-dir", str(cut)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=cpu_env())
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        done = [s for s, _ in step_losses(cut)] if (cut / "metrics.jsonl").exists() else []
+        if done and done[-1] >= 14:
+            break
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed_at = step_losses(cut)[-1][0]
+    assert killed_at < 30, "the run finished before it could be killed"
+
+    tm("train", *common, "--run-dir", cut, "--resume")
+    assert step_losses(cut) == step_losses(tmp_path / "full")  # bit-exact on CPU
