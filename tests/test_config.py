@@ -67,3 +67,14 @@ def test_cli_unknown_override_exits_with_suggestion(capsys):
     assert main(["train", "--preset", "tiny", "--train.max_step", "3"]) == 2
     err = capsys.readouterr().err
     assert "train.max_step" in err and "train.max_steps" in err
+
+
+def test_readme_config_reference_in_sync():
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    start, end = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
+    body = readme[readme.index(start) + len(start): readme.index(end)].strip()
+    assert body == C.reference_markdown().strip(), (
+        "README config reference is stale: regenerate it from `tokenmill config --reference`"
+    )

@@ -45,6 +45,9 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
     return args
 
 
+CONFIG_COMMANDS = {"train", "config", "profile"}
+
+
 def default_run_dir(args: argparse.Namespace) -> Path:
     return Path("runs") / f"{args.preset or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
 
@@ -67,6 +70,20 @@ def cmd_sample(args: argparse.Namespace) -> int:
     text = sample_text(model, data_dir, args.prompt, args.max_new_tokens, args.temperature,
                        args.top_k or None, device=args.device, seed=args.seed)
     print(text)
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    if args.update_readme:
+        path = Path(args.update_readme)
+        text, start, end = path.read_text(), "<!-- config-reference:start -->", "<!-- config-reference:end -->"
+        if start not in text or end not in text:
+            raise C.ConfigError(f"{path} has no {start} ... {end} markers to fill.")
+        head, rest = text.split(start, 1)
+        path.write_text(head + start + "\n" + C.reference_markdown() + end + rest.split(end, 1)[1])
+        print(f"updated the config reference in {path}")
+        return 0
+    print(C.reference_markdown() if args.reference else C.to_toml(config_from_args(args)), end="")
     return 0
 
 
@@ -103,6 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=cmd_sample)
 
+    p = sub.add_parser("config", help="print a resolved config as TOML, or the field reference", allow_abbrev=False)
+    add_config_args(p)
+    p.add_argument("--reference", action="store_true", help="print every field with its doc as Markdown")
+    p.add_argument("--update-readme", metavar="README.md",
+                   help="rewrite the config-reference section of this README in place")
+    p.set_defaults(func=cmd_config)
+
     for register in _extensions():
         register(sub)
     return parser
@@ -127,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         sub = argv[0] if argv else None
-        args = _parse(parser, argv) if sub in ("train",) else parser.parse_args(argv)
+        args = _parse(parser, argv) if sub in CONFIG_COMMANDS else parser.parse_args(argv)
         return args.func(args) or 0
     except C.ConfigError as e:
         print(f"tokenmill: config error: {e}", file=sys.stderr)

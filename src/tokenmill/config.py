@@ -563,3 +563,16 @@ def help_text() -> str:
     for key, (tp, default, doc) in field_specs().items():
         lines.append(f"  --{key} VALUE   (default: {default!r})\n      {doc}")
     return "\n".join(lines)
+
+
+def reference_markdown() -> str:
+    """The config reference as Markdown tables, one per section (used by README and `tokenmill config`)."""
+    out = []
+    specs = field_specs()
+    for sname, scls in sections().items():
+        out.append(f"### `[{sname}]` — {scls.__doc__.strip()}\n\n| field | default | meaning |\n|---|---|---|")
+        for key, (_tp, default, doc) in specs.items():
+            if key.startswith(sname + "."):
+                out.append(f"| `{key}` | `{default!r}` | {doc.replace('|', '/')} |")
+        out.append("")
+    return "\n".join(out)
