@@ -217,3 +217,31 @@ def test_oom_is_reported_with_switches(tmp_path, monkeypatch):
     msg = str(e.value)
     assert "out of memory" in msg and "batch_size=4" in msg
     assert "--memory.activation_checkpointing 1" in msg and "--train.grad_accum_steps 2" in msg
+
+
+@pytest.mark.slow
+def test_compile_keeps_the_math_and_checkpoint_names(tmp_path):
+    """torch.compile (Inductor on CPU: ~1 min of compilation) gives the eager losses, plain names."""
+    over = {"train.max_steps": 3, "log.every_steps": 1}
+    train(tiny_cfg(**over), tmp_path / "eager", quiet=True)
+    train(tiny_cfg(**over, **{"compile.enabled": True}), tmp_path / "compiled", quiet=True)
+    eager, compiled = losses(tmp_path / "eager"), losses(tmp_path / "compiled")
+    for s in eager:
+        assert abs(compiled[s] - eager[s]) < 1e-4, (s, compiled[s], eager[s])  # fused-kernel rounding
+    keys = set(final_weights(tmp_path / "compiled"))
+    assert keys == set(final_weights(tmp_path / "eager"))
+    assert not any("_orig_mod" in k for k in keys)
+
+
+def test_keep_last_and_tensorboard(tmp_path):
+    pytest.importorskip("tensorboard")
+    cfg = tiny_cfg(**{"train.max_steps": 8, "checkpoint.every_steps": 2, "checkpoint.keep_last": 2,
+                      "log.tensorboard": True, "log.every_steps": 2})
+    train(cfg, tmp_path, quiet=True)
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [6, 8]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("loss")] == [2, 4, 6, 8]
+    assert [e.value for e in acc.Scalars("loss")] == pytest.approx(list(losses(tmp_path).values()))

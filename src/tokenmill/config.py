@@ -504,6 +504,8 @@ def _validate_memory_and_parallel(cfg: Config) -> None:
             )
         if cfg.train.precision == "fp16-autocast":
             raise ConfigError("memory.optimizer_in_backward does not work with fp16 GradScaler; use bf16-autocast.")
+    if mem.optimizer_offload and cfg.train.precision == "fp16-autocast":
+        raise ConfigError("memory.optimizer_offload does not work with the fp16 GradScaler; use bf16-autocast.")
     chosen = [k for k in ("optimizer_in_backward", "optimizer_offload", "optimizer_8bit") if getattr(mem, k)]
     if len(chosen) > 1:
         raise ConfigError(f"choose one of memory.{', memory.'.join(chosen)}.")

@@ -110,6 +110,8 @@ class GPT(nn.Module):
 
         Returns ``(logits, loss)``: logits (B, T, vocab_size) in the compute dtype; loss = mean
         cross-entropy over all B*T positions, computed on fp32 logits (None without targets).
+        With ``model.loss_impl='chunked'`` and targets, the head and loss run chunk by chunk
+        (:mod:`tokenmill.memory.chunked_loss`) and the logits are not returned: ``(None, loss)``.
         """
         B, T = idx.shape
         if T > self.cfg.block_size:
@@ -119,6 +121,12 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         x = self.ln_f(x)
+        if targets is not None and self.cfg.loss_impl == "chunked":
+            from tokenmill.memory.chunked_loss import chunked_cross_entropy
+
+            loss = chunked_cross_entropy(x.reshape(B * T, -1), self.lm_head.weight, targets.reshape(B * T),
+                                         self.vocab_size, self.cfg.loss_chunk_size)
+            return None, loss
         logits = self.lm_head(x)
         if self.padded_vocab != self.vocab_size:
             logits = logits[..., : self.vocab_size]  # padded columns are never predicted

@@ -99,27 +99,34 @@ def _save_dcp(d: Path, step: int, model, optimizer, world: World) -> Path:
     return final
 
 
-def load_latest(run_dir, model, optimizer, world: World) -> tuple[Path, dict[str, Any]] | None:
+def load_latest(run_dir, model, optimizer, world: World, check=None) -> tuple[Path, dict[str, Any]] | None:
     """Load the newest checkpoint into ``model`` and ``optimizer`` (already parallelised) and return
-    ``(path, extra)`` with the scheduler/scaler/RNG/step/config entries, or None when there is none."""
+    ``(path, extra)`` with the scheduler/scaler/RNG/step/config entries, or None when there is none.
+    ``check(extra)`` runs before any weight is loaded (e.g. refuse a different model shape)."""
     found = list_all(run_dir)
     if not found:
         return None
     path = found[-1][1]
     if path.is_dir():
-        return path, _load_dcp(path, model, optimizer, world)
+        extra = torch.load(path / "extra.pt", map_location=world.device, weights_only=True)
+        if check is not None:
+            check(extra)
+        _load_dcp(path, model, optimizer)
+        return path, extra
     if world.sharded:
         raise ParallelError(
             f"{path} is a single-file checkpoint; resuming it under FSDP (dp_shard > 1) is not supported. "
             "Resume it with one process or DDP (parallel.dp_shard=1)."
         )
     state = ckpt.load_checkpoint(path, map_location=world.device)
+    if check is not None:
+        check(state)
     unwrap(model).load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     return path, state
 
 
-def _load_dcp(path: Path, model, optimizer, world: World) -> dict[str, Any]:
+def _load_dcp(path: Path, model, optimizer) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -130,4 +137,3 @@ def _load_dcp(path: Path, model, optimizer, world: World) -> dict[str, Any]:
     state = {"model": model_sd, "optimizer": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    return torch.load(path / "extra.pt", map_location=world.device, weights_only=True)

@@ -1,7 +1,14 @@
 """The training loop. Read top to bottom: set up, then one optimizer step per loop iteration.
 
 Every switch is applied by one named function, in this order:
-``apply_precision`` -> ``apply_activation_checkpointing`` -> ``apply_compile`` -> ``build_optimizer``.
+``apply_allocator_settings`` -> ``init_world`` (torchrun: process group + device mesh) ->
+``apply_precision`` -> ``apply_activation_checkpointing`` -> ``apply_compile`` ->
+``apply_data_parallel`` (DDP / FSDP2) -> ``make_optimizer`` (ZeRO-1, memory switches or AdamW).
+
+Under torchrun each rank trains its slice of the same global batch (see ``data/loader.py``); the
+logged loss is the global batch's (all-reduced), and rank 0 alone writes metrics, config.toml,
+summary.json and single-file checkpoints (sharded checkpoints are written by all ranks, see
+``parallel/checkpointing.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +27,21 @@ from torch import nn
 from tokenmill import config as C
 from tokenmill.data import build_datasets, build_train_loader, to_device, val_batches
 from tokenmill.memory.activation_checkpointing import apply_activation_checkpointing
+from tokenmill.memory.allocator import apply_allocator_settings
+from tokenmill.memory.optimizers import OptimizerInBackward, build_memory_optimizer
 from tokenmill.model import GPT, flops_per_token, math_mode, peak_flops
+from tokenmill.parallel import checkpointing as pckpt
+from tokenmill.parallel.data_parallel import apply_data_parallel, grad_sync, unwrap
+from tokenmill.parallel.world import (
+    World,
+    barrier,
+    global_mean,
+    init_world,
+    is_elastic_restart,
+    rank0_first,
+    shutdown,
+)
+from tokenmill.parallel.zero import build_zero1_optimizer
 from tokenmill.train import checkpoint as ckpt
 from tokenmill.train.compile import apply_compile
 from tokenmill.train.metrics import MetricsWriter, Progress, ThroughputMeter, read_metrics
@@ -130,6 +151,30 @@ def evaluate(model: nn.Module, batches, cfg: C.Config, device: torch.device) -> 
     return (total / max(n, 1)).item()
 
 
+def make_optimizer(model: nn.Module, cfg: C.Config, world: World) -> torch.optim.Optimizer:
+    """The one place where the optimizer is chosen: ZeRO-1, a memory switch, or plain AdamW."""
+    if cfg.parallel.zero1:
+        return build_zero1_optimizer(model, cfg.optim, world)
+    return build_memory_optimizer(model, cfg, world.distributed) or build_optimizer(model, cfg.optim)
+
+
+def optimizer_step(optimizer, scaler, params, grad_clip: float, want_norm: bool) -> Optional[torch.Tensor]:
+    """Unscale (fp16), clip / measure the gradient norm, step, zero the gradients; returns the norm
+    (None when neither clipping nor logging asked for it, or the optimizer stepped in backward)."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    grad_norm = None
+    if not isinstance(optimizer, OptimizerInBackward) and (grad_clip > 0 or want_norm):
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
 def train(
     cfg: C.Config,
     run_dir: str | Path,
@@ -137,61 +182,64 @@ def train(
     on_step_end: Optional[Callable[[int], None]] = None,
     quiet: bool = False,
 ) -> dict[str, Any]:
-    """Train ``cfg`` into ``run_dir``; returns the run summary (also written as summary.json)."""
-    run_dir = Path(run_dir)
+    """Train ``cfg`` into ``run_dir``; returns the run summary (also written as summary.json).
+
+    Under torchrun every rank calls this; the process group is joined here (and left at the end when
+    this call created it). A worker restarted by torchrun (``TORCHELASTIC_RESTART_COUNT`` > 0) resumes
+    from the newest checkpoint.
+    """
+    apply_allocator_settings(cfg.memory)  # before anything initialises CUDA
+    world = init_world(cfg.parallel, resolve_device(cfg.train.device))
+    try:
+        return _train(cfg, Path(run_dir), world, resume or is_elastic_restart(), on_step_end, quiet)
+    finally:
+        shutdown(world)
+
+
+def _train(cfg: C.Config, run_dir: Path, world: World, resume: bool, on_step_end, quiet: bool) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
-    if not resume and ckpt.list_checkpoints(run_dir):
+    if not resume and pckpt.list_all(run_dir):
         raise TrainingError(
             f"run directory {run_dir} already holds checkpoints; pass --resume to continue that run, "
             "or choose another --run-dir."
         )
-    device = resolve_device(cfg.train.device)
+    device, rank0 = world.device, world.is_rank0
     check_supported(cfg.train, device)
     apply_tf32(cfg.train, device)
 
     t = cfg.train
-    data = build_datasets(cfg.data, cfg.model.block_size, t.seed, cfg.model.vocab_size,
-                          with_val=t.eval_batches > 0, progress=not quiet)
+    with rank0_first(world):  # rank 0 prepares and caches the embedded corpus first
+        data = build_datasets(cfg.data, cfg.model.block_size, t.seed, cfg.model.vocab_size,
+                              with_val=t.eval_batches > 0, progress=not quiet and rank0)
     vocab_size = cfg.model.vocab_size or data.vocab_size
     model = build_model(cfg, vocab_size, device)
-    optimizer = build_optimizer(model, cfg.optim)
+    n_params = model.num_params()
+    fpt = flops_per_token(cfg.model, model.num_params(exclude_position=True), cfg.model.block_size)
+    model = apply_data_parallel(model, world, cfg.parallel)
+    optimizer = make_optimizer(model, cfg, world)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
     scaler = grad_scaler(cfg.train, device)
 
-    start_step = 0
-    rng_to_restore = None
+    start_step, rng_to_restore = 0, None
     if resume:
-        found = ckpt.load_latest(run_dir, map_location=device)
-        if found is not None:
-            path, state = found
-            _check_same_model(state.get("config", {}), cfg)
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-            scheduler.load_state_dict(state["scheduler"])
-            if scaler is not None and state.get("scaler"):
-                scaler.load_state_dict(state["scaler"])
-            rng_to_restore = state["rng"]
-            start_step = int(state["step"])
-            _clean_metrics(run_dir, start_step)
-            if not quiet:
-                print(f"tokenmill: resumed from {path} at step {start_step}")
-    C.save(cfg, run_dir / "config.toml")
+        start_step, rng_to_restore = _resume(run_dir, model, optimizer, scheduler, scaler, cfg, world, quiet)
+    if rank0:
+        C.save(cfg, run_dir / "config.toml")
 
-    tokens_per_step = t.batch_size * t.grad_accum_steps * cfg.model.block_size
-    n_params = model.num_params()
-    fpt = flops_per_token(cfg.model, model.num_params(exclude_position=True), cfg.model.block_size)
-    info = device_info(device)
+    # global batch = micro-batch x accumulation x data-parallel degree; every rank reads its slice
+    tokens_per_step = t.batch_size * t.grad_accum_steps * world.dp_size * cfg.model.block_size
+    info = {**device_info(device), "world_size": world.size, "layout": world.layout()}
     peak = peak_flops(info.get("gpu_name", "cpu"), math_mode(t.precision, t.tf32))
-    loader = build_train_loader(
-        data.train, cfg.data, t.batch_size, t.grad_accum_steps, start_step, t.max_steps, 0, 1, device.type
-    )
+    peak = peak * world.size if peak else peak  # MFU of the whole job
+    loader = build_train_loader(data.train, cfg.data, t.batch_size, t.grad_accum_steps, start_step,
+                                t.max_steps, world.dp_rank, world.dp_size, device.type)
     val = val_batches(data.val, t.batch_size, t.eval_batches) if (data.val is not None and t.eval_batches) else []
 
-    writer = MetricsWriter(run_dir, cfg.log.tensorboard)
-    progress = Progress(cfg.log.progress, t.max_steps, start_step, enabled=not quiet)
+    writer = MetricsWriter(run_dir, cfg.log.tensorboard, enabled=rank0)
+    progress = Progress(cfg.log.progress, t.max_steps, start_step, enabled=not quiet and rank0)
     progress.log(
-        f"tokenmill: {n_params / 1e6:.2f}M parameters on {info.get('gpu_name', device.type)}, "
-        f"{tokens_per_step:,} tokens/step, steps {start_step}->{t.max_steps}, run dir {run_dir}"
+        f"tokenmill: {n_params / 1e6:.2f}M parameters on {info.get('gpu_name', device.type)} x {world.size} "
+        f"({world.layout()}), {tokens_per_step:,} tokens/step, steps {start_step}->{t.max_steps}, run dir {run_dir}"
     )
     meter = ThroughputMeter(tokens_per_step, cfg.log.timing_warmup_steps, start_step)
     timer = PhaseTimer(device)
@@ -211,32 +259,21 @@ def train(
             done = step + 1
             is_log = done % cfg.log.every_steps == 0 or done == t.max_steps
             loss_sum = torch.zeros((), device=device)
-            for _ in range(t.grad_accum_steps):
+            for micro in range(t.grad_accum_steps):
                 t0 = time.perf_counter()
                 batch = next(it)
                 timer.add_host("data", time.perf_counter() - t0)
                 with timer.phase("h2d"):
                     x, y = to_device(batch, device, cfg.data.non_blocking)
-                with timer.phase("forward"), autocast(t, device):
-                    _, loss = model(x, y)
-                loss_sum += loss.detach().float()
-                with timer.phase("backward"):
-                    scaled = loss / t.grad_accum_steps
-                    (scaler.scale(scaled) if scaler is not None else scaled).backward()
+                with grad_sync(model, enabled=micro == t.grad_accum_steps - 1):  # no_sync until the last
+                    with timer.phase("forward"), autocast(t, device):
+                        _, loss = model(x, y)
+                    loss_sum += loss.detach().float()
+                    with timer.phase("backward"):
+                        scaled = loss / t.grad_accum_steps
+                        (scaler.scale(scaled) if scaler is not None else scaled).backward()
             with timer.phase("optimizer"):
-                if scaler is not None:
-                    scaler.unscale_(optimizer)
-                grad_norm = None
-                if cfg.optim.grad_clip > 0:
-                    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
-                elif is_log:
-                    grad_norm = torch.nn.utils.clip_grad_norm_(params, float("inf"))
-                if scaler is not None:
-                    scaler.step(optimizer)
-                    scaler.update()
-                else:
-                    optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                grad_norm = optimizer_step(optimizer, scaler, params, cfg.optim.grad_clip, is_log)
                 lr = scheduler.get_last_lr()[0]
                 scheduler.step()
             pending.append(loss_sum / t.grad_accum_steps)
@@ -248,19 +285,14 @@ def train(
             if is_log:
                 sync(device)
                 tps = meter.close_window()
-                losses = torch.stack(pending).tolist()
-                first_steps = list(range(done - len(losses) + 1, done + 1))
-                pending.clear()
-                for s, v in zip(first_steps, losses):
-                    if not math.isfinite(v):
-                        _stop_on_nan(run_dir, writer, s, v, cfg)
+                losses = _global_losses(pending, done, run_dir, writer, cfg, world)
                 phases = timer.collect()
                 nsteps = max(1, len(losses))
                 rec = {
                     "step": done,
                     "loss": losses[-1],
                     "lr": lr,
-                    "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                    "grad_norm": _as_float(grad_norm),
                     "tokens_per_sec": tps,
                     "mfu": (fpt * tps / peak) if (tps and peak) else None,
                     **{f"{p}_ms": 1000 * phases.get(p, 0.0) / nsteps for p in PHASES},
@@ -280,8 +312,8 @@ def train(
                 did_work = True
             if cfg.checkpoint.every_steps and done % cfg.checkpoint.every_steps == 0 and done != t.max_steps:
                 if not is_log:  # never save a model whose losses were not checked
-                    _check_pending(pending, done, run_dir, writer, cfg, device)
-                _save(run_dir, done, model, optimizer, scheduler, scaler, cfg, device)
+                    _global_losses(pending, done, run_dir, writer, cfg, world)
+                pckpt.save_checkpoint(run_dir, done, model, optimizer, scheduler, scaler, cfg, world)
                 did_work = True
             if is_log or did_work or done == meter.timing_from:
                 if done == meter.timing_from:
@@ -296,7 +328,7 @@ def train(
         if val:
             last["val_loss"] = _eval_and_log(model, val, cfg, device, t.max_steps, writer, progress)
         if cfg.checkpoint.save_final:
-            _save(run_dir, t.max_steps, model, optimizer, scheduler, scaler, cfg, device)
+            pckpt.save_checkpoint(run_dir, t.max_steps, model, optimizer, scheduler, scaler, cfg, world)
     writer.close()
 
     summary = {
@@ -313,17 +345,59 @@ def train(
         "peak_flops": peak,
     }
     summary["mfu"] = fpt * summary["tokens_per_sec"] / peak if (summary["tokens_per_sec"] and peak) else None
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    if t.sample_at_end and data.data_dir is not None and not quiet:
+    if rank0:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if t.sample_at_end and data.data_dir is not None and not quiet and rank0 and not world.sharded:
         from tokenmill.train.sample import sample_text
 
-        text = sample_text(model, data.data_dir, t.sample_prompt, t.sample_tokens, device=device, seed=t.seed)
+        text = sample_text(unwrap(model), data.data_dir, t.sample_prompt, t.sample_tokens, device=device,
+                           seed=t.seed)
         print(f"\n--- sample ({t.sample_tokens} tokens, prompt {t.sample_prompt!r}) ---\n{text}\n---")
         summary["sample"] = text
-    if not quiet and summary["tokens_per_sec"]:
+    if not quiet and rank0 and summary["tokens_per_sec"]:
         mfu = f", MFU {100 * summary['mfu']:.1f}%" if summary["mfu"] else ""
         print(f"tokenmill: steady-state {summary['tokens_per_sec']:,.0f} tokens/s{mfu}; final loss {last['loss']:.4f}")
     return summary
+
+
+def _resume(run_dir, model, optimizer, scheduler, scaler, cfg, world, quiet) -> tuple[int, Any]:
+    """Load the newest checkpoint (any layout); returns (start step, RNG state to restore)."""
+    found = pckpt.load_latest(run_dir, model, optimizer, world,
+                              check=lambda saved: _check_same_model(saved.get("config", {}), cfg))
+    if found is None:
+        return 0, None
+    path, state = found
+    scheduler.load_state_dict(state["scheduler"])
+    if scaler is not None and state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
+    start_step = int(state["step"])
+    if world.is_rank0:
+        _clean_metrics(run_dir, start_step)
+        if not quiet:
+            print(f"tokenmill: resumed from {path} at step {start_step}")
+    barrier(world)
+    return start_step, state["rng"]
+
+
+def _global_losses(pending, done, run_dir, writer, cfg, world) -> list[float]:
+    """The per-step losses of the whole global batch since the last call (one all-reduce, one sync);
+    stops the run on every rank alike if one is not finite. Clears ``pending``."""
+    if not pending:
+        return []
+    losses = global_mean(torch.stack(pending), world).tolist()
+    pending.clear()
+    for i, v in enumerate(losses):
+        if not math.isfinite(v):
+            _stop_on_nan(run_dir, writer, done - len(losses) + 1 + i, v, cfg)
+    return losses
+
+
+def _as_float(x) -> Optional[float]:
+    if x is None:
+        return None
+    if hasattr(x, "full_tensor"):  # a DTensor norm (FSDP)
+        x = x.full_tensor()
+    return float(x)
 
 
 def _format(rec: dict[str, Any]) -> str:
@@ -346,36 +420,9 @@ def _eval_and_log(model, val, cfg, device, step, writer, progress) -> float:
     return v
 
 
-def _state(model, optimizer, scheduler, scaler, cfg, device, step) -> dict[str, Any]:
-    return {
-        "model": ckpt.clean_state_dict(model.state_dict()),
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "scaler": scaler.state_dict() if scaler is not None else {},
-        "step": step,
-        "data_position": {"step": step, "global_samples": step * cfg.train.batch_size * cfg.train.grad_accum_steps},
-        "rng": ckpt.rng_state(device),
-        "config": cfg.to_dict(),
-    }
-
-
-def _save(run_dir, step, model, optimizer, scheduler, scaler, cfg, device) -> Path:
-    state = _state(model, optimizer, scheduler, scaler, cfg, device, step)
-    return ckpt.save_checkpoint(run_dir, step, state, cfg.checkpoint.keep_last)
-
-
-def _check_pending(pending, done, run_dir, writer, cfg, device) -> None:
-    if not pending:
-        return
-    losses = torch.stack(pending).tolist()
-    for i, v in enumerate(losses):
-        if not math.isfinite(v):
-            _stop_on_nan(run_dir, writer, done - len(losses) + 1 + i, v, cfg)
-
-
 def _stop_on_nan(run_dir, writer, step, value, cfg) -> None:
     writer.write({"step": step, "event": "non_finite_loss", "loss": None})
-    good = ckpt.list_checkpoints(run_dir)
+    good = pckpt.list_all(run_dir)
     keep = f"the last good checkpoint is {good[-1][1]}" if good else "no checkpoint was written before it"
     hints = ["--optim.lr (lower it)", "--optim.grad_clip 1.0", "--optim.warmup_steps (longer)"]
     if cfg.train.precision == "fp16-autocast":

@@ -1,0 +1,78 @@
+"""What machine a benchmark ran on.
+
+The GPU facts are read in a short-lived subprocess (``python -m tokenmill.bench.env`` prints them as
+JSON), so the bench process itself never creates a CUDA context that would hold GPU memory while
+the rungs run.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def device_facts() -> dict[str, Any]:
+    """torch/CUDA versions and the visible GPUs (run inside the subprocess)."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cuda_available": count > 0,
+        "gpu_count": count,
+        "gpu_names": [torch.cuda.get_device_name(i) for i in range(count)],
+    }
+
+
+def probe_environment(timeout_s: float = 120.0) -> dict[str, Any]:
+    """Device facts from a subprocess plus host, Python and git facts from here."""
+    try:
+        out = subprocess.run([sys.executable, "-m", "tokenmill.bench.env"], capture_output=True, text=True,
+                             timeout=timeout_s, check=True)
+        facts = json.loads(out.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError) as e:
+        facts = {"torch": None, "cuda": None, "cuda_available": False, "gpu_count": 0, "gpu_names": [],
+                 "probe_error": str(e)}
+    facts.update(host_facts())
+    return facts
+
+
+def host_facts() -> dict[str, Any]:
+    return {
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **git_facts(),
+    }
+
+
+def git_facts() -> dict[str, Any]:
+    """The commit of the tokenmill checkout (``git rev-parse HEAD``), when it is one."""
+    here = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return {"git_commit": None, "git_dirty": None}
+    return {"git_commit": commit or None, "git_dirty": bool(dirty)}
+
+
+def gpu_label(env: dict[str, Any]) -> str:
+    names = env.get("gpu_names") or []
+    if not names:
+        return "cpu"
+    return names[0] if len(names) == 1 else f"{len(names)} x {names[0]}"
+
+
+if __name__ == "__main__":
+    print(json.dumps(device_facts()))

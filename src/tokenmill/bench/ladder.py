@@ -1,0 +1,130 @@
+"""Run a ladder: every rung in order, each in a fresh subprocess; write ladder.json/.md/.png.
+
+A rung is *measured*, *failed* (non-zero exit, time limit, no timed window: the reason is its
+error line) or *skipped* (the machine lacks what it ``requires``, a config field it ``needs`` does not
+exist yet, or torch.compile on a CPU in --smoke). Only measured rungs are carried into later rungs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from tokenmill.bench import report
+from tokenmill.bench.configs import rung_config
+from tokenmill.bench.env import gpu_label, probe_environment
+from tokenmill.bench.runner import run_train
+from tokenmill.bench.schema import Ladder, LadderError, Rung
+
+SMOKE_TIMEOUT_S = 300.0
+
+
+def skip_reason(ladder: Ladder, rung: Rung, cfg, env: dict[str, Any], smoke: bool) -> Optional[str]:
+    """Why this rung cannot be measured here, or None."""
+    need = ladder.requirement(rung)
+    device = cfg.train.device
+    if need == "multi-gpu":
+        n = max(rung.nproc, 2)
+        if env.get("gpu_count", 0) < n:
+            return f"needs {n} CUDA GPUs (found {env.get('gpu_count', 0)})"
+    if need in ("cuda", "multi-gpu"):
+        if not env.get("cuda_available"):
+            return "needs a CUDA GPU (none visible)"
+        if device in ("cpu", "mps"):
+            return f"needs CUDA but train.device = '{device}'"
+    runs_on_cpu = device == "cpu" or (device == "auto" and not env.get("cuda_available"))
+    if smoke and runs_on_cpu and cfg.compile.enabled:
+        return "torch.compile on a CPU costs about a minute per graph; skipped in --smoke"
+    return None
+
+
+def run_ladder(
+    ladder: Ladder,
+    out_dir: str | Path,
+    smoke: bool = False,
+    timed_steps: Optional[int] = None,
+    cli_set: Optional[dict[str, str]] = None,
+    timeout_s: Optional[float] = None,
+    env: Optional[dict[str, Any]] = None,
+    log: Callable[[str], None] = print,
+    echo_runs: bool = True,
+) -> dict[str, Any]:
+    """Run every rung and write ``ladder.json`` (after each rung), ``ladder.md`` and ``ladder.png``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    env = env if env is not None else probe_environment()
+    limit = timeout_s or (min(ladder.timeout_s, SMOKE_TIMEOUT_S) if smoke else ladder.timeout_s)
+    doc = report.new_document(ladder, env, smoke, cli_set)
+    log(f"tokenmill bench: ladder '{ladder.name}' ({len(ladder.rungs)} rungs) on {gpu_label(env)}"
+        f"{' [smoke]' if smoke else ''} -> {out}")
+    carried: list[int] = []
+    n = len(ladder.rungs)
+    for i, rung in enumerate(ladder.rungs):
+        rec = _record(ladder, i, rung, carried)
+        doc["rungs"].append(rec)
+        log(f"[{i + 1:>2}/{n}] {rung.name}: {rung.explain}")
+        missing = rung.missing_fields()
+        if missing:
+            _finish(rec, "skipped", f"needs {', '.join(missing)} (not a tokenmill config field yet)", log)
+            continue
+        try:
+            rc = rung_config(ladder, i, carried, cli_set, smoke, timed_steps)
+        except LadderError as e:
+            _finish(rec, "failed", f"config: {e}", log)
+            continue
+        rec["config"] = rc.config.to_dict()
+        rec["plan"] = rc.plan.to_dict()
+        why = skip_reason(ladder, rung, rc.config, env, smoke)
+        if why:
+            _finish(rec, "skipped", why, log)
+            continue
+        run_dir = out / "rungs" / f"{i:02d}-{rung.name}"
+        rec["run_dir"] = str(run_dir.relative_to(out))
+        echo = (lambda line: log(f"        | {line}")) if echo_runs else None
+        res = run_train(rc.config, run_dir, limit, rung.launcher, rung.nproc, echo)
+        rec.update(command=res.command, wall_s=round(res.wall_s, 2), summary=res.summary,
+                   oom=res.oom, stderr_tail=None if res.ok else res.stderr_tail)
+        if res.ok:
+            carried.append(i)
+            rec["status"] = "measured"
+            report.derive(doc)
+            log(f"        -> {report.one_line(rec)}")
+        else:
+            _finish(rec, "failed", res.reason, log)
+        _write_json(out, doc)
+    report.derive(doc)
+    _write_json(out, doc)
+    report.write_outputs(doc, out, log)
+    return doc
+
+
+def _record(ladder: Ladder, i: int, rung: Rung, carried: list[int]) -> dict[str, Any]:
+    return {
+        "index": i,
+        "name": rung.name,
+        "explain": rung.explain,
+        "set": rung.set,
+        "requires": ladder.requirement(rung),
+        "needs": rung.needs,
+        "launcher": rung.launcher,
+        "nproc": rung.nproc,
+        "reference": rung.reference,
+        "dropped": [ladder.rungs[j].name for j in range(i) if j not in carried],
+        "status": None,
+        "reason": None,
+        "config": None,
+        "plan": None,
+        "summary": None,
+    }
+
+
+def _finish(rec: dict[str, Any], status: str, reason: str, log: Callable[[str], None]) -> None:
+    rec["status"], rec["reason"] = status, reason
+    log(f"        -> {status}: {reason}")
+
+
+def _write_json(out: Path, doc: dict[str, Any]) -> None:
+    tmp = out / "ladder.json.tmp"
+    tmp.write_text(json.dumps(doc, indent=2, default=str))
+    tmp.replace(out / "ladder.json")

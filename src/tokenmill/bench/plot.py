@@ -1,0 +1,70 @@
+"""``ladder.png``: throughput per rung (left) and peak memory per rung (right), side by side.
+
+The left panel shows tokens/s, or the time for the ladder's samples when that is the headline;
+skipped and failed rungs keep their row, labelled, so the ladder's shape stays visible.
+matplotlib is optional: without it the PNG is skipped with a note.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+
+def write_png(doc: dict[str, Any], path: Path) -> Optional[str]:
+    """Write the figure; returns None, or a note saying why no PNG was written."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install matplotlib): no ladder.png"
+    rungs = doc["rungs"]
+    labels = [f"{r['index']} {r['name']}" for r in rungs]
+    ys = list(range(len(rungs)))[::-1]  # first rung on top
+    time_headline = doc["ladder"]["headline"] == "time_for_samples"
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 1.2 + 0.45 * len(rungs)), sharey=True)
+
+    key = "time_for_samples_s" if time_headline else "tokens_per_sec"
+    vals = [(r["metrics"] or {}).get(key) for r in rungs]
+    left.barh(ys, [v or 0 for v in vals], color="#4C72B0")
+    top = max([v for v in vals if v] or [1.0])
+    for y, r, v in zip(ys, rungs, vals):
+        if v is None:
+            left.text(top * 0.01, y, r["status"] or "", va="center", fontsize=8, color="#B22222")
+            continue
+        m = r["metrics"]
+        text = f"{v:,.2f} s" if time_headline else f"{v:,.0f}"
+        if m.get("speedup_vs_baseline"):
+            text += f"  (x{m['speedup_vs_baseline']:.2f})"
+        left.text(v, y, " " + text, va="center", fontsize=8)
+    samples = doc["ladder"]["samples"]
+    left.set_xlabel(f"time for {samples:,} samples (s), lower is better" if time_headline
+                    else "tokens/s (median of timed windows), higher is better")
+    left.set_xlim(0, top * 1.35)
+    left.set_yticks(ys, labels)
+
+    alloc = [(r["metrics"] or {}).get("peak_alloc_mb") for r in rungs]
+    reserved = [(r["metrics"] or {}).get("peak_reserved_mb") for r in rungs]
+    if any(v is not None for v in alloc + reserved):
+        h = 0.38
+        right.barh([y + h / 2 for y in ys], [(v or 0) / 1024 for v in alloc], h, label="peak allocated",
+                   color="#55A868")
+        right.barh([y - h / 2 for y in ys], [(v or 0) / 1024 for v in reserved], h, label="peak reserved",
+                   color="#C44E52", alpha=0.7)
+        for y, v in zip(ys, alloc):
+            if v is not None:
+                right.text(v / 1024, y + h / 2, f" {v / 1024:.2f}", va="center", fontsize=7)
+        right.legend(loc="lower right", fontsize=8)
+        right.set_xlabel("GPU memory (GB = 1024^3 bytes)")
+    else:
+        right.text(0.5, 0.5, f"no CUDA memory figures (ran on {doc['gpu']})", ha="center", va="center",
+                   transform=right.transAxes)
+        right.set_xticks([])
+    smoke = " [smoke: tiny shapes]" if doc["smoke"] else ""
+    fig.suptitle(f"tokenmill ladder '{doc['ladder']['name']}' on {doc['gpu']}, torch {doc['torch']}{smoke}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None

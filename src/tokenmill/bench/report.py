@@ -1,0 +1,306 @@
+"""Derived figures of a ladder run and its reports: ``ladder.json`` content, ``ladder.md``, terminal.
+
+Per measured rung (``rung["metrics"]``): steady-state tokens/s (median of the timed windows, with
+min/max), step time, MFU, peak allocated/reserved memory (CUDA), final loss, speedup over the
+previous *measured* rung and over the baseline (the first measured rung), and with ``[ladder]
+samples`` the time for that many samples = samples * block_size / tokens_per_sec.
+
+Reference figures from the seeds are compared by direction: the headline metric's change from the
+previous measured rung, in the seed and here, each classed better / worse / same (within
+``SAME_WITHIN``), and ``agrees`` says whether the classes match.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from tokenmill.bench.env import gpu_label
+from tokenmill.bench.schema import Ladder
+
+HEADLINE_METRIC = {"tokens_per_sec": "tokens_per_sec", "peak_alloc_mb": "peak_alloc_mb",
+                   "time_for_samples": "time_for_samples_s"}
+HIGHER_IS_BETTER = {"tokens_per_sec": True, "time_for_samples_s": False, "peak_alloc_mb": False,
+                    "peak_reserved_mb": False}
+WORDS = {"tokens_per_sec": ("faster", "slower"), "time_for_samples_s": ("faster", "slower"),
+         "peak_alloc_mb": ("less memory", "more memory"), "peak_reserved_mb": ("less memory", "more memory")}
+SAME_WITHIN = 0.03  # a change under 3% counts as "same"
+
+
+def new_document(ladder: Ladder, env: dict[str, Any], smoke: bool, cli_set: Optional[dict[str, str]]) -> dict[str, Any]:
+    return {
+        "format": "tokenmill-ladder",
+        "version": 1,
+        "ladder": {
+            "name": ladder.name,
+            "description": ladder.description,
+            "source": ladder.source,
+            "base_preset": ladder.base_preset,
+            "headline": ladder.headline,
+            "samples": ladder.samples,
+            "requires": ladder.requires,
+            "base": ladder.base,
+            "measure": asdict(ladder.measure),
+            "reference": ladder.reference_info,
+        },
+        "smoke": smoke,
+        "cli_set": cli_set or {},
+        "gpu": gpu_label(env),
+        "torch": env.get("torch"),
+        "cuda": env.get("cuda"),
+        "date": env.get("date"),
+        "git_commit": env.get("git_commit"),
+        "git_dirty": env.get("git_dirty"),
+        "host": env.get("host"),
+        "environment": env,
+        "baseline_rung": None,
+        "rungs": [],
+    }
+
+
+def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return a / b if (a is not None and b) else None
+
+
+def _direction(change: Optional[float], metric: str) -> Optional[str]:
+    """'better' / 'worse' / 'same' for a relative change ``new/old - 1`` of ``metric``."""
+    if change is None:
+        return None
+    if abs(change) < SAME_WITHIN:
+        return "same"
+    up = change > 0
+    return "better" if up == HIGHER_IS_BETTER[metric] else "worse"
+
+
+def rung_metrics(rung: dict[str, Any], samples: Optional[int]) -> dict[str, Any]:
+    s = rung.get("summary") or {}
+    m = {k: s.get(k) for k in ("tokens_per_sec", "tokens_per_sec_min", "tokens_per_sec_max", "step_time_ms",
+                               "mfu", "peak_alloc_mb", "peak_reserved_mb", "final_loss", "params")}
+    m["final_loss_finite"] = m["final_loss"] is not None and math.isfinite(m["final_loss"])
+    tps = m["tokens_per_sec"]
+    if samples and tps:
+        block = rung["config"]["model"]["block_size"]
+        m["time_for_samples_s"] = samples * block / tps
+        m["time_extrapolated"] = not (rung.get("plan") or {}).get("covers_samples", False)
+    return m
+
+
+def derive(doc: dict[str, Any]) -> None:
+    """(Re)compute ``metrics`` and ``reference_check`` of every rung, in place."""
+    lad = doc["ladder"]
+    headline = HEADLINE_METRIC[lad["headline"]]
+    prev = base = None
+    for r in doc["rungs"]:
+        r["metrics"] = None
+        r["reference_check"] = None
+        if r.get("status") != "measured":
+            continue
+        m = rung_metrics(r, lad["samples"])
+        base = base or r
+        base_tps = m["tokens_per_sec"] if base is r else base["metrics"]["tokens_per_sec"]
+        m["vs_rung"] = prev["name"] if prev else None
+        m["speedup_vs_prev"] = _ratio(m["tokens_per_sec"], prev["metrics"]["tokens_per_sec"]) if prev else None
+        m["speedup_vs_baseline"] = _ratio(m["tokens_per_sec"], base_tps)
+        for key in ("peak_alloc_mb", "time_for_samples_s"):
+            old = prev["metrics"].get(key) if prev else None
+            q = _ratio(m.get(key), old)
+            m[f"{key}_change_vs_prev"] = q - 1 if q is not None else None
+        r["metrics"] = m
+        r["reference_check"] = _reference_check(r, prev, headline)
+        prev = r
+    doc["baseline_rung"] = base["name"] if base else None
+
+
+def _reference_check(r: dict[str, Any], prev: Optional[dict[str, Any]], metric: str) -> Optional[dict[str, Any]]:
+    ref_now = r["reference"].get(metric)
+    if ref_now is None:
+        return None
+    out = {"metric": metric, "reference": ref_now, "vs_rung": prev["name"] if prev else None,
+           "reference_change": None, "measured_change": None, "reference_direction": None,
+           "measured_direction": None, "agrees": None}
+    if prev is None or prev["reference"].get(metric) is None:
+        return out
+    out["reference_change"] = ref_now / prev["reference"][metric] - 1
+    q = _ratio(r["metrics"].get(metric), prev["metrics"].get(metric))
+    out["measured_change"] = q - 1 if q is not None else None
+    out["reference_direction"] = _direction(out["reference_change"], metric)
+    out["measured_direction"] = _direction(out["measured_change"], metric)
+    if out["measured_direction"] is not None:
+        out["agrees"] = out["reference_direction"] == out["measured_direction"]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Formatting
+
+
+def _num(v: Optional[float], fmt: str = "{:,.0f}") -> str:
+    return "n/a" if v is None else fmt.format(v)
+
+
+def _gb(mb: Optional[float]) -> str:
+    return "n/a" if mb is None else f"{mb / 1024:.2f}"
+
+
+def _pct(change: Optional[float]) -> str:
+    return "" if change is None else f"{100 * change:+.0f}%"
+
+
+def _x(v: Optional[float]) -> str:
+    return "" if v is None else f"x{v:.2f}"
+
+
+def one_line(r: dict[str, Any]) -> str:
+    m = r["metrics"] or {}
+    parts = [f"{_num(m.get('tokens_per_sec'))} tok/s"]
+    if m.get("speedup_vs_prev"):
+        parts.append(f"{_x(m['speedup_vs_prev'])} vs prev")
+    if m.get("time_for_samples_s") is not None:
+        parts.append(f"{m['time_for_samples_s']:.2f} s for the samples")
+    if m.get("peak_alloc_mb") is not None:
+        parts.append(f"peak alloc {_gb(m['peak_alloc_mb'])} GB")
+    if m.get("final_loss") is not None:
+        parts.append(f"loss {m['final_loss']:.4f}")
+    return ", ".join(parts)
+
+
+def _columns(doc: dict[str, Any]) -> list[tuple[str, Callable[[dict[str, Any]], str]]]:
+    lad = doc["ladder"]
+    headline = HEADLINE_METRIC[lad["headline"]]
+    has_ref = {k: any(k in r["reference"] for r in doc["rungs"]) for k in HIGHER_IS_BETTER}
+    samples = lad["samples"]
+
+    def met(key, fmt=_num):
+        return lambda r: fmt((r["metrics"] or {}).get(key)) if r["metrics"] else ""
+
+    def ref(key, fmt=_num):
+        return lambda r: fmt(r["reference"].get(key)) if key in r["reference"] else ""
+
+    def ref_cols(key):
+        if not has_ref[key]:
+            return []
+        unit = "GB" if key.endswith("_mb") else ("s" if key.endswith("_s") else "tok/s")
+        fmt = _gb if key.endswith("_mb") else (lambda v: _num(v, "{:,.2f}") if key.endswith("_s") else _num(v))
+        cols = [(f"ref {unit}", ref(key, fmt))]
+        if key == headline:
+            cols += [("ref Δ / ours Δ", _ref_change), ("agrees", _agrees)]
+        return cols
+
+    def tps(r):
+        m = r["metrics"]
+        if not m:
+            return ""
+        return f"{_num(m['tokens_per_sec'])} ({_num(m['tokens_per_sec_min'])}–{_num(m['tokens_per_sec_max'])})"
+
+    def time_s(r):
+        m = r["metrics"]
+        if not m or m.get("time_for_samples_s") is None:
+            return ""
+        return f"{m['time_for_samples_s']:.2f}" + ("*" if m.get("time_extrapolated") else "")
+
+    cols: list[tuple[str, Callable]] = [("#", lambda r: str(r["index"])), ("rung", lambda r: r["name"])]
+    time_head = f"time for {samples:,} samples (s)" if samples else ""
+    if headline == "time_for_samples_s":
+        cols += [(time_head, time_s), ("Δ time", met("time_for_samples_s_change_vs_prev", _pct))]
+        cols += ref_cols("time_for_samples_s")
+    if headline == "peak_alloc_mb":
+        cols += [("peak alloc GB", met("peak_alloc_mb", _gb)), ("Δ mem", met("peak_alloc_mb_change_vs_prev", _pct))]
+        cols += ref_cols("peak_alloc_mb")
+    cols += [("tok/s (min–max)", tps), ("vs prev", met("speedup_vs_prev", _x)),
+             ("vs base", met("speedup_vs_baseline", _x))]
+    cols += ref_cols("tokens_per_sec")
+    cols += [("step ms", met("step_time_ms", lambda v: _num(v, "{:,.1f}"))),
+             ("MFU", met("mfu", lambda v: _num(v and 100 * v, "{:.1f}%")))]
+    if headline != "peak_alloc_mb":
+        cols += [("peak alloc GB", met("peak_alloc_mb", _gb))]
+        cols += ref_cols("peak_alloc_mb")
+    cols += [("peak reserved GB", met("peak_reserved_mb", _gb))] + ref_cols("peak_reserved_mb")
+    if samples and headline != "time_for_samples_s":
+        cols += [(time_head, time_s)] + ref_cols("time_for_samples_s")
+    cols += [("final loss", met("final_loss", lambda v: _num(v, "{:.4f}"))), ("status", _status)]
+    return cols
+
+
+def _ref_change(r: dict[str, Any]) -> str:
+    c = r.get("reference_check")
+    if not c or c["reference_change"] is None:
+        return ""
+    return f"{_pct(c['reference_change'])} / {_pct(c['measured_change']) or 'n/a'}"
+
+
+def _agrees(r: dict[str, Any]) -> str:
+    c = r.get("reference_check")
+    if not c or c["reference_direction"] is None:
+        return ""
+    better, worse = WORDS[c["metric"]]
+    word = {"better": better, "worse": worse, "same": "same"}
+    ref = word[c["reference_direction"]]
+    if c["agrees"] is None:
+        return f"ref {ref}; ours n/a"
+    return f"yes ({ref})" if c["agrees"] else f"NO (ref {ref}, ours {word[c['measured_direction']]})"
+
+
+def _status(r: dict[str, Any]) -> str:
+    if r["status"] == "measured":
+        return "ok" + (f"; without {', '.join(r['dropped'])}" if r["dropped"] else "")
+    return f"{r['status']}: {(r['reason'] or '').replace('|', '/')}"
+
+
+def markdown_table(doc: dict[str, Any]) -> str:
+    cols = _columns(doc)
+    lines = ["| " + " | ".join(h for h, _ in cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for r in doc["rungs"]:
+        lines.append("| " + " | ".join(f(r) for _, f in cols) + " |")
+    return "\n".join(lines)
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    lad = doc["ladder"]
+    commit = (doc["git_commit"] or "unknown")[:12] + (" (with local changes)" if doc.get("git_dirty") else "")
+    out = [
+        f"# Ladder `{lad['name']}`" + (" (smoke run: tiny shapes, figures mean nothing)" if doc["smoke"] else ""),
+        "",
+        lad["description"],
+        "",
+        f"- GPU: {doc['gpu']}; torch {doc['torch']}, CUDA {doc['cuda']}",
+        f"- date {doc['date']}, host {doc['host']}, tokenmill commit {commit}",
+        f"- headline: {lad['headline']}; baseline rung: {doc['baseline_rung']}",
+        "- tokens/s: median over the timed windows (min–max in brackets), warm-up steps excluded; "
+        "vs prev / vs base: tokens/s ratios to the previous measured rung and to the baseline",
+    ]
+    if lad["samples"]:
+        out.append(f"- time for {lad['samples']:,} samples = samples x block_size / tokens/s; "
+                   "* = extrapolated (the timed steps covered fewer samples)")
+    if lad["reference"] or any(r["reference"] for r in doc["rungs"]):
+        info = lad["reference"]
+        out.append(f"- ref = the seed's own figures ({info.get('source', 'seed')}; {info.get('hardware', '')}), "
+                   f"not measured here; Δ compares each rung with the previous measured rung, "
+                   f"changes under {100 * SAME_WITHIN:.0f}% count as same")
+        if info.get("note"):
+            out.append(f"- {info['note']}")
+    if doc["cli_set"]:
+        out.append(f"- --set: {doc['cli_set']}")
+    out += ["", markdown_table(doc), "", "## Rungs", ""]
+    for r in doc["rungs"]:
+        what = ", ".join(f"`{k} = {v!r}`" for k, v in r["set"].items()) or "(baseline)"
+        line = f"{r['index']}. **{r['name']}**: {r['explain']} {what}"
+        if r["status"] != "measured":
+            line += f" — {r['status']}: {r['reason']}"
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def write_outputs(doc: dict[str, Any], out: Path, log: Callable[[str], None]) -> None:
+    """ladder.md and ladder.png (ladder.json is written by the runner); prints the table."""
+    (out / "ladder.md").write_text(markdown(doc))
+    from tokenmill.bench.plot import write_png
+
+    note = write_png(doc, out / "ladder.png")
+    log("")
+    log(markdown_table(doc))
+    log("")
+    log(f"wrote {out / 'ladder.json'}, {out / 'ladder.md'}" + (f", {out / 'ladder.png'}" if note is None else ""))
+    if note:
+        log(f"tokenmill bench: {note}")

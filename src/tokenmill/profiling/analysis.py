@@ -1,0 +1,176 @@
+"""Figures read from a profiled window: time per phase, device busy fraction, top operators, host syncs.
+
+All functions take a :class:`~tokenmill.profiling.trace.Trace` and return plain dicts (the body of
+``profile.json``). Times are milliseconds per profiled step unless a name says otherwise.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from tokenmill.profiling.trace import OUTSIDE, Span, Trace, phase_of, union_length
+from tokenmill.train.timing import PHASES
+
+BREAKDOWN = (*PHASES, "idle")
+
+# ATen operators that read device memory back to the host, so the host waits for the device.
+SYNC_OPS = frozenset({
+    "aten::item", "aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::is_nonzero",
+    "aten::equal", "aten::unique", "aten::_unique", "aten::_unique2", "aten::unique_consecutive",
+    "aten::nonzero_static", "aten::repeat_interleave",
+})
+# CUDA runtime calls that block the host until the device (or a stream) has caught up.
+SYNC_RUNTIME = frozenset({
+    "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+})
+# torch.optim keeps step counters on the host (unless capturable/fused): their .item() reads host memory.
+HOST_SCALAR_PARENTS = ("Optimizer.step#",)
+GEMM_WORDS = ("gemm", "matmul", "cutlass", "sm80_xmma", "sm90_xmma", "nvjet", "cublas")
+ATTENTION_WORDS = ("flash", "fmha", "attention", "efficient_attention", "cudnn_sdpa")
+
+
+def breakdown(trace: Trace) -> dict[str, Any]:
+    """Host time per step in each trainer phase; 'idle' is the rest of the step (no phase open).
+
+    Only outermost phase regions count, so a nested alias (a 'data' region around the DataLoader's
+    own region) is not counted twice."""
+    n = max(1, len(trace.steps))
+    totals = defaultdict(float)
+    for r in trace.regions:
+        if any(phase_of(a.name) for a in r.ancestors() if a.cat == "user_annotation"):
+            continue
+        if trace.step_at(r.ts) is not None:
+            totals[phase_of(r.name)] += r.dur
+    step_us = sum(s.dur for s in trace.steps) / n
+    per_step = {p: totals[p] / n / 1000 for p in PHASES}
+    per_step["idle"] = max(0.0, step_us / 1000 - sum(per_step.values()))
+    per_step["step"] = step_us / 1000
+    share = {k: (v / per_step["step"] if per_step["step"] else 0.0) for k, v in per_step.items() if k != "step"}
+    steps = [int(s.name.split("#")[1]) for s in trace.steps]
+    return {"steps": steps, "ms_per_step": per_step, "share": share}
+
+
+def device_breakdown(trace: Trace) -> dict[str, Any] | None:
+    """CUDA only: device time per step by the phase that launched it, and the busy fraction."""
+    kernels = trace.device_in_window()
+    if not kernels:
+        return None
+    n = max(1, len(trace.steps))
+    lo, hi = trace.device_window()
+    busy = union_length([(k.ts, k.end) for k in kernels], lo, hi)
+    by_region = defaultdict(float)
+    for k in kernels:
+        by_region[trace.region_of_device(k)] += k.dur
+    only_kernels = [k for k in kernels if k.cat == "kernel"]
+    mean_us = sum(k.dur for k in only_kernels) / len(only_kernels) if only_kernels else 0.0
+    return {
+        "basis": "CUDA kernels, memcpys and memsets launched in the profiled steps (union of intervals)",
+        "busy_fraction": busy / (hi - lo) if hi > lo else None,
+        "busy_ms_per_step": busy / n / 1000,
+        "window_ms_per_step": (hi - lo) / n / 1000,
+        "ms_per_step_by_launching_phase": {k: v / n / 1000 for k, v in sorted(by_region.items())},
+        "kernels_per_step": len(only_kernels) / n,
+        "mean_kernel_us": mean_us,
+        "gemm_share": _share(only_kernels, GEMM_WORDS),
+        "attention_kernel_share": _share(only_kernels, ATTENTION_WORDS),
+    }
+
+
+def host_busy(trace: Trace) -> dict[str, Any]:
+    """Fraction of the profiled window in which the main thread ran an ATen operator."""
+    lo, hi = trace.window
+    ops = [s for s in trace.in_window(trace.host) if (s.pid, s.tid) == trace.main and s.cat == "cpu_op"]
+    busy = union_length([(s.ts, s.end) for s in ops], lo, hi)
+    n = max(1, len(trace.steps))
+    return {
+        "basis": "ATen operators on the main thread (union of intervals over the profiled steps)",
+        "busy_fraction": busy / (hi - lo) if hi > lo else None,
+        "ops_per_step": len(ops) / n,
+        "mean_op_us": sum(s.self_time for s in ops) / len(ops) if ops else 0.0,
+    }
+
+
+def top_ops(trace: Trace, k: int = 15) -> list[dict[str, Any]]:
+    """Host operators by self time (all threads), per step."""
+    agg: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for s in trace.in_window(trace.host):
+        if s.cat == "cpu_op":
+            agg[s.name][0] += s.self_time
+            agg[s.name][1] += 1
+    return _rank(agg, len(trace.steps), k)
+
+
+def top_kernels(trace: Trace, k: int = 15) -> list[dict[str, Any]]:
+    """Device kernels (and copies) by total time, per step."""
+    agg: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for s in trace.device_in_window():
+        agg[s.name][0] += s.dur
+        agg[s.name][1] += 1
+    return _rank(agg, len(trace.steps), k)
+
+
+def _rank(agg, steps: int, k: int) -> list[dict[str, Any]]:
+    n = max(1, steps)
+    total = sum(v[0] for v in agg.values()) or 1.0
+    rows = sorted(agg.items(), key=lambda kv: -kv[1][0])[:k]
+    return [
+        {"name": name, "self_ms_per_step": t / n / 1000, "share": t / total, "calls_per_step": c / n}
+        for name, (t, c) in rows
+    ]
+
+
+def _share(kernels: list[Span], words) -> float:
+    total = sum(k.dur for k in kernels) or 1.0
+    return sum(k.dur for k in kernels if any(w in k.name.lower() for w in words)) / total
+
+
+def syncs(trace: Trace) -> dict[str, Any]:
+    """Host-device synchronisations per step and where they come from.
+
+    With device events in the trace (CUDA), the blocking CUDA runtime calls are counted and each is
+    traced up to the operator and phase that issued it. Without them (CPU), the operators that would
+    block on an accelerator (``aten::item``, ``nonzero``, ...) are counted instead; scalar reads
+    inside ``torch.optim`` steps are left out (their step counters live on the host)."""
+    n = max(1, len(trace.steps))
+    cuda = bool(trace.device)
+    counts: dict[tuple, int] = defaultdict(int)
+    for s in trace.in_window(trace.host):
+        if cuda:
+            if s.cat != "cuda_runtime" or s.name not in SYNC_RUNTIME:
+                continue
+        else:
+            if s.cat != "cpu_op" or s.name not in SYNC_OPS:
+                continue
+            if any(a.name in SYNC_OPS for a in s.ancestors()):
+                continue  # counted at the outermost sync operator (item -> _local_scalar_dense)
+            if any(a.name.startswith(HOST_SCALAR_PARENTS) for a in s.ancestors()):
+                continue
+        counts[_source(trace, s)] += 1
+    sources = [
+        {"call": call, "op": op, "parent": parent, "region": region, "python": py, "per_step": c / n}
+        for (call, op, parent, region, py), c in sorted(counts.items(), key=lambda kv: -kv[1])
+    ]
+    return {
+        "basis": "blocking CUDA runtime calls" if cuda else "operators that would block on an accelerator",
+        "per_step": sum(counts.values()) / n,
+        "sources": sources,
+    }
+
+
+def _source(trace: Trace, s: Span) -> tuple:
+    """(call, outermost sync op, nearest other parent, phase, python frame) for one sync."""
+    op = s.name if s.name in SYNC_OPS else ""
+    parent, py = "", ""
+    for a in s.ancestors():
+        if a.name in SYNC_OPS:
+            op = a.name
+            continue
+        if a.cat == "python_function" and not py and "tokenmill" in a.name:
+            py = a.name
+        if not parent and a.cat in ("cpu_op", "user_annotation") and not a.name.startswith("ProfilerStep#"):
+            parent = a.name
+    region = trace.region_at(s.ts)
+    if region == OUTSIDE and not parent:
+        parent = "training loop (logging / loss read-back)"
+    return (s.name, op, parent, region, py)

@@ -1,0 +1,172 @@
+"""Memory: the peak of the profiled steps from the profiler's allocator events, and CUDA allocator tools.
+
+``[memory]`` events carry the allocator's running total after each allocation or free (``Total
+Allocated``), the size (``Bytes``, negative for a free), the address and the device. On CUDA the total
+is the caching allocator's allocated bytes (absolute). On CPU it only counts blocks allocated while
+the profiler ran, so the CPU figures are relative to the start of profiling.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from tokenmill.profiling.trace import Trace
+
+MB = 1024**2
+CUDA_DEVICE_TYPE = 1
+
+
+def memory_peak(trace: Trace, logits_numels: tuple[int, ...] = (), top: int = 8) -> Optional[dict[str, Any]]:
+    """The allocation peak within the profiled steps: size, when in the step, the phase and operator
+    running at that moment, and the largest blocks alive then (with the operator that allocated them).
+
+    ``logits_numels`` (batch x length x vocabulary, padded or not) mark live blocks of at least 2 bytes
+    per such element and a multiple of it: the logits, their fp32 copies, log-softmax, their gradients."""
+    events = trace.memory
+    if not events or not trace.steps:
+        return None
+    cuda = any(e["args"].get("Device Type") == CUDA_DEVICE_TYPE for e in events)
+    dev = CUDA_DEVICE_TYPE if cuda else 0
+    events = [e for e in events if e["args"].get("Device Type", 0) == dev]
+    lo, hi = trace.window
+    live: dict[Any, tuple[int, dict]] = {}
+    best, best_live, start_total = None, None, None
+    for e in events:
+        a = e["args"]
+        if e["ts"] >= hi:
+            break
+        if e["ts"] >= lo and start_total is None:
+            start_total = a.get("Total Allocated", 0) - max(0, a.get("Bytes", 0))
+        b = a.get("Bytes", 0)
+        if b > 0:
+            live[a.get("Addr")] = (b, e)
+        elif b < 0:
+            live.pop(a.get("Addr"), None)
+        if e["ts"] >= lo and (best is None or a.get("Total Allocated", 0) > best["args"].get("Total Allocated", 0)):
+            best, best_live = e, dict(live)
+    if best is None:
+        return None
+    ts = best["ts"]
+    step = trace.step_at(ts)
+    step_span = trace.steps[step] if step is not None else trace.steps[0]
+    op = trace.span_at(best["pid"], best["tid"], ts)
+    peak = best["args"].get("Total Allocated", 0)
+    blocks = _group_blocks(trace, best_live.values())
+    out = {
+        "basis": "CUDA caching allocator (absolute)" if cuda else "CPU allocations made while profiling (relative)",
+        "device": "cuda" if cuda else "cpu",
+        "peak_mb": peak / MB,
+        "step_start_mb": (start_total or 0) / MB,
+        "peak_step": int(step_span.name.split("#")[1]),
+        "peak_at_ms": (ts - step_span.ts) / 1000,
+        "peak_at_fraction": (ts - step_span.ts) / step_span.dur if step_span.dur else None,
+        "peak_region": trace.region_at(ts),
+        "peak_op": _op_chain(op),
+        "top_live": blocks[:top],
+    }
+    out["transient_mb"] = max(0.0, out["peak_mb"] - _total_at(events, step_span.ts) / MB)
+    if logits_numels:
+        out["vocab_sized_mb"] = sum(b for b, _ in best_live.values() if _vocab_sized(b, logits_numels)) / MB
+    return out
+
+
+def _vocab_sized(nbytes: int, numels: tuple[int, ...]) -> bool:
+    return any(n > 0 and nbytes >= 2 * n and nbytes % n == 0 for n in numels)
+
+
+def _total_at(events: list[dict], ts: float) -> int:
+    """Allocator total just before ``ts``."""
+    total = 0
+    for e in events:
+        if e["ts"] >= ts:
+            break
+        total = e["args"].get("Total Allocated", 0)
+    return total
+
+
+def _group_blocks(trace: Trace, blocks) -> list[dict[str, Any]]:
+    """Live blocks grouped by (allocating operator, phase), largest first."""
+    groups: dict[tuple, list[float]] = defaultdict(lambda: [0, 0])
+    for b, e in blocks:
+        op = trace.span_at(e["pid"], e["tid"], e["ts"])
+        ts = e["ts"]
+        key = (_op_chain(op), trace.region_at(ts) if ts >= trace.window[0] else "before the profiled steps")
+        groups[key][0] += b
+        groups[key][1] += 1
+    rows = sorted(groups.items(), key=lambda kv: -kv[1][0])
+    return [{"op": op, "region": region, "mb": b / MB, "blocks": n} for (op, region), (b, n) in rows]
+
+
+def _op_chain(span) -> str:
+    """'outer > inner' names of the operators/regions open at a moment (at most three, innermost last)."""
+    names = []
+    while span is not None and len(names) < 3:
+        if not span.name.startswith("ProfilerStep#"):
+            names.append(span.name)
+        span = span.parent
+    return " > ".join(reversed(names)) if names else "(no operator)"
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA-only helpers (callers check torch.cuda.is_available() and the run's device)
+
+ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_ooms", "num_sync_all_streams")
+
+
+def allocator_counters() -> dict[str, int]:
+    """The allocator's cumulative event counters (cudaMalloc/cudaFree calls, retries after a failed
+    allocation that forced freeing the cache, OOMs)."""
+    stats = torch.cuda.memory_stats()
+    return {k: int(stats.get(k, 0)) for k in ALLOCATOR_COUNTERS}
+
+
+def allocator_summary(before: dict[str, int], steps: int) -> dict[str, Any]:
+    """Counters over the profiled steps (delta from ``before``) plus reserved/allocated figures."""
+    stats = torch.cuda.memory_stats()
+    after = allocator_counters()
+    delta = {k: after[k] - before.get(k, 0) for k in ALLOCATOR_COUNTERS}
+    n = max(1, steps)
+    allocated = stats.get("allocated_bytes.all.current", 0)
+    reserved = stats.get("reserved_bytes.all.current", 0)
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return {
+        "during_profiled_steps": delta,
+        "cuda_malloc_per_step": delta["num_device_alloc"] / n,
+        "cuda_free_per_step": delta["num_device_free"] / n,
+        "alloc_retries_total": after["num_alloc_retries"],
+        "allocated_mb": allocated / MB,
+        "reserved_mb": reserved / MB,
+        "reserved_minus_allocated_mb": (reserved - allocated) / MB,
+        "peak_allocated_mb": stats.get("allocated_bytes.all.peak", 0) / MB,
+        "peak_reserved_mb": stats.get("reserved_bytes.all.peak", 0) / MB,
+        "inactive_split_mb": stats.get("inactive_split_bytes.all.current", 0) / MB,
+        "device_total_mb": props.total_memory / MB,
+    }
+
+
+def start_memory_history() -> bool:
+    """Start recording allocator history for a snapshot; False if this torch cannot."""
+    try:
+        torch.cuda.memory._record_memory_history(max_entries=100000)
+        return True
+    except Exception:  # pragma: no cover - depends on the torch build
+        return False
+
+
+def dump_snapshot(path: Path) -> Optional[str]:
+    """Write the snapshot (open it at https://pytorch.org/memory_viz) and stop recording.
+    Returns an error message instead of raising."""
+    try:
+        torch.cuda.memory._dump_snapshot(str(path))
+        return None
+    except Exception as e:  # pragma: no cover - depends on the torch build
+        return f"memory snapshot failed: {e}"
+    finally:
+        try:
+            torch.cuda.memory._record_memory_history(enabled=None)
+        except Exception:  # pragma: no cover
+            pass
