@@ -8,7 +8,6 @@ import sys
 import time
 
 from conftest import cpu_env
-
 from tokenmill.train.metrics import read_metrics
 
 TINY = ["--preset", "tiny", "--train.device", "cpu", "--log.progress", "plain"]

@@ -560,13 +560,6 @@ def from_dict(tree: dict[str, Any]) -> Config:
     return validate(apply_overrides(Config(), flatten(tree)))
 
 
-def help_text() -> str:
-    lines = []
-    for key, (tp, default, doc) in field_specs().items():
-        lines.append(f"  --{key} VALUE   (default: {default!r})\n      {doc}")
-    return "\n".join(lines)
-
-
 def reference_markdown() -> str:
     """The config reference as Markdown tables, one per section (used by README and `tokenmill config`)."""
     out = []
