@@ -80,7 +80,7 @@ def smoke_overrides(cfg: C.Config) -> dict[str, Any]:
         "model.n_head": 2,
         "model.block_size": 64,
         "train.batch_size": max(1, min(32, math.ceil(cfg.train.batch_size / 8))),
-        "data.num_workers": min(cfg.data.num_workers, 2),
+        "data.num_workers": min(cfg.data.num_workers, 1),  # keeps the worker path, spares small CPUs
     }
     if cfg.data.source == "synthetic" and cfg.model.vocab_size:
         out["model.vocab_size"] = min(cfg.model.vocab_size, SMOKE_MAX_VOCAB)

@@ -8,8 +8,9 @@ exist yet, or torch.compile on a CPU in --smoke). Only measured rungs are carrie
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from tokenmill.bench import report
 from tokenmill.bench.configs import rung_config
@@ -59,44 +60,49 @@ def run_ladder(
     log(f"tokenmill bench: ladder '{ladder.name}' ({len(ladder.rungs)} rungs) on {gpu_label(env)}"
         f"{' [smoke]' if smoke else ''} -> {out}")
     carried: list[int] = []
-    n = len(ladder.rungs)
+    echo = (lambda line: log(f"        | {line}")) if echo_runs else None
     for i, rung in enumerate(ladder.rungs):
         rec = _record(ladder, i, rung, carried)
         doc["rungs"].append(rec)
-        log(f"[{i + 1:>2}/{n}] {rung.name}: {rung.explain}")
-        missing = rung.missing_fields()
-        if missing:
-            _finish(rec, "skipped", f"needs {', '.join(missing)} (not a tokenmill config field yet)", log)
-            continue
-        try:
-            rc = rung_config(ladder, i, carried, cli_set, smoke, timed_steps)
-        except LadderError as e:
-            _finish(rec, "failed", f"config: {e}", log)
-            continue
-        rec["config"] = rc.config.to_dict()
-        rec["plan"] = rc.plan.to_dict()
-        why = skip_reason(ladder, rung, rc.config, env, smoke)
-        if why:
-            _finish(rec, "skipped", why, log)
-            continue
-        run_dir = out / "rungs" / f"{i:02d}-{rung.name}"
-        rec["run_dir"] = str(run_dir.relative_to(out))
-        echo = (lambda line: log(f"        | {line}")) if echo_runs else None
-        res = run_train(rc.config, run_dir, limit, rung.launcher, rung.nproc, echo)
-        rec.update(command=res.command, wall_s=round(res.wall_s, 2), summary=res.summary,
-                   oom=res.oom, stderr_tail=None if res.ok else res.stderr_tail)
-        if res.ok:
+        log(f"[{i + 1:>2}/{len(ladder.rungs)}] {rung.name}: {rung.explain}")
+        status, reason = _run_rung(ladder, i, rec, carried, out, cli_set, smoke, timed_steps, env, limit, echo)
+        rec["status"], rec["reason"] = status, reason
+        if status == "measured":
             carried.append(i)
-            rec["status"] = "measured"
             report.derive(doc)
             log(f"        -> {report.one_line(rec)}")
         else:
-            _finish(rec, "failed", res.reason, log)
+            log(f"        -> {status}: {reason}")
         _write_json(out, doc)
     report.derive(doc)
     _write_json(out, doc)
     report.write_outputs(doc, out, log)
     return doc
+
+
+def _run_rung(ladder: Ladder, i: int, rec: dict[str, Any], carried: list[int], out: Path,
+              cli_set: Optional[dict[str, str]], smoke: bool, timed_steps: Optional[int], env: dict[str, Any],
+              limit: float, echo: Optional[Callable[[str], None]]) -> tuple[str, Optional[str]]:
+    """Resolve, check and run one rung, filling ``rec``; returns (status, reason)."""
+    rung = ladder.rungs[i]
+    missing = rung.missing_fields()
+    if missing:
+        return "skipped", f"needs {', '.join(missing)} (not a tokenmill config field yet)"
+    try:
+        rc = rung_config(ladder, i, carried, cli_set, smoke, timed_steps)
+    except LadderError as e:
+        return "failed", f"config: {e}"
+    rec["config"] = rc.config.to_dict()
+    rec["plan"] = rc.plan.to_dict()
+    why = skip_reason(ladder, rung, rc.config, env, smoke)
+    if why:
+        return "skipped", why
+    run_dir = out / "rungs" / f"{i:02d}-{rung.name}"
+    rec["run_dir"] = str(run_dir.relative_to(out))
+    res = run_train(rc.config, run_dir, limit, rung.launcher, rung.nproc, echo)
+    rec.update(command=res.command, wall_s=round(res.wall_s, 2), summary=res.summary, oom=res.oom,
+               stderr_tail=None if res.ok else res.stderr_tail)
+    return ("measured", None) if res.ok else ("failed", res.reason)
 
 
 def _record(ladder: Ladder, i: int, rung: Rung, carried: list[int]) -> dict[str, Any]:
@@ -117,11 +123,6 @@ def _record(ladder: Ladder, i: int, rung: Rung, carried: list[int]) -> dict[str,
         "plan": None,
         "summary": None,
     }
-
-
-def _finish(rec: dict[str, Any], status: str, reason: str, log: Callable[[str], None]) -> None:
-    rec["status"], rec["reason"] = status, reason
-    log(f"        -> {status}: {reason}")
 
 
 def _write_json(out: Path, doc: dict[str, Any]) -> None:

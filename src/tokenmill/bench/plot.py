@@ -10,6 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
+_LEGEND = {"loc": "lower left", "bbox_to_anchor": (0.0, 1.0), "ncol": 3, "fontsize": 8, "frameon": False}
+
+
+def _reference_points(rungs: list[dict[str, Any]], ys: list[int], key: str) -> list[tuple[int, float]]:
+    return [(y, r["reference"][key]) for y, r in zip(ys, rungs) if key in r["reference"]]
+
 
 def write_png(doc: dict[str, Any], path: Path) -> Optional[str]:
     """Write the figure; returns None, or a note saying why no PNG was written."""
@@ -24,12 +30,18 @@ def write_png(doc: dict[str, Any], path: Path) -> Optional[str]:
     labels = [f"{r['index']} {r['name']}" for r in rungs]
     ys = list(range(len(rungs)))[::-1]  # first rung on top
     time_headline = doc["ladder"]["headline"] == "time_for_samples"
-    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 1.2 + 0.45 * len(rungs)), sharey=True)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 1.6 + 0.45 * len(rungs)), sharey=True)
 
     key = "time_for_samples_s" if time_headline else "tokens_per_sec"
     vals = [(r["metrics"] or {}).get(key) for r in rungs]
-    left.barh(ys, [v or 0 for v in vals], color="#4C72B0")
-    top = max([v for v in vals if v] or [1.0])
+    left.barh(ys, [v or 0 for v in vals], color="#4C72B0", label="measured")
+    refs = _reference_points(rungs, ys, key)
+    if refs:
+        source = doc["ladder"]["reference"].get("hardware") or "seed"
+        left.scatter([v for _, v in refs], [y for y, _ in refs], marker="D", s=22, facecolors="none",
+                     edgecolors="black", zorder=3, label=f"seed reference ({source})")
+        left.legend(**_LEGEND)
+    top = max([v for v in vals if v] + [v for _, v in refs] or [1.0])
     for y, r, v in zip(ys, rungs, vals):
         if v is None:
             left.text(top * 0.01, y, r["status"] or "", va="center", fontsize=8, color="#B22222")
@@ -56,7 +68,12 @@ def write_png(doc: dict[str, Any], path: Path) -> Optional[str]:
         for y, v in zip(ys, alloc):
             if v is not None:
                 right.text(v / 1024, y + h / 2, f" {v / 1024:.2f}", va="center", fontsize=7)
-        right.legend(loc="lower right", fontsize=8)
+        for key, dy, color in (("peak_alloc_mb", h / 2, "#1E5631"), ("peak_reserved_mb", -h / 2, "#7A1F1F")):
+            pts = _reference_points(rungs, ys, key)
+            if pts:
+                right.scatter([v / 1024 for _, v in pts], [y + dy for y, _ in pts], marker="D", s=16,
+                              facecolors="none", edgecolors=color, zorder=3, label=f"seed reference ({key.split('_')[1]})")
+        right.legend(**_LEGEND)
         right.set_xlabel("GPU memory (GB = 1024^3 bytes)")
     else:
         right.text(0.5, 0.5, f"no CUDA memory figures (ran on {doc['gpu']})", ha="center", va="center",

@@ -13,9 +13,10 @@ previous measured rung, in the seed and here, each classed better / worse / same
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from tokenmill.bench.env import gpu_label
 from tokenmill.bench.schema import Ladder
@@ -26,6 +27,8 @@ HIGHER_IS_BETTER = {"tokens_per_sec": True, "time_for_samples_s": False, "peak_a
                     "peak_reserved_mb": False}
 WORDS = {"tokens_per_sec": ("faster", "slower"), "time_for_samples_s": ("faster", "slower"),
          "peak_alloc_mb": ("less memory", "more memory"), "peak_reserved_mb": ("less memory", "more memory")}
+REF_LABELS = {"tokens_per_sec": "ref tok/s", "time_for_samples_s": "ref s", "peak_alloc_mb": "ref alloc GB",
+              "peak_reserved_mb": "ref reserved GB"}
 SAME_WITHIN = 0.03  # a change under 3% counts as "same"
 
 
@@ -108,7 +111,8 @@ def derive(doc: dict[str, Any]) -> None:
             q = _ratio(m.get(key), old)
             m[f"{key}_change_vs_prev"] = q - 1 if q is not None else None
         r["metrics"] = m
-        r["reference_check"] = _reference_check(r, prev, headline)
+        if not doc["smoke"]:  # smoke figures come from tiny shapes: nothing to compare
+            r["reference_check"] = _reference_check(r, prev, headline)
         prev = r
     doc["baseline_rung"] = base["name"] if base else None
 
@@ -181,10 +185,9 @@ def _columns(doc: dict[str, Any]) -> list[tuple[str, Callable[[dict[str, Any]], 
     def ref_cols(key):
         if not has_ref[key]:
             return []
-        unit = "GB" if key.endswith("_mb") else ("s" if key.endswith("_s") else "tok/s")
         fmt = _gb if key.endswith("_mb") else (lambda v: _num(v, "{:,.2f}") if key.endswith("_s") else _num(v))
-        cols = [(f"ref {unit}", ref(key, fmt))]
-        if key == headline:
+        cols = [(REF_LABELS[key], ref(key, fmt))]
+        if key == headline and not doc["smoke"]:
             cols += [("ref Δ / ours Δ", _ref_change), ("agrees", _agrees)]
         return cols
 

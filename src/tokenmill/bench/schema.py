@@ -128,6 +128,8 @@ def load_ladder(name_or_path: str) -> Ladder:
     """A shipped ladder by name, or a user's ladder TOML file by path."""
     p = Path(name_or_path)
     if p.suffix == ".toml" or p.is_file():
+        if not p.is_file():
+            raise LadderError(f"ladder file '{p}' does not exist; shipped ladders are {shipped_ladders()}.")
         return parse_ladder(C.load_toml(p), str(p))
     names = shipped_ladders()
     if name_or_path not in names:

@@ -1,0 +1,236 @@
+"""Sizing searches: the largest micro-batch, and the largest model, that train without running out
+of memory with the given switches.
+
+Both searches take a ``probe`` callable (value -> :class:`Probe`), so the search logic is tested
+with a deterministic probe; the real probe (:class:`SubprocessProbe`) trains a few steps in a fresh
+``tokenmill train`` subprocess. A probe *fits* when the run finishes (and stays under
+``memory_cap_mb`` when one is given); it is *too big* on out-of-memory, over the cap, or past its
+time limit; any other failure stops the search with that error (a config mistake is not a size).
+
+- max-batch: double from ``start`` until a probe is too big (or ``limit`` is reached), then binary
+  search between the last fit and the first failure.
+- max-model: shapes of the GPT-2 / GPT-3 family ordered by parameter count (counted on the meta
+  device, nothing allocated); binary search for the largest that fits (memory grows with size).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from tokenmill import config as C
+from tokenmill.bench.runner import run_train
+
+# (name, n_layer, n_head, n_embd): the GPT-2 shapes, the GPT-3 paper's 1.3B (16 heads of 128), 2.7B,
+# 6.7B and 13B shapes, and two in-between sizes with heads of 128.
+SHAPES: list[tuple[str, int, int, int]] = [
+    ("gpt2-124m", 12, 12, 768),
+    ("gpt2-medium-350m", 24, 16, 1024),
+    ("gpt2-large-774m", 36, 20, 1280),
+    ("gpt3-xl-1.3b", 24, 16, 2048),
+    ("gpt2-xl-1.5b", 48, 25, 1600),
+    ("gpt3-2.7b", 32, 32, 2560),
+    ("gpt3-6.7b", 32, 32, 4096),
+    ("9b-like", 36, 36, 4608),
+    ("gpt3-13b", 40, 40, 5120),
+    ("20b-like", 44, 48, 6144),
+]
+PROBE_FIXED: dict[str, Any] = {
+    "log.every_steps": 1,
+    "log.timing_warmup_steps": 1,
+    "log.progress": "plain",
+    "log.tensorboard": False,
+    "checkpoint.save_final": False,
+    "checkpoint.every_steps": 0,
+    "train.eval_batches": 0,
+    "train.sample_at_end": False,
+}
+
+
+class SizingError(RuntimeError):
+    """A probe failed for a reason other than memory; the search cannot go on."""
+
+
+@dataclass
+class Probe:
+    """One probe: ``status`` is 'fits', 'too-big' or 'error'."""
+
+    value: Any
+    status: str
+    reason: Optional[str] = None
+    wall_s: Optional[float] = None
+    step_time_ms: Optional[float] = None
+    tokens_per_sec: Optional[float] = None
+    peak_alloc_mb: Optional[float] = None
+    peak_reserved_mb: Optional[float] = None
+    params: Optional[int] = None
+
+    def line(self) -> str:
+        s = f"{self.status}"
+        if self.step_time_ms is not None:
+            s += f", step {self.step_time_ms:,.1f} ms"
+        if self.peak_alloc_mb is not None:
+            s += f", peak alloc {self.peak_alloc_mb:,.0f} MB, reserved {self.peak_reserved_mb or 0:,.0f} MB"
+        if self.reason:
+            s += f" ({self.reason})"
+        return s
+
+
+ProbeFn = Callable[[Any], Probe]
+
+
+def fmt_params(n: int) -> str:
+    """124439808 -> '124.4M'; 1557611200 -> '1.56B'; small counts in full."""
+    if n >= 1e9:
+        return f"{n / 1e9:.2f}B"
+    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
+
+
+def _run(probe: ProbeFn, value: Any, probes: list[Probe], label: str, log: Callable[[str], None]) -> bool:
+    p = probe(value)
+    probes.append(p)
+    log(f"  probe {label}: {p.line()}")
+    if p.status == "error":
+        raise SizingError(f"probe {label} failed for a reason other than memory: {p.reason}")
+    return p.status == "fits"
+
+
+def search_max_batch(probe: ProbeFn, start: int = 1, limit: int = 1024,
+                     log: Callable[[str], None] = print) -> dict[str, Any]:
+    """The largest batch in [1, limit] that fits (0 if none); ``hit_limit`` when ``limit`` fits."""
+    if start < 1 or limit < 1:
+        raise ValueError("start and limit must be >= 1")
+    probes: list[Probe] = []
+    lo, hi = 0, None  # lo: largest known fit; hi: smallest known misfit
+    b = min(start, limit)
+    while True:
+        if _run(probe, b, probes, f"batch {b}", log):
+            lo = b
+            if b >= limit:
+                break
+            b = min(2 * b, limit)
+        else:
+            hi = b
+            break
+    while hi is not None and hi - lo > 1:
+        mid = (lo + hi) // 2
+        if _run(probe, mid, probes, f"batch {mid}", log):
+            lo = mid
+        else:
+            hi = mid
+    return {"max_batch": lo, "hit_limit": lo == limit, "limit": limit, "probes": [asdict(p) for p in probes]}
+
+
+def search_max_model(shapes: list[dict[str, Any]], probe: ProbeFn,
+                     log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Binary search over ``shapes`` (ordered smallest first) for the largest that fits."""
+    if not shapes:
+        raise ValueError("no shapes to probe")
+    probes: list[Probe] = []
+    lo, hi = -1, len(shapes)  # shapes[lo] fits (or none), shapes[hi] does not (or none left)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        s = shapes[mid]
+        label = f"{s['name']} ({fmt_params(s['params'])} params)"
+        if _run(probe, s, probes, label, log):
+            lo = mid
+        else:
+            hi = mid
+    return {
+        "largest": shapes[lo] if lo >= 0 else None,
+        "hit_limit": lo == len(shapes) - 1,
+        "shapes": shapes,
+        "probes": [asdict(p) for p in probes],
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Real probes
+
+
+def data_vocab_size(cfg: C.Config) -> int:
+    """The vocabulary the model will get: model.vocab_size, else the data's (without preparing it)."""
+    if cfg.model.vocab_size:
+        return cfg.model.vocab_size
+    d = cfg.data
+    if d.path:
+        meta = Path(d.path) / "meta.json"
+        if meta.is_file():
+            return int(json.loads(meta.read_text())["vocab_size"])
+        raise C.ConfigError(f"data.path '{d.path}' has no meta.json; prepare it first or set model.vocab_size.")
+    return {"bytes": 256, "gpt2": 50257}.get(d.tokenizer, d.bpe_vocab_size)
+
+
+def count_params(cfg: C.Config) -> int:
+    """Parameters of ``cfg``'s model, built on the meta device (no memory is allocated)."""
+    import torch
+
+    from tokenmill.model import GPT
+
+    with torch.device("meta"):
+        model = GPT(cfg.model, data_vocab_size(cfg))
+    return model.num_params()
+
+
+def with_overrides(cfg: C.Config, overrides: dict[str, Any]) -> C.Config:
+    """A validated copy of ``cfg`` with ``overrides`` applied."""
+    return C.validate(C.apply_overrides(C.from_dict(cfg.to_dict()), overrides))
+
+
+def model_shapes(cfg: C.Config, shapes: Optional[list[tuple[str, int, int, int]]] = None,
+                 max_params: Optional[float] = None) -> list[dict[str, Any]]:
+    """The shapes with their parameter counts for ``cfg`` (its vocab, block size, head/bias
+    switches), sorted by size, without those above ``max_params``."""
+    out = []
+    for name, n_layer, n_head, n_embd in shapes or SHAPES:
+        c = with_overrides(cfg, {"model.n_layer": n_layer, "model.n_head": n_head, "model.n_embd": n_embd})
+        out.append({"name": name, "n_layer": n_layer, "n_head": n_head, "n_embd": n_embd,
+                    "params": count_params(c)})
+    out.sort(key=lambda s: s["params"])
+    return [s for s in out if max_params is None or s["params"] <= max_params]
+
+
+class SubprocessProbe:
+    """Train ``steps`` steps of ``cfg`` with one change in a fresh subprocess (see module doc)."""
+
+    def __init__(self, cfg: C.Config, out_dir: Path, kind: str, steps: int = 3, timeout_s: float = 600.0,
+                 memory_cap_mb: Optional[float] = None, launcher: Optional[str] = None, nproc: int = 1):
+        if kind not in ("batch", "model"):
+            raise ValueError(kind)
+        self.cfg, self.out_dir, self.kind = cfg, Path(out_dir), kind
+        self.steps, self.timeout_s, self.memory_cap_mb = steps, timeout_s, memory_cap_mb
+        self.launcher, self.nproc = launcher, nproc
+
+    def overrides(self, value: Any) -> tuple[str, dict[str, Any]]:
+        if self.kind == "batch":
+            return f"batch-{value}", {"train.batch_size": value}
+        return value["name"], {"model.n_layer": value["n_layer"], "model.n_head": value["n_head"],
+                               "model.n_embd": value["n_embd"]}
+
+    def __call__(self, value: Any) -> Probe:
+        name, changes = self.overrides(value)
+        cfg = with_overrides(self.cfg, {**changes, **PROBE_FIXED, "train.max_steps": self.steps})
+        res = run_train(cfg, self.out_dir / "probes" / name, self.timeout_s, self.launcher, self.nproc)
+        s = res.summary or {}
+        p = Probe(value=value if self.kind == "batch" else value["name"], status="fits", wall_s=round(res.wall_s, 2),
+                  step_time_ms=s.get("step_time_ms"), tokens_per_sec=s.get("tokens_per_sec"),
+                  peak_alloc_mb=s.get("peak_alloc_mb"), peak_reserved_mb=s.get("peak_reserved_mb"),
+                  params=s.get("params"))
+        if res.summary is None or res.rc != 0:
+            p.status = "too-big" if (res.oom or res.timed_out) else "error"
+            p.reason = res.reason
+        elif self.memory_cap_mb is not None:
+            used = p.peak_reserved_mb if p.peak_reserved_mb is not None else p.peak_alloc_mb
+            if used is None:
+                p.reason = "no CUDA memory figures here: --memory-cap-mb not applied"
+            elif used > self.memory_cap_mb:
+                p.status, p.reason = "too-big", f"peak reserved {used:,.0f} MB > cap {self.memory_cap_mb:,.0f} MB"
+        return p
+
+
+def write_result(result: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2, default=str))
