@@ -66,6 +66,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
             )
         for o, sd in zip(self.optimizers, state_dict["per_parameter"]):
             o.load_state_dict(sd)
+        self.param_groups = [o.param_groups[0] for o in self.optimizers]  # loading made new group dicts
 
 
 class CPUOffloadOptimizer(torch.optim.Optimizer):
@@ -74,7 +75,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     ``step``: copy each gradient into a (pinned) CPU buffer, run AdamW on the CPU masters, copy the
     updated masters back into the device parameters. The device holds only the parameters and their
     gradients; the optimizer state (2 x fp32 per parameter) and the masters live in host memory.
-    ``state_dict`` is an ordinary AdamW state dict (checkpoints interchange with the plain optimizer).
+    ``state_dict`` is an ordinary AdamW state dict (checkpoints interchange with the plain optimizer);
+    on load the masters are refreshed from the model's weights, so load the model first.
     """
 
     def __init__(self, model: nn.Module, cfg: OptimConfig):
@@ -119,7 +121,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.cpu.load_state_dict(state_dict)
-        self.state = self.cpu.state
+        with torch.no_grad():  # the model was loaded first: masters restart from its weights
+            for p, m in self.pairs:
+                m.copy_(p.detach())
+        self.param_groups, self.state = self.cpu.param_groups, self.cpu.state  # loading made new objects
 
 
 def build_adamw_8bit(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:

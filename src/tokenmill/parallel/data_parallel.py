@@ -28,7 +28,6 @@ def apply_ddp(model: nn.Module, world: World, cfg: ParallelConfig) -> nn.Module:
         process_group=world.mesh.get_group("dp_replicate"),
         bucket_cap_mb=cfg.ddp_bucket_mb,
         gradient_as_bucket_view=cfg.ddp_grad_as_bucket_view,
-        broadcast_buffers=False,  # the model has no state buffers (only a constant causal mask)
     )
 
 
@@ -68,6 +67,8 @@ def apply_data_parallel(model: nn.Module, world: World, cfg: ParallelConfig) -> 
             raise ParallelError("parallel.fsdp_cpu_offload / parallel.zero1 need a multi-process (torchrun) run.")
         return model
     if world.sharded:
+        if cfg.fsdp_cpu_offload and world.device.type != "cuda":
+            raise ParallelError("parallel.fsdp_cpu_offload moves shards between GPU and host: it needs CUDA.")
         return apply_fsdp(model, world, cfg)
     if cfg.fsdp_mixed_precision != "none" or cfg.fsdp_cpu_offload:
         raise ParallelError("parallel.fsdp_* switches need parallel.dp_shard > 1 (FSDP).")

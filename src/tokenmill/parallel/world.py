@@ -108,6 +108,23 @@ def _backend(cfg: ParallelConfig, device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def init_process_group(backend: str, device: torch.device, timeout: timedelta = timedelta(minutes=10)) -> None:
+    """``init_process_group`` from the torchrun environment (``env://``).
+
+    A worker that torchrun restarted after a failure may be handed the same key-value store as the
+    failed attempt, still holding that attempt's connection addresses (gloo then tries to connect to
+    dead peers). So under torchelastic the store is wrapped in a prefix unique to the attempt.
+    """
+    kw = {"device_id": device} if device.type == "cuda" else {}
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        dist.init_process_group(backend, timeout=timeout, **kw)
+        return
+    store, rank, size = next(dist.rendezvous("env://", timeout=timeout))
+    store = dist.PrefixStore(f"tokenmill/attempt_{attempt}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout, **kw)
+
+
 def init_world(cfg: ParallelConfig, device: torch.device) -> World:
     """Join the process group (when launched by torchrun) and build the device mesh.
 
@@ -129,8 +146,7 @@ def init_world(cfg: ParallelConfig, device: torch.device) -> World:
         raise ParallelError(f"multi-process training runs on CUDA or CPU, not {device.type}.")
     owns = not dist.is_initialized()
     if owns:
-        kw = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(_backend(cfg, device), timeout=timedelta(minutes=10), **kw)
+        init_process_group(_backend(cfg, device), device)
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (rep, shard), mesh_dim_names=("dp_replicate", "dp_shard"))

@@ -117,6 +117,8 @@ def oom_message(cfg: C.Config, device: torch.device, err: BaseException) -> str:
         tips.append("--train.precision bf16-autocast (half-size activations)")
     if m.attention == "manual":
         tips.append("--model.attention sdpa (no T x T attention matrix)")
+    if m.loss_impl == "full":
+        tips.append("--model.loss_impl chunked (no full vocabulary logits)")
     if cfg.optim.impl != "for-loop":
         tips.append("--optim.impl for-loop (smaller optimizer temporaries)")
     lines = "\n".join(f"  {x}" for x in tips)
