@@ -47,7 +47,7 @@ def breakdown(trace: Trace) -> dict[str, Any]:
     per_step["idle"] = max(0.0, step_us / 1000 - sum(per_step.values()))
     per_step["step"] = step_us / 1000
     share = {k: (v / per_step["step"] if per_step["step"] else 0.0) for k, v in per_step.items() if k != "step"}
-    steps = [int(s.name.split("#")[1]) for s in trace.steps]
+    steps = [int(s.name.split("#")[1]) + 1 for s in trace.steps]  # ProfilerStep#N is training step N+1
     return {"steps": steps, "ms_per_step": per_step, "share": share}
 
 
@@ -137,7 +137,7 @@ def syncs(trace: Trace) -> dict[str, Any]:
     counts: dict[tuple, int] = defaultdict(int)
     for s in trace.in_window(trace.host):
         if cuda:
-            if s.cat != "cuda_runtime" or s.name not in SYNC_RUNTIME:
+            if s.cat not in ("cuda_runtime", "cuda_driver") or s.name not in SYNC_RUNTIME:
                 continue
         else:
             if s.cat != "cpu_op" or s.name not in SYNC_OPS:

@@ -9,7 +9,7 @@ regions; they never touch tensors.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from collections.abc import Callable
 
 from torch import nn
 from torch.profiler import record_function

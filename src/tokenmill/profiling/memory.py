@@ -24,8 +24,8 @@ def memory_peak(trace: Trace, logits_numels: tuple[int, ...] = (), top: int = 8)
     """The allocation peak within the profiled steps: size, when in the step, the phase and operator
     running at that moment, and the largest blocks alive then (with the operator that allocated them).
 
-    ``logits_numels`` (batch x length x vocabulary, padded or not) mark live blocks of at least 2 bytes
-    per such element and a multiple of it: the logits, their fp32 copies, log-softmax, their gradients."""
+    ``logits_numels`` (batch x length x vocabulary, padded or not) mark live blocks of 2 or 4 bytes per
+    such element: the logits, their fp32 copies, log-softmax, their gradients."""
     events = trace.memory
     if not events or not trace.steps:
         return None
@@ -34,13 +34,11 @@ def memory_peak(trace: Trace, logits_numels: tuple[int, ...] = (), top: int = 8)
     events = [e for e in events if e["args"].get("Device Type", 0) == dev]
     lo, hi = trace.window
     live: dict[Any, tuple[int, dict]] = {}
-    best, best_live, start_total = None, None, None
+    best, best_live = None, None
     for e in events:
         a = e["args"]
         if e["ts"] >= hi:
             break
-        if e["ts"] >= lo and start_total is None:
-            start_total = a.get("Total Allocated", 0) - max(0, a.get("Bytes", 0))
         b = a.get("Bytes", 0)
         if b > 0:
             live[a.get("Addr")] = (b, e)
@@ -56,36 +54,40 @@ def memory_peak(trace: Trace, logits_numels: tuple[int, ...] = (), top: int = 8)
     op = trace.span_at(best["pid"], best["tid"], ts)
     peak = best["args"].get("Total Allocated", 0)
     blocks = _group_blocks(trace, best_live.values())
+    start = _total_at(events, step_span.ts)
     out = {
         "basis": "CUDA caching allocator (absolute)" if cuda else "CPU allocations made while profiling (relative)",
         "device": "cuda" if cuda else "cpu",
         "peak_mb": peak / MB,
-        "step_start_mb": (start_total or 0) / MB,
-        "peak_step": int(step_span.name.split("#")[1]),
+        "step_start_mb": start / MB,
+        "transient_mb": max(0, peak - start) / MB,
+        "peak_step": int(step_span.name.split("#")[1]) + 1,
         "peak_at_ms": (ts - step_span.ts) / 1000,
         "peak_at_fraction": (ts - step_span.ts) / step_span.dur if step_span.dur else None,
         "peak_region": trace.region_at(ts),
         "peak_op": _op_chain(op),
         "top_live": blocks[:top],
     }
-    out["transient_mb"] = max(0.0, out["peak_mb"] - _total_at(events, step_span.ts) / MB)
     if logits_numels:
         out["vocab_sized_mb"] = sum(b for b, _ in best_live.values() if _vocab_sized(b, logits_numels)) / MB
     return out
 
 
 def _vocab_sized(nbytes: int, numels: tuple[int, ...]) -> bool:
-    return any(n > 0 and nbytes >= 2 * n and nbytes % n == 0 for n in numels)
+    return any(n > 0 and nbytes in (2 * n, 4 * n) for n in numels)
 
 
 def _total_at(events: list[dict], ts: float) -> int:
-    """Allocator total just before ``ts``."""
-    total = 0
+    """Allocator total just before ``ts`` (events are sorted by time)."""
+    total = None
     for e in events:
+        a = e["args"]
         if e["ts"] >= ts:
+            if total is None:  # nothing earlier: the total before this event
+                total = a.get("Total Allocated", 0) - a.get("Bytes", 0)
             break
-        total = e["args"].get("Total Allocated", 0)
-    return total
+        total = a.get("Total Allocated", 0)
+    return total or 0
 
 
 def _group_blocks(trace: Trace, blocks) -> list[dict[str, Any]]:
@@ -109,6 +111,44 @@ def _op_chain(span) -> str:
             names.append(span.name)
         span = span.parent
     return " > ".join(reversed(names)) if names else "(no operator)"
+
+
+# The column order of ``export_memory_timeline``'s JSON (``[times, [sizes by category]]``): a leading
+# unused column, then torch.profiler._memory_profiler's categories, then uncategorised memory.
+TIMELINE_COLUMNS = ("_", "parameter", "optimizer_state", "input", "temporary", "activation", "gradient",
+                    "autograd_detail", "unknown")
+
+
+def export_timeline(prof, run_dir: Path, device: str, html: bool) -> list[str]:
+    """Write ``memory_timeline.json`` (and ``.html`` when asked) from the profiler's memory profile,
+    which sorts every tensor into a category; needs record_shapes, profile_memory and with_stack.
+    Returns notes on what failed."""
+    import warnings
+
+    notes = []
+    names = ["memory_timeline.json"] + (["memory_timeline.html"] if html else [])
+    for name in names:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                prof.export_memory_timeline(str(run_dir / name), device=device)
+        except Exception as e:  # the memory profile is best-effort in PyTorch
+            notes.append(f"{name} not written ({type(e).__name__}: {str(e)[:160]})")
+    return notes
+
+
+def categories_at_peak(path: Path) -> Optional[dict[str, float]]:
+    """MB per category (parameter, optimizer_state, activation, gradient, ...) at the timeline's peak."""
+    import json
+
+    try:
+        _times, sizes = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    if not sizes:
+        return None
+    row = max(sizes, key=sum)
+    return {name: v / MB for name, v in zip(TIMELINE_COLUMNS, row) if name != "_"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -158,15 +198,17 @@ def start_memory_history() -> bool:
 
 
 def dump_snapshot(path: Path) -> Optional[str]:
-    """Write the snapshot (open it at https://pytorch.org/memory_viz) and stop recording.
-    Returns an error message instead of raising."""
+    """Write the snapshot (open it at https://pytorch.org/memory_viz); returns an error message
+    instead of raising."""
     try:
         torch.cuda.memory._dump_snapshot(str(path))
         return None
     except Exception as e:  # pragma: no cover - depends on the torch build
         return f"memory snapshot failed: {e}"
-    finally:
-        try:
-            torch.cuda.memory._record_memory_history(enabled=None)
-        except Exception:  # pragma: no cover
-            pass
+
+
+def stop_memory_history() -> None:
+    try:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    except Exception:  # pragma: no cover
+        pass

@@ -36,7 +36,7 @@ def markdown(p: dict[str, Any]) -> str:
     lines = [
         "# tokenmill profile",
         "",
-        f"Device: {gpu.get('name', p['device'])}; profiled steps {b['steps']} (schedule wait "
+        f"Device: {gpu.get('name', p['device'])}; profiled training steps {b['steps']} (schedule wait "
         f"{p['schedule']['wait']}, warmup {p['schedule']['warmup']}, active {p['schedule']['active']}); "
         f"{p['tokens_per_step']:,} tokens per step. Times include the profiler's own overhead, which is "
         "largest for many small operators.",
@@ -65,7 +65,7 @@ def markdown(p: dict[str, Any]) -> str:
     lines += ["", *_sync_lines(p["syncs"]), "", *_memory_lines(p)]
     if p.get("per_block"):
         pb = p["per_block"]
-        lines += ["", "## Per-block regions (forward)", "",
+        lines += ["", "## Per-block regions (forward, and its recomputation under activation checkpointing)", "",
                   f"attention {pb['attn_ms_per_step']:.2f} ms / step, MLP {pb['mlp_ms_per_step']:.2f} ms / step."]
     lines += ["", "## Files", ""] + [f"- `{v}` ({k})" for k, v in p.get("files", {}).items()]
     if p.get("notes"):
@@ -152,7 +152,7 @@ def write_png(p: dict[str, Any], trace: Trace, path: Path) -> Optional[str]:
         import matplotlib.pyplot as plt
     except ImportError:
         return "profile.png not written: matplotlib is not installed (pip install matplotlib)."
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 6.5), gridspec_kw={"height_ratios": [1, 2]})
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 7), gridspec_kw={"height_ratios": [1, 2]})
     ms = p["breakdown"]["ms_per_step"]
     left = 0.0
     for k in BREAKDOWN:
@@ -165,7 +165,7 @@ def write_png(p: dict[str, Any], trace: Trace, path: Path) -> Optional[str]:
                  left=d["busy_ms_per_step"], color="#eeeeee", label="device idle")
     ax1.set_xlabel("ms per step")
     ax1.set_title("Time per profiled step")
-    ax1.legend(fontsize=7, ncol=4, loc="lower right")
+    ax1.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.35))
     _plot_memory(ax2, p, trace)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -6,9 +6,12 @@ steps unless ``train.max_steps`` is given: the extra step keeps the end-of-train
 and checkpoint out of the profiled window. Files written into the run directory:
 
 - ``trace.json``: Chrome/Perfetto trace of the active steps (open in https://ui.perfetto.dev);
-- ``tensorboard_trace/`` with ``--tensorboard`` (TensorBoard's profiler plugin);
-- CUDA only: ``memory_snapshot.pickle`` (https://pytorch.org/memory_viz), ``memory_timeline.html``
-  (when the profiler can build it);
+- ``tensorboard_trace/`` with ``--tensorboard``: the same trace under the file name of
+  ``torch.profiler.tensorboard_trace_handler`` (``tensorboard --logdir RUN_DIR/tensorboard_trace``
+  with the torch-tb-profiler plugin);
+- CUDA only: ``memory_snapshot.pickle`` (https://pytorch.org/memory_viz);
+- with ``--with-stack``: ``memory_timeline.json`` (memory by category: parameters, optimizer state,
+  activations, gradients, ...) and on CUDA ``memory_timeline.html``;
 - ``profile.json``, ``profile.md``, ``profile.png`` (see :mod:`tokenmill.profiling.report`).
 """
 
@@ -16,11 +19,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import shutil
+import socket
+import time
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+from torch.profiler import ProfilerActivity, profile, schedule
 
 from tokenmill import config as C
 from tokenmill.profiling import analysis, hooks, memory
@@ -64,6 +71,8 @@ def run_profile(cfg: C.Config, run_dir: str | Path, opts: ProfileOptions, quiet:
     from tokenmill.profiling import report
     from tokenmill.train.trainer import resolve_device, train
 
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise C.ConfigError("tokenmill profile runs in one process; start it without torchrun.")
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     device = resolve_device(cfg.train.device)
@@ -80,41 +89,52 @@ def run_profile(cfg: C.Config, run_dir: str | Path, opts: ProfileOptions, quiet:
                 hooks.add_block_regions(model)
 
     def on_ready(prof):
-        prof.export_chrome_trace(str(run_dir / "trace.json"))
-        if opts.tensorboard:
-            tensorboard_trace_handler(str(run_dir / "tensorboard_trace"))(prof)
+        prof.export_chrome_trace(str(run_dir / "trace.json"))  # a trace can be saved only once:
+        if opts.tensorboard:  # copy it under the name TensorBoard's trace handler would use
+            tb = run_dir / "tensorboard_trace"
+            tb.mkdir(exist_ok=True)
+            name = f"{socket.gethostname()}_{os.getpid()}.{time.time_ns() // 1_000_000}.pt.trace.json"
+            shutil.copyfile(run_dir / "trace.json", tb / name)
         if cuda:
             state["allocator"] = memory.allocator_summary(state["alloc_before"], opts.active)
             err = memory.dump_snapshot(run_dir / "memory_snapshot.pickle")
             if err:
                 notes.append(err)
-            try:
-                prof.export_memory_timeline(str(run_dir / "memory_timeline.html"), device=str(device))
-            except Exception as e:  # the timeline needs with_stack and matplotlib; optional
-                notes.append(f"memory_timeline.html not written ({type(e).__name__}: {str(e)[:160]})")
+        if opts.with_stack:
+            dev = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
+            notes.extend(memory.export_timeline(prof, run_dir, dev, html=cuda))
+        elif cuda:
+            notes.append("memory_timeline.html not written: the profiler's memory timeline needs --with-stack.")
         state["ready"] = True
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     sched = schedule(wait=opts.wait, warmup=opts.warmup, active=opts.active, repeat=1)
     if cuda:
         memory.start_memory_history()
-    with profile(
-        activities=activities, schedule=sched, on_trace_ready=on_ready, record_shapes=True,
-        profile_memory=True, with_stack=opts.with_stack,
-    ) as prof:
+    try:
+        with profile(
+            activities=activities, schedule=sched, on_trace_ready=on_ready, record_shapes=True,
+            profile_memory=True, with_stack=opts.with_stack,
+        ) as prof:
 
-        def on_step_end(done: int) -> None:
-            if cuda and done == opts.wait + opts.warmup:
-                state["alloc_before"] = memory.allocator_counters()
-            prof.step()
+            def on_step_end(done: int) -> None:
+                if cuda and done == opts.wait + opts.warmup:
+                    state["alloc_before"] = memory.allocator_counters()
+                prof.step()
 
-        with hooks.on_model_built(built):
-            train(cfg, run_dir, on_step_end=on_step_end, quiet=quiet)
+            with hooks.on_model_built(built):
+                train(cfg, run_dir, on_step_end=on_step_end, quiet=quiet)
+    finally:
+        if cuda:
+            memory.stop_memory_history()
     if not state["ready"]:
-        raise RuntimeError("the profiler schedule did not complete; train.max_steps is too short.")
-    result = analyse(Trace.load(run_dir / "trace.json"), cfg, state["model"], opts, cuda, state.get("allocator"))
+        raise C.ConfigError("the profiler schedule did not complete: train.max_steps is too short.")
+    trace = Trace.load(run_dir / "trace.json")
+    result = analyse(trace, cfg, state["model"], opts, cuda, state.get("allocator"))
+    if result["memory"] and (run_dir / "memory_timeline.json").exists():
+        result["memory"]["categories_at_peak_mb"] = memory.categories_at_peak(run_dir / "memory_timeline.json")
     result["notes"] = notes + result["notes"]
-    png_note = report.write_png(result, Trace.load(run_dir / "trace.json"), run_dir / "profile.png")
+    png_note = report.write_png(result, trace, run_dir / "profile.png")
     if png_note:
         result["notes"].append(png_note)
     result["files"] = _files(run_dir)
@@ -131,6 +151,8 @@ def analyse(
     vocab = getattr(model, "vocab_size", None) or m.vocab_size or 0
     padded = getattr(model, "padded_vocab", vocab)
     bt = t.batch_size * m.block_size
+    # logits-sized blocks are only recognisable when the vocabulary is wider than the MLP (4 x n_embd)
+    numels = (bt * vocab, bt * padded) if vocab > 4 * m.n_embd else ()
     out: dict[str, Any] = {
         "version": 1,
         "device": "cuda" if cuda else "cpu",
@@ -142,7 +164,7 @@ def analyse(
         "top_ops": analysis.top_ops(trace),
         "top_kernels": analysis.top_kernels(trace) if cuda else [],
         "syncs": analysis.syncs(trace),
-        "memory": memory.memory_peak(trace, (bt * vocab, bt * padded)),
+        "memory": memory.memory_peak(trace, numels),
         "allocator": allocator,
         "per_block": _per_block(trace) if opts.per_block else None,
         "files": {},
@@ -154,10 +176,10 @@ def analyse(
                       "total_mb": props.total_memory / memory.MB}
     else:
         out["notes"].append(
-            "CPU run: no device timeline (busy fraction is the main thread's ATen-operator time), no "
-            "CUDA memory snapshot, memory timeline or allocator statistics; syncs are the operators "
-            "that would block on an accelerator; memory figures count only allocations made while "
-            "profiling."
+            "CPU run, skipped: the device timeline (the busy fraction is the main thread's ATen-operator "
+            "time instead), the CUDA memory snapshot, the HTML memory timeline and the allocator "
+            "statistics. Syncs are the operators that would block on an accelerator; memory figures "
+            "count only allocations made while profiling."
         )
     return out
 
@@ -178,7 +200,8 @@ def _files(run_dir: Path) -> dict[str, str]:
     """The files of the profile that exist (profile.md and profile.json are written last)."""
     names = {
         "trace": "trace.json", "tensorboard": "tensorboard_trace", "memory_snapshot": "memory_snapshot.pickle",
-        "memory_timeline": "memory_timeline.html", "figure": "profile.png",
+        "memory_timeline": "memory_timeline.html", "memory_categories": "memory_timeline.json",
+        "figure": "profile.png",
     }
     out = {k: v for k, v in names.items() if (run_dir / v).exists()}
     return {**out, "report": "profile.md", "json": "profile.json"}

@@ -4,7 +4,8 @@ The trace is a list of events. Host work is a set of complete spans (``ph == "X"
 nested by time: ``user_annotation`` spans are ``record_function`` regions (``ProfilerStep#N`` from
 ``prof.step()``, the trainer's phases), ``cpu_op`` spans are ATen operators, ``cuda_runtime`` spans
 are CUDA API calls. Device work (``kernel``, ``gpu_memcpy``, ``gpu_memset``) lives on the GPU's
-streams and is tied to the launching runtime call by ``args.correlation``. Allocator activity is
+streams and is tied to the launching runtime (or driver) call by ``args.correlation``; the
+``gpu_user_annotation`` copies of the regions on the device streams are ignored. Allocator activity is
 the instant events named ``[memory]``.
 
 :class:`Trace` indexes all of that once: parents of every host span, the profiled steps, the phase
@@ -22,6 +23,7 @@ from typing import Any, Optional
 from tokenmill.train.timing import PHASES
 
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_CATS = ("cuda_runtime", "cuda_driver")  # host calls that launch device work
 STEP_RE = re.compile(r"^ProfilerStep#(\d+)$")
 DATA_PREFIX = "enumerate(DataLoader)"  # the DataLoader iterator's own record_function
 OUTSIDE = "outside phases"  # host time in a step that no phase region covers (logging, loop)
@@ -75,7 +77,7 @@ class Trace:
         events = doc.get("traceEvents", [])
         spans = [Span(e) for e in events if e.get("ph") == "X" and isinstance(e.get("tid"), int)]
         self.device = [s for s in spans if s.cat in DEVICE_CATS]
-        self.host = [s for s in spans if s.cat not in DEVICE_CATS]
+        self.host = [s for s in spans if s.cat not in DEVICE_CATS and not s.cat.startswith("gpu_")]
         self.memory = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
         self._by_thread: dict[tuple, list[Span]] = {}
         self._starts: dict[tuple, list[float]] = {}
@@ -94,7 +96,7 @@ class Trace:
         )
         self._region_starts = [s.ts for s in self.regions]
         self.launches = {
-            s.args["correlation"]: s for s in self.host if s.cat == "cuda_runtime" and "correlation" in s.args
+            s.args["correlation"]: s for s in self.host if s.cat in LAUNCH_CATS and "correlation" in s.args
         }
 
     @classmethod

@@ -1,0 +1,224 @@
+"""``tokenmill doctor RUN_DIR``: read a run, turn it into flat facts, apply the rules, rank the findings.
+
+Inputs, all optional but at least one of the first two: ``profile.json`` (``tokenmill profile``),
+``metrics.jsonl`` (steady-state log rows: after ``log.timing_warmup_steps``), ``summary.json`` and
+``config.toml``. The time split comes from the profile when there is one (it also sees the logging
+between steps), else from the trainer's always-on breakdown in the metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any, Optional
+
+from tokenmill import config as C
+from tokenmill.profiling import rules
+from tokenmill.train.timing import PHASES
+
+MB = 1024**2
+
+
+class DoctorError(RuntimeError):
+    """The run directory cannot be diagnosed; the message says why."""
+
+
+def load_run(run_dir: str | Path) -> dict[str, Any]:
+    """The raw inputs: ``config`` (flat 'section.field' dict), ``metrics`` (rows), ``summary``, ``profile``."""
+    d = Path(run_dir)
+    if not d.is_dir():
+        raise DoctorError(f"run directory '{d}' does not exist.")
+    out: dict[str, Any] = {"config": {}, "metrics": [], "summary": {}, "profile": None}
+    if (d / "config.toml").is_file():
+        try:
+            out["config"] = C.flatten(C.from_dict(C.load_toml(d / "config.toml")).to_dict())
+        except C.ConfigError:  # written by another version: take the keys as they are
+            out["config"] = C.flatten(C.load_toml(d / "config.toml"))
+    else:
+        out["config"] = C.flatten(C.Config().to_dict())
+    if (d / "metrics.jsonl").is_file():
+        out["metrics"] = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    for name in ("summary", "profile"):
+        if (d / f"{name}.json").is_file():
+            out[name] = json.loads((d / f"{name}.json").read_text())
+    if not out["profile"] and not any("step_ms" in r for r in out["metrics"]):
+        raise DoctorError(
+            f"'{d}' has neither profile.json nor timed rows in metrics.jsonl; train longer than "
+            "log.timing_warmup_steps + log.every_steps, or run `tokenmill profile`."
+        )
+    return out
+
+
+def steady_rows(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """Logged training rows with a timing, after the timing warm-up."""
+    warm = run["config"].get("log.timing_warmup_steps", 0) or 0
+    rows = [r for r in run["metrics"] if r.get("step_ms") and "loss" in r]
+    later = [r for r in rows if r["step"] > warm]
+    return later or rows
+
+
+def facts_from_metrics(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    f: dict[str, Any] = {}
+    if not rows:
+        return f
+    mean = {k: statistics.fmean(r.get(k) or 0.0 for r in rows)
+            for k in [f"{p}_ms" for p in PHASES] + ["other_ms", "step_ms"]}
+    step = mean["step_ms"] or 1.0
+    f.update(mean)
+    f["idle_ms"] = mean["other_ms"]
+    for p in (*PHASES, "idle"):
+        f[f"{p}_share"] = f[f"{p}_ms"] / step
+    f["fixed_share"] = (mean["optimizer_ms"] + mean["other_ms"]) / step
+    f["phase_source"] = "metrics.jsonl (trainer's always-on breakdown)"
+    return f
+
+
+def facts_from_profile(p: dict[str, Any]) -> dict[str, Any]:
+    ms, share = p["breakdown"]["ms_per_step"], p["breakdown"]["share"]
+    f: dict[str, Any] = {f"{k}_ms": v for k, v in ms.items() if k != "step"}
+    f["step_ms"] = ms["step"]
+    f.update({f"{k}_share": v for k, v in share.items()})
+    f["fixed_share"] = share["optimizer"] + share["idle"]
+    f["phase_source"] = "profile.json (record_function regions of the profiled steps)"
+    f["syncs_per_step"] = p["syncs"]["per_step"]
+    f["sync_sources"] = p["syncs"]["sources"]
+    f["host_mean_op_us"] = p["host_busy"]["mean_op_us"]
+    f["host_ops_per_step"] = p["host_busy"]["ops_per_step"]
+    d = p.get("device_busy")
+    if d:
+        f["device_busy_fraction"] = d["busy_fraction"]
+        f["device_idle_share"] = 1.0 - (d["busy_fraction"] or 0.0)
+        for k in ("kernels_per_step", "mean_kernel_us", "gemm_share"):
+            f[k] = d[k]
+    if p.get("per_block") and ms["step"]:
+        f["attn_share"] = p["per_block"]["attn_ms_per_step"] / ms["step"]
+    m = p.get("memory")
+    if m:
+        for k in ("peak_mb", "peak_region", "peak_op", "vocab_sized_mb", "transient_mb", "step_start_mb",
+                  "categories_at_peak_mb"):
+            f[k] = m.get(k)
+        f["memory_device"] = m["device"]
+    a = p.get("allocator")
+    if a:
+        f["alloc_retries"] = a["during_profiled_steps"]["num_alloc_retries"] or a["alloc_retries_total"]
+        for k in ("cuda_malloc_per_step", "cuda_free_per_step", "reserved_minus_allocated_mb", "peak_reserved_mb",
+                  "device_total_mb"):
+            f[k] = a[k]
+    g = p.get("gpu")
+    if g:
+        f["gpu_name"], f["gpu_capability"], f["device_total_mb"] = g["name"], g["capability"], g["total_mb"]
+    return f
+
+
+def memory_facts(f: dict[str, Any], config: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
+    """Parameter/gradient/AdamW-state sizes and the activation part of the peak: measured when the
+    profile has the memory timeline's categories (``--with-stack``), else estimated from the
+    parameter count and the allocator growth within the step."""
+    cats = f.get("categories_at_peak_mb")
+    if cats and sum(cats.values()) > 0:
+        return {
+            "memory_total_mb": sum(cats.values()),
+            "activation_mb": cats.get("activation", 0) + cats.get("temporary", 0) + cats.get("autograd_detail", 0),
+            "optimizer_state_mb": cats.get("optimizer_state", 0),
+            "param_mb": cats.get("parameter", 0),
+            "grad_mb": cats.get("gradient", 0),
+            "memory_source": "memory timeline categories at the peak",
+        }
+    params = summary.get("params")
+    out: dict[str, Any] = {"memory_source": "estimated from the parameter count"}
+    if not params:
+        return {}
+    width = 2 if config.get("train.precision") == "bf16" else 4
+    param_mb = params * width / MB
+    out.update(param_mb=param_mb, grad_mb=param_mb, optimizer_state_mb=2 * param_mb)
+    persistent = 3 * param_mb  # weights + AdamW state; gradients are freed (set_to_none) before forward
+    if f.get("memory_device") == "cuda" and f.get("peak_mb"):
+        total = f["peak_mb"]
+        act = f.get("transient_mb")
+    elif f.get("device") == "cuda" and summary.get("peak_alloc_mb"):
+        total = summary["peak_alloc_mb"]
+        act = max(0.0, total - persistent - param_mb)
+    elif f.get("transient_mb") is not None:  # CPU: the profiler saw only allocations made while it ran
+        act = f["transient_mb"]
+        total = act + persistent
+    else:
+        return out
+    out.update(memory_total_mb=total, activation_mb=act)
+    return out
+
+
+def gather_facts(run: dict[str, Any]) -> dict[str, Any]:
+    """Everything the rules read, as one flat dict."""
+    cfg, summary, prof = run["config"], run["summary"], run["profile"]
+    f: dict[str, Any] = {"config": cfg}
+    f["device"] = (prof or {}).get("device") or summary.get("device") or "cpu"
+    f.update(facts_from_metrics(steady_rows(run)))
+    if prof:
+        f.update(facts_from_profile(prof))
+    f["gpu_name"] = f.get("gpu_name") or summary.get("gpu_name")
+    f["tokens_per_step"] = (prof or {}).get("tokens_per_step") or summary.get("tokens_per_step")
+    f["tokens_per_sec"] = summary.get("tokens_per_sec")
+    f["mfu"] = summary.get("mfu")
+    f["attention_flop_share"] = rules.attention_flop_share(
+        cfg.get("model.n_layer", 0), cfg.get("model.n_embd", 0), cfg.get("model.block_size", 0), summary.get("params")
+    )
+    f.update(memory_facts(f, cfg, summary))
+    return f
+
+
+def diagnose(run_dir: str | Path) -> dict[str, Any]:
+    """The verdict for a run directory (also what ``--json`` prints)."""
+    run = load_run(run_dir)
+    facts = gather_facts(run)
+    found = rank(facts)
+    main = found[0] if found and found[0]["score"] >= rules.MIN_SCORE else None
+    return {
+        "run_dir": str(run_dir),
+        "device": facts["device"],
+        "sources": [n for n, ok in (("profile.json", run["profile"]), ("metrics.jsonl", run["metrics"]),
+                                    ("summary.json", run["summary"])) if ok],
+        "verdict": main["title"] if main else "nothing stands out",
+        "main": main["key"] if main else None,
+        "findings": found,
+        "figures": _figures(facts),
+    }
+
+
+def rank(facts: dict[str, Any]) -> list[dict[str, Any]]:
+    """Apply every rule; findings best first, each with its rule name as ``key``."""
+    out = []
+    for rule in rules.RULES:
+        res: Optional[rules.Finding] = rule(facts)
+        if res is not None:
+            out.append({"key": rule.__name__, **res._asdict(), "minor": res.score < rules.MIN_SCORE})
+    return sorted(out, key=lambda x: -x["score"])
+
+
+def _figures(f: dict[str, Any]) -> dict[str, Any]:
+    keys = ["step_ms", *[f"{p}_share" for p in (*PHASES, "idle")], "syncs_per_step", "device_busy_fraction",
+            "tokens_per_step", "tokens_per_sec", "mfu", "peak_mb", "memory_total_mb", "phase_source"]
+    return {k: f[k] for k in keys if f.get(k) is not None}
+
+
+def format_verdict(v: dict[str, Any]) -> str:
+    """The verdict as text for the terminal."""
+    fig = v["figures"]
+    lines = [f"tokenmill doctor: {v['run_dir']} ({v['device']}; read {', '.join(v['sources'])})"]
+    if fig.get("step_ms"):
+        split = ", ".join(f"{p} {100 * fig[f'{p}_share']:.0f}%" for p in (*PHASES, "idle") if f"{p}_share" in fig)
+        lines.append(f"step {fig['step_ms']:.1f} ms: {split}  [{fig.get('phase_source', '')}]")
+    major = [x for x in v["findings"] if not x["minor"]]
+    if not major:
+        lines.append("Nothing stands out: no rule found a bottleneck worth a switch.")
+    for i, x in enumerate(major, 1):
+        head = "Main bottleneck" if i == 1 else f"{i}."
+        lines.append(f"\n{head}: {x['title']} (expected gain ~{100 * x['score']:.0f}%)")
+        lines += [f"  - {e}" for e in x["evidence"]]
+        lines.append("  try, best first:")
+        for s in x["suggestions"]:
+            lines.append(f"    {s['switch']:<44} {s['why']}" if s["switch"] else f"    {s['why']}")
+    minor = [x for x in v["findings"] if x["minor"]]
+    if minor:
+        lines.append("\nMinor: " + "; ".join(f"{x['title']} (~{100 * x['score']:.0f}%)" for x in minor))
+    return "\n".join(lines)
