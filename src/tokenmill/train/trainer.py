@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from tokenmill import config as C
 from tokenmill.data import build_datasets, build_train_loader, to_device, val_batches
@@ -263,7 +264,8 @@ def _train(cfg: C.Config, run_dir: Path, world: World, resume: bool, on_step_end
             loss_sum = torch.zeros((), device=device)
             for micro in range(t.grad_accum_steps):
                 t0 = time.perf_counter()
-                batch = next(it)
+                with record_function("data"):
+                    batch = next(it)
                 timer.add_host("data", time.perf_counter() - t0)
                 with timer.phase("h2d"):
                     x, y = to_device(batch, device, cfg.data.non_blocking)
