@@ -25,14 +25,6 @@ from tokenmill.train.trainer import train
 OPTS = ProfileOptions(wait=1, warmup=1, active=3)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def byte_tokens(tmp_path_factory):
     """A small bytes-tokenized folder (the data path that honours data.cpu_work_ms)."""

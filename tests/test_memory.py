@@ -91,16 +91,6 @@ def test_optimizer_in_backward_same_training(tmp_path):
     assert_runs_match(tmp_path / "ref", tmp_path / "bwd")
 
 
-def test_optimizer_in_backward_resumes(tmp_path):
-    over = {"train.max_steps": 6, "log.every_steps": 1, "optim.grad_clip": 0.0, "checkpoint.every_steps": 3,
-            "memory.optimizer_in_backward": True}
-    train(tiny_cfg(**over), tmp_path / "full", quiet=True)
-    with pytest.raises(KeyboardInterrupt):
-        train(tiny_cfg(**over), tmp_path / "cut", quiet=True, on_step_end=_stop_at(4))
-    train(tiny_cfg(**over), tmp_path / "cut", resume=True, quiet=True)
-    assert losses(tmp_path / "cut") == losses(tmp_path / "full")
-
-
 @pytest.mark.parametrize("over,msg", [
     ({"train.grad_accum_steps": 2, "optim.grad_clip": 0.0}, "grad_accum_steps=1"),
     ({}, "--optim.grad_clip 0"),
@@ -114,9 +104,12 @@ def test_optimizer_in_backward_refuses(over, msg):
 # -- CPU offload of the optimizer -----------------------------------------------------------------
 
 
-def test_optimizer_offload_resumes_bit_exact(tmp_path):
-    over = {"train.max_steps": 6, "log.every_steps": 1, "checkpoint.every_steps": 3,
-            "memory.optimizer_offload": True}
+@pytest.mark.parametrize("switch,extra", [
+    ("memory.optimizer_in_backward", {"optim.grad_clip": 0.0}),
+    ("memory.optimizer_offload", {}),
+])
+def test_memory_optimizers_resume_bit_exact(tmp_path, switch, extra):
+    over = {"train.max_steps": 6, "log.every_steps": 1, "checkpoint.every_steps": 3, switch: True, **extra}
     train(tiny_cfg(**over), tmp_path / "full", quiet=True)
     with pytest.raises(KeyboardInterrupt):
         train(tiny_cfg(**over), tmp_path / "cut", quiet=True, on_step_end=_stop_at(4))

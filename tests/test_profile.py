@@ -19,15 +19,6 @@ TINY_CPU = ["--preset", "tiny", "--data.source", "synthetic", "--model.vocab_siz
             "--log.progress", "plain"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on a small shared VM two spinning OpenMP threads make steps many times slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_profile_cli_writes_trace_and_report(tmp_path, capsys):
     run = tmp_path / "p"
     rc = main(["profile", *TINY_CPU, "--run-dir", str(run), "--wait", "1", "--warmup", "1", "--active", "3",
