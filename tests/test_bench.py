@@ -33,7 +33,7 @@ CPU_ENV = {"cuda_available": False, "gpu_count": 0, "gpu_names": [], "torch": to
 # Ladder files
 
 
-@pytest.mark.parametrize("name", ["rasbt", "book-perf", "book-memory", "best"])
+@pytest.mark.parametrize("name", ["rasbt", "book-perf", "book-memory", "best", "scale-out"])
 def test_shipped_ladder_parses_and_every_rung_resolves(name):
     assert name in shipped_ladders()
     ladder = load_ladder(name)  # parsing resolves every cumulative config, normal and --smoke

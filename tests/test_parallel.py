@@ -1,10 +1,10 @@
-"""Multi-process training on CPU (gloo, 2 processes launched by torchrun).
+"""Multi-process training on CPU (gloo, 2 and 4 processes launched by torchrun).
 
 Every layout must train on the same global batches as one process: per-step losses equal the
 single-process run with ``batch_size x dp`` within 1e-5 relative (fp32, dropout 0; only the order of
 floating-point sums differs). Several layouts run one after the other inside one torchrun launch (this
 file is also the worker script: ``python -m torch.distributed.run ... test_parallel.py --worker SPEC``)
-to keep the import/launch cost to two launches.
+to keep the import/launch cost to three launches.
 """
 
 from __future__ import annotations
@@ -54,12 +54,12 @@ def common(**over) -> dict:
     return base
 
 
-def single(tmp_path: Path, name: str, **over) -> dict[int, float]:
-    """The single-process reference: the same global batch in one process (micro-batch x 2)."""
+def single(tmp_path: Path, name: str, dp: int = 2, **over) -> dict[int, float]:
+    """The single-process reference: the same global batch in one process (micro-batch x dp)."""
     from tokenmill.train.trainer import train
 
     over = common(**over)
-    over["train.batch_size"] *= 2
+    over["train.batch_size"] *= dp
     train(tiny_cfg(**over), tmp_path / name, quiet=True)
     return losses(tmp_path / name)
 
@@ -131,6 +131,83 @@ def test_fsdp_dcp_checkpoint_resumes_in_other_layouts(two_rank_runs, ref, tmp_pa
     assert_same_losses(losses(cut), ref, what="fsdp->single")
 
 
+# Tensor and pipeline parallel layouts: name -> (overrides of the distributed run, overrides of its
+# single-process reference, data-parallel degree). TP needs separate q/k/v matrices and PP an untied
+# head (the references use the same model); clipping at 0.1 is active in every step, so the global
+# gradient norm across shards and stages is checked too.
+SEPARATE_QKV = {"model.fused_qkv": False}
+UNTIED = {"model.tie_embeddings": False}
+CLIP = {"optim.grad_clip": 0.1}
+EVAL = {"train.eval_batches": 2, "train.eval_every_steps": 3}
+MP_2 = {
+    "tp": ({"parallel.tp": 2, "checkpoint.every_steps": 3, **SEPARATE_QKV, **CLIP}, {**SEPARATE_QKV, **CLIP}, 1),
+    "pp_gpipe": ({"parallel.pp": 2, "parallel.pp_schedule": "gpipe", "checkpoint.every_steps": 3, **UNTIED,
+                  **CLIP, **EVAL}, {**UNTIED, **CLIP, **EVAL}, 1),
+    "pp_1f1b_accum": ({"parallel.pp": 2, "parallel.pp_microbatches": 4, "train.grad_accum_steps": 2, **UNTIED},
+                      {"train.grad_accum_steps": 2, **UNTIED}, 1),
+}
+MP_4 = {
+    "fsdp_tp": ({"parallel.dp_shard": 2, "parallel.tp": 2, **SEPARATE_QKV, **CLIP}, {**SEPARATE_QKV, **CLIP}, 2),
+    "pp_fsdp": ({"parallel.pp": 2, "parallel.dp_shard": 2, **UNTIED, **CLIP}, {**UNTIED, **CLIP}, 2),
+    "pp_tp": ({"parallel.pp": 2, "parallel.tp": 2, **SEPARATE_QKV, **UNTIED}, {**SEPARATE_QKV, **UNTIED}, 1),
+}
+
+
+def metric(run_dir, key: str) -> dict[int, float]:
+    from tokenmill.train.metrics import read_metrics
+
+    return {r["step"]: r[key] for r in read_metrics(run_dir) if r.get(key) is not None}
+
+
+def run_layouts(tmp_path_factory, layouts: dict, nproc: int) -> Path:
+    tmp = tmp_path_factory.mktemp(f"mp{nproc}")
+    launch(tmp, [{"cfg": common(**over), "run_dir": str(tmp / name)} for name, (over, _, _) in layouts.items()],
+           nproc=nproc, timeout=300)
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def mp2_runs(tmp_path_factory):
+    return run_layouts(tmp_path_factory, MP_2, 2)
+
+
+@pytest.mark.parametrize("name", list(MP_2))
+def test_tensor_and_pipeline_parallel_match_single_process(mp2_runs, name, tmp_path):
+    _, ref_over, dp = MP_2[name]
+    ref = single(tmp_path, "ref", dp=dp, **ref_over)
+    run = mp2_runs / name
+    assert_same_losses(losses(run), ref, what=name)
+    assert_same_losses(metric(run, "grad_norm"), metric(tmp_path / "ref", "grad_norm"), what=f"{name} grad_norm")
+    assert_same_losses(metric(run, "val_loss"), metric(tmp_path / "ref", "val_loss"), what=f"{name} val_loss")
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["layout"] == name.split("_")[0] and summary["params"] == json.loads(
+        (tmp_path / "ref" / "summary.json").read_text())["params"]
+
+
+@pytest.mark.parametrize("name", ["tp", "pp_gpipe"])
+def test_model_parallel_checkpoint_resumes_in_one_process(mp2_runs, name, tmp_path):
+    """The step-3 DCP checkpoint of a 2-rank TP or PP run holds the whole model under its usual
+    names: one process resumes it and trains on to the same losses."""
+    from tokenmill.train.trainer import train
+
+    _, ref_over, dp = MP_2[name]
+    cut = tmp_path / "cut"
+    _cut_run(mp2_runs / name, cut, 3)
+    over = common(**ref_over)
+    train(tiny_cfg(**over), cut, resume=True, quiet=True)
+    assert_same_losses(losses(cut), losses(mp2_runs / name), what=f"{name}->single")
+
+
+@pytest.mark.slow
+def test_four_rank_combinations_match_single_process(tmp_path_factory, tmp_path):
+    """FSDP x TP, PP x FSDP and PP x TP on 4 processes (2 x 2 meshes)."""
+    runs = run_layouts(tmp_path_factory, MP_4, 4)
+    for name, (_, ref_over, dp) in MP_4.items():
+        ref = single(tmp_path, name, dp=dp, **ref_over)
+        assert_same_losses(losses(runs / name), ref, what=name)
+        assert json.loads((runs / name / "summary.json").read_text())["layout"] == name.replace("_", "+")
+
+
 def test_elastic_restart_resumes_after_a_rank_dies(tmp_path):
     """Rank 1 exits hard after step 5 on the first attempt (test-only fault injection through the
     ``on_step_end`` callback); torchrun restarts both workers, which resume from the step-4
@@ -140,6 +217,29 @@ def test_elastic_restart_resumes_after_a_rank_dies(tmp_path):
     ref = single(tmp_path, "ref", **{"train.max_steps": 8})
     assert_same_losses(losses(tmp_path / "run"), ref, what="elastic")
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["start_step"] == 4
+
+
+def test_two_nodes_rendezvous_with_c10d(tmp_path):
+    """The multi-node command line of docs/parallel.md: two torchrun agents ("nodes", one worker
+    each) meet through the c10d rendezvous at one endpoint and train as one 2-rank DDP job."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"jobs": [{"cfg": common(), "run_dir": str(tmp_path / "run")}]}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "tokenmill-test",
+           __file__, "--worker", str(spec)]
+    env = cpu_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    nodes = [subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for _ in range(2)]
+    outs = [n.communicate(timeout=150)[0] for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["world_size"] == 2
+    assert_same_losses(losses(tmp_path / "run"), single(tmp_path, "ref"), what="c10d")
 
 
 def test_cpu_only_switches_are_refused():

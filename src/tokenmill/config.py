@@ -240,6 +240,24 @@ class ParallelConfig:
         "-1 = the rest of the world size.",
     )
     dp_shard: int = F(1, "FSDP2 (fully_shard) sharding degree; 1 = no sharding. -1 = the rest of the world size.")
+    tp: int = F(
+        1,
+        "Tensor-parallel degree: each block's q/k/v and MLP-up projections are split by columns, the output "
+        "projections by rows (DTensor parallelize_module); needs model.fused_qkv=false and n_head divisible by tp.",
+    )
+    pp: int = F(
+        1,
+        "Pipeline-parallel degree: the blocks are cut into pp consecutive stages, one per rank group "
+        "(torch.distributed.pipelining); needs model.tie_embeddings=false.",
+    )
+    pp_schedule: Literal["gpipe", "1f1b"] = F(
+        "1f1b",
+        "Pipeline schedule: 'gpipe' = all forwards, then all backwards; '1f1b' = alternate one forward and one "
+        "backward (fewer micro-batches' activations alive at once).",
+    )
+    pp_microbatches: int = F(
+        0, "Pipeline micro-batches per train.batch_size batch (must divide it); 0 = the pp degree."
+    )
     backend: Literal["auto", "nccl", "gloo"] = F("auto", "Process-group backend; 'auto' = nccl on CUDA, gloo on CPU.")
     ddp_bucket_mb: float = F(25.0, "DDP gradient bucket size in MB (bucket_cap_mb).")
     ddp_grad_as_bucket_view: bool = F(
@@ -519,6 +537,48 @@ def _validate_memory_and_parallel(cfg: Config) -> None:
         raise ConfigError("parallel.zero1 shards optimizer state over DDP; with dp_shard > 1 FSDP already does.")
     if p.ddp_bucket_mb <= 0:
         raise ConfigError(f"parallel.ddp_bucket_mb must be > 0, got {p.ddp_bucket_mb}.")
+    _validate_model_parallel(cfg)
+
+
+def _validate_model_parallel(cfg: Config) -> None:
+    """Tensor and pipeline parallelism: shapes that split evenly, and switches that compose."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if p.tp < 1 or p.pp < 1 or p.pp_microbatches < 0:
+        raise ConfigError("parallel.tp and parallel.pp must be >= 1, parallel.pp_microbatches >= 0.")
+    if p.tp > 1:
+        if m.fused_qkv:
+            raise ConfigError(
+                "parallel.tp > 1 splits q, k and v by heads, which the fused [q; k; v] matrix cannot do "
+                "evenly: add --model.fused_qkv false (same math, three matrices)."
+            )
+        if m.n_head % p.tp:
+            raise ConfigError(f"model.n_head ({m.n_head}) must be divisible by parallel.tp ({p.tp}).")
+    if p.tp > 1 or p.pp > 1:
+        if p.zero1:
+            raise ConfigError("parallel.zero1 works with DDP only; with parallel.tp/pp shard with parallel.dp_shard.")
+        if cfg.memory.optimizer_8bit:
+            raise ConfigError("memory.optimizer_8bit is not supported with parallel.tp/pp.")
+    if p.pp > 1:
+        if m.tie_embeddings:
+            raise ConfigError(
+                "parallel.pp > 1 puts the token embedding on the first stage and the head on the last, so they "
+                "cannot share one matrix: add --model.tie_embeddings false."
+            )
+        if m.n_layer < p.pp:
+            raise ConfigError(f"model.n_layer ({m.n_layer}) must be >= parallel.pp ({p.pp}): one block per stage.")
+        n_mb = p.pp_microbatches or p.pp
+        if t.batch_size % n_mb:
+            raise ConfigError(
+                f"train.batch_size ({t.batch_size}) must be divisible by the pipeline micro-batches ({n_mb}, "
+                "parallel.pp_microbatches or the pp degree)."
+            )
+        if p.pp_schedule == "1f1b" and n_mb < p.pp:
+            raise ConfigError(
+                f"the 1F1B schedule needs at least as many micro-batches as stages: parallel.pp_microbatches "
+                f"({n_mb}) < parallel.pp ({p.pp})."
+            )
+        if t.precision == "fp16-autocast":
+            raise ConfigError("parallel.pp > 1 does not support the fp16 GradScaler; use --train.precision bf16-autocast.")
 
 
 def _divisor_near(n: int, k: int) -> int:

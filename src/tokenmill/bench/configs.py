@@ -58,7 +58,8 @@ class RungConfig:
 def plan_steps(measure: Measure, cfg: C.Config, nproc: int, samples: Optional[int],
                timed_override: Optional[int] = None) -> StepPlan:
     """Whole windows: the timed part and the warm-up are rounded up to multiples of the window."""
-    per_step = cfg.train.batch_size * cfg.train.grad_accum_steps * nproc
+    dp = max(1, nproc // (cfg.parallel.tp * cfg.parallel.pp))  # TP and PP ranks share a batch
+    per_step = cfg.train.batch_size * cfg.train.grad_accum_steps * dp
     if timed_override:
         timed = timed_override
     elif measure.cover_samples and samples:
@@ -84,6 +85,10 @@ def smoke_overrides(cfg: C.Config) -> dict[str, Any]:
     }
     if cfg.data.source == "synthetic" and cfg.model.vocab_size:
         out["model.vocab_size"] = min(cfg.model.vocab_size, SMOKE_MAX_VOCAB)
+    pp = cfg.parallel.pp
+    if pp > 1:  # as many pipeline micro-batches as stages, and a batch they divide
+        out["parallel.pp_microbatches"] = pp
+        out["train.batch_size"] = math.ceil(out["train.batch_size"] / pp) * pp
     return out
 
 

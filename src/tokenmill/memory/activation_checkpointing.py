@@ -15,7 +15,7 @@ def apply_activation_checkpointing(model: nn.Module, every_n: int) -> nn.Module:
     """Wrap blocks 0, n, 2n, ... of ``model.blocks`` (every_n=1: all blocks; 0: none)."""
     if every_n <= 0:
         return model
-    for i, block in enumerate(model.blocks):
+    for i, block in model.present_blocks():
         if i % every_n == 0:
             model.blocks[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
     return model

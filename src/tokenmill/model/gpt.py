@@ -66,6 +66,7 @@ class GPT(nn.Module):
             self.lm_head = nn.Linear(cfg.n_embd, self.padded_vocab, bias=False)
         self.to_empty(device=device)
         self.init_weights()
+        self.hidden_output = False  # True on the last pipeline stage (see forward)
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -112,15 +113,31 @@ class GPT(nn.Module):
         cross-entropy over all B*T positions, computed on fp32 logits (None without targets).
         With ``model.loss_impl='chunked'`` and targets, the head and loss run chunk by chunk
         (:mod:`tokenmill.memory.chunked_loss`) and the logits are not returned: ``(None, loss)``.
+
+        A pipeline stage (:mod:`tokenmill.parallel.pipeline`) is a GPT with the parts of other stages
+        removed: without ``wte`` it takes the previous stage's hidden states (B, T, C) instead of token
+        ids; without ``ln_f`` it returns its hidden states; the last stage (``hidden_output``) returns
+        the normalised hidden states, to which the schedule's loss function applies :meth:`head_loss`.
         """
-        B, T = idx.shape
+        B, T = idx.shape[:2]
         if T > self.cfg.block_size:
             raise ValueError(f"sequence length {T} exceeds model.block_size {self.cfg.block_size}")
-        pos = torch.arange(T, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
+        if self.wte is not None:
+            x = self.drop(self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))
+        else:  # a later pipeline stage: idx holds the previous stage's hidden states
+            x = idx
         for block in self.blocks:
             x = block(x)
+        if self.ln_f is None:  # a pipeline stage before the last
+            return x
         x = self.ln_f(x)
+        if self.hidden_output:  # the last pipeline stage
+            return x
+        return self.head_loss(x, targets)
+
+    def head_loss(self, x: torch.Tensor, targets: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The head (and the loss when ``targets`` is given) on the final normalised hidden states."""
+        B, T = x.shape[:2]
         if targets is not None and self.cfg.loss_impl == "chunked":
             from tokenmill.memory.chunked_loss import chunked_cross_entropy
 
@@ -134,6 +151,11 @@ class GPT(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.float().reshape(B * T, self.vocab_size), targets.reshape(B * T))
         return logits, loss
+
+    def present_blocks(self) -> list[tuple[int, nn.Module]]:
+        """``(index, block)`` of the blocks this model holds (a pipeline stage replaces the blocks of
+        other stages by ``nn.Identity``, keeping the indices and so the parameter names)."""
+        return [(i, b) for i, b in enumerate(self.blocks) if not isinstance(b, nn.Identity)]
 
     @torch.no_grad()
     def generate(

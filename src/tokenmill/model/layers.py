@@ -101,6 +101,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         C = cfg.n_embd
         self.n_head = cfg.n_head
+        self.head_dim = C // cfg.n_head
         self.n_embd = C
         self.dropout = cfg.dropout
         self.attention = cfg.attention
@@ -128,18 +129,19 @@ class CausalSelfAttention(nn.Module):
             self._backend = backends[cfg.sdpa_backend]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
+        B, T, _ = x.shape
         if self.fused_qkv:
-            q, k, v = self.c_attn(x).split(C, dim=2)
+            q, k, v = self.c_attn(x).chunk(3, dim=2)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        # (B, T, C) -> (B, n_head, T, head_dim)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        # (B, T, heads * head_dim) -> (B, heads, T, head_dim). Under tensor parallelism the projections
+        # hold this rank's heads only, hence -1 (see parallel/tensor_parallel.py).
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         if self.attention == "manual":
             y = self._manual(q, k, v)
         else:
             y = self._sdpa(q, k, v)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)
         return self.resid_dropout(self.c_proj(y))
 
     def _manual(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

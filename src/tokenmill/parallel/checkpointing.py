@@ -88,7 +88,7 @@ def _save_dcp(d: Path, step: int, model, optimizer, world: World) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier(world)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
     dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp))
     barrier(world)
     if world.is_rank0:
@@ -133,7 +133,17 @@ def _load_dcp(path: Path, model, optimizer) -> None:
 
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         raise ParallelError(f"{path} is a sharded (DCP) checkpoint; resume it without parallel.zero1.")
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
     state = {"model": model_sd, "optimizer": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=_options())
+
+
+def _options():
+    """Optimizer state keyed by parameter name, hyperparameters included (``param_groups.<name>.lr``):
+    so a checkpoint loads into any grouping of the parameters (tensor parallelism splits the groups
+    by mesh, see ``train/optim.py``)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)

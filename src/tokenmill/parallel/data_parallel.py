@@ -1,11 +1,12 @@
 """Data parallelism: DDP, FSDP2 (ZeRO-2/3, HSDP) and gradient-sync control during accumulation.
 
 Order (torchtitan style), applied by :func:`apply_data_parallel` after the model-level switches
-(precision -> activation checkpointing -> compile) and before the optimizer is built:
+(pipeline split -> precision -> tensor parallel -> activation checkpointing -> compile) and before the
+optimizer is built:
 
 - ``dp_shard > 1``: :func:`apply_fsdp` -- ``fully_shard`` on every block, then on the root (embeddings,
   final norm and head); a 2-D mesh ``(dp_replicate, dp_shard)`` gives HSDP.
-- ``dp_replicate > 1`` only: :func:`apply_ddp`.
+- ``dp_replicate > 1`` only: :func:`apply_ddp` (with tensor or pipeline parallelism use FSDP/HSDP).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def fsdp_kwargs(world: World, cfg: ParallelConfig) -> dict:
     import torch
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
-    mesh = world.mesh if world.dp_replicate > 1 else world.mesh["dp_shard"]
+    mesh = world.mesh["dp_replicate", "dp_shard"] if world.dp_replicate > 1 else world.mesh["dp_shard"]
     kw: dict = {"mesh": mesh}
     if cfg.fsdp_mixed_precision == "bf16":
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -54,7 +55,7 @@ def apply_fsdp(model: nn.Module, world: World, cfg: ParallelConfig) -> nn.Module
     from torch.distributed.fsdp import fully_shard
 
     kw = fsdp_kwargs(world, cfg)
-    for block in model.blocks:
+    for _, block in model.present_blocks():
         fully_shard(block, reshard_after_forward=cfg.fsdp_reshard_after_forward, **kw)
     fully_shard(model, reshard_after_forward=False, **kw)
     return model
@@ -66,12 +67,19 @@ def apply_data_parallel(model: nn.Module, world: World, cfg: ParallelConfig) -> 
         if cfg.fsdp_cpu_offload or cfg.zero1:
             raise ParallelError("parallel.fsdp_cpu_offload / parallel.zero1 need a multi-process (torchrun) run.")
         return model
-    if world.sharded:
+    if world.dp_shard > 1:
         if cfg.fsdp_cpu_offload and world.device.type != "cuda":
             raise ParallelError("parallel.fsdp_cpu_offload moves shards between GPU and host: it needs CUDA.")
         return apply_fsdp(model, world, cfg)
     if cfg.fsdp_mixed_precision != "none" or cfg.fsdp_cpu_offload:
         raise ParallelError("parallel.fsdp_* switches need parallel.dp_shard > 1 (FSDP).")
+    if world.dp_replicate == 1:
+        return model  # tensor / pipeline parallel only
+    if world.tp > 1 or world.pp > 1:
+        raise ParallelError(
+            f"data parallelism over {world.dp_replicate} replicas with parallel.tp/pp runs through FSDP: set "
+            f"--parallel.dp_shard {world.dp_replicate} --parallel.dp_replicate 1 (or HSDP with both > 1)."
+        )
     return apply_ddp(model, world, cfg)
 
 

@@ -1,10 +1,12 @@
 """Process group and device mesh: who am I, how many of us, and along which dimensions.
 
 ``tokenmill train`` started by ``torchrun`` finds ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` in its
-environment and joins the process group (``nccl`` on CUDA, ``gloo`` on CPU). The data-parallel
-degrees of the config (``parallel.dp_replicate`` x ``parallel.dp_shard``) must multiply to the world
-size; one of them may be -1, "the rest". A single process without torchrun is a world of one and
-never touches ``torch.distributed``.
+environment and joins the process group (``nccl`` on CUDA, ``gloo`` on CPU). The degrees of the config
+(``parallel.pp`` x ``parallel.dp_replicate`` x ``parallel.dp_shard`` x ``parallel.tp``) must multiply to
+the world size; one of the two data-parallel degrees may be -1, "the rest". The device mesh has the
+dimensions ``("pp", "dp_replicate", "dp_shard", "tp")`` in that order (torchtitan's): tensor-parallel
+ranks are neighbours (on one node, where the links are fastest), pipeline stages are furthest apart.
+A single process without torchrun is a world of one and never touches ``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ class World:
     dp_replicate: int = 1
     dp_shard: int = 1
     device: torch.device = torch.device("cpu")
-    mesh: Optional[object] = None  # DeviceMesh ("dp_replicate", "dp_shard") when size > 1
+    mesh: Optional[object] = None  # DeviceMesh ("pp", "dp_replicate", "dp_shard", "tp") when size > 1
     owns_group: bool = False  # this process created the process group (and destroys it at the end)
+    tp: int = 1
+    pp: int = 1
 
     @property
     def distributed(self) -> bool:
@@ -57,16 +61,35 @@ class World:
             return 0
         return self.mesh.get_local_rank("dp_replicate") * self.dp_shard + self.mesh.get_local_rank("dp_shard")
 
+    def local_rank_in(self, dim: str) -> int:
+        return 0 if self.mesh is None else self.mesh.get_local_rank(dim)
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage."""
+        return self.local_rank_in("pp")
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
     @property
     def sharded(self) -> bool:
-        return self.dp_shard > 1
+        """Parameters are split over ranks (FSDP, TP or PP): checkpoints are DCP folders."""
+        return self.dp_shard > 1 or self.tp > 1 or self.pp > 1
 
     def layout(self) -> str:
+        """E.g. 'single', 'ddp', 'fsdp', 'hsdp', 'fsdp+tp', 'pp+tp'."""
         if not self.distributed:
             return "single"
+        parts = ["pp"] if self.pp > 1 else []
         if self.dp_shard > 1:
-            return "hsdp" if self.dp_replicate > 1 else "fsdp"
-        return "ddp"
+            parts.append("hsdp" if self.dp_replicate > 1 else "fsdp")
+        elif self.dp_replicate > 1:
+            parts.append("ddp")
+        if self.tp > 1:
+            parts.append("tp")
+        return "+".join(parts)
 
 
 def torchrun_env() -> Optional[tuple[int, int, int]]:
@@ -83,21 +106,24 @@ def is_elastic_restart() -> bool:
 
 
 def resolve_degrees(cfg: ParallelConfig, world_size: int) -> tuple[int, int]:
-    """(dp_replicate, dp_shard) with -1 replaced by the rest; their product must be the world size."""
+    """(dp_replicate, dp_shard) with -1 replaced by the rest; pp x dp_replicate x dp_shard x tp must be
+    the world size."""
     rep, shard = cfg.dp_replicate, cfg.dp_shard
-    known = (rep if rep > 0 else 1) * (shard if shard > 0 else 1)
+    known = (rep if rep > 0 else 1) * (shard if shard > 0 else 1) * cfg.tp * cfg.pp
     if -1 in (rep, shard):
         if world_size % known:
             raise ParallelError(
                 f"world size {world_size} is not divisible by the fixed parallel degrees (product {known}); "
-                "change parallel.dp_replicate / parallel.dp_shard or --nproc-per-node."
+                "change parallel.dp_replicate / dp_shard / tp / pp or --nproc-per-node."
             )
         rest = world_size // known
         rep, shard = (rest, shard) if rep == -1 else (rep, rest)
-    if rep * shard != world_size:
+    total = cfg.pp * rep * shard * cfg.tp
+    if total != world_size:
         raise ParallelError(
-            f"parallel.dp_replicate ({rep}) x parallel.dp_shard ({shard}) = {rep * shard}, but the world size is "
-            f"{world_size}: the degrees must multiply to the number of processes (use -1 for 'the rest')."
+            f"parallel.pp ({cfg.pp}) x dp_replicate ({rep}) x dp_shard ({shard}) x tp ({cfg.tp}) = {total}, but "
+            f"the world size is {world_size}: the degrees must multiply to the number of processes (use -1 for "
+            "'the rest'; tp and pp need torchrun with that many processes)."
         )
     return rep, shard
 
@@ -134,7 +160,7 @@ def init_world(cfg: ParallelConfig, device: torch.device) -> World:
     env = torchrun_env()
     if env is None or env[2] == 1:
         rep, shard = resolve_degrees(cfg, 1)
-        return World(dp_replicate=rep, dp_shard=shard, device=device)
+        return World(dp_replicate=rep, dp_shard=shard, device=device, tp=cfg.tp, pp=cfg.pp)
     rank, local_rank, size = env
     rep, shard = resolve_degrees(cfg, size)
     if device.type == "cuda":
@@ -149,8 +175,9 @@ def init_world(cfg: ParallelConfig, device: torch.device) -> World:
         init_process_group(_backend(cfg, device), device)
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device.type, (rep, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
-    return World(rank, local_rank, size, rep, shard, device, mesh, owns)
+    mesh = init_device_mesh(device.type, (cfg.pp, rep, shard, cfg.tp),
+                            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+    return World(rank, local_rank, size, rep, shard, device, mesh, owns, cfg.tp, cfg.pp)
 
 
 def shutdown(world: World) -> None:
@@ -175,9 +202,14 @@ def rank0_first(world: World):
 
 def global_mean(values: torch.Tensor, world: World) -> torch.Tensor:
     """Mean over data-parallel ranks (each rank's values are means over equal-sized slices, so this is
-    the mean over the whole global batch). One collective for all the values."""
+    the mean over the whole global batch). One collective for all the values.
+
+    Under pipeline parallelism only the last stage has the losses (the others pass zeros and are not
+    counted); tensor-parallel ranks hold equal copies, which the mean leaves unchanged."""
     if not world.distributed:
         return values
     out = values.detach().clone()
+    if not world.is_last_stage:
+        out.zero_()
     dist.all_reduce(out, op=dist.ReduceOp.SUM)  # gloo has no AVG
-    return out / world.size
+    return out / (world.size // world.pp)

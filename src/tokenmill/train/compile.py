@@ -16,7 +16,7 @@ def apply_compile(model: nn.Module, cfg: CompileConfig) -> nn.Module:
         return model
     kwargs = {"mode": cfg.mode, "fullgraph": cfg.fullgraph, "dynamic": cfg.dynamic}
     if cfg.scope == "block":
-        for block in model.blocks:
+        for _, block in model.present_blocks():
             block.compile(**kwargs)
     else:
         model.compile(**kwargs)

@@ -2,8 +2,9 @@
 
 Every switch is applied by one named function, in this order:
 ``apply_allocator_settings`` -> ``init_world`` (torchrun: process group + device mesh) ->
-``apply_precision`` -> ``apply_activation_checkpointing`` -> ``apply_compile`` ->
-``apply_data_parallel`` (DDP / FSDP2) -> ``make_optimizer`` (ZeRO-1, memory switches or AdamW).
+``apply_pipeline_split`` -> ``apply_precision`` -> ``apply_tensor_parallel`` ->
+``apply_activation_checkpointing`` -> ``apply_compile`` -> ``apply_data_parallel`` (DDP / FSDP2) ->
+``Pipeline`` (pipeline schedule) -> ``make_optimizer`` (ZeRO-1, memory switches or AdamW).
 
 Under torchrun each rank trains its slice of the same global batch (see ``data/loader.py``); the
 logged loss is the global batch's (all-reduced), and rank 0 alone writes metrics, config.toml,
@@ -33,6 +34,9 @@ from tokenmill.memory.optimizers import OptimizerInBackward, build_memory_optimi
 from tokenmill.model import GPT, flops_per_token, math_mode, peak_flops
 from tokenmill.parallel import checkpointing as pckpt
 from tokenmill.parallel.data_parallel import apply_data_parallel, grad_sync, unwrap
+from tokenmill.parallel.grad_norm import clip_grad_norm
+from tokenmill.parallel.pipeline import Pipeline, apply_pipeline_split
+from tokenmill.parallel.tensor_parallel import apply_tensor_parallel
 from tokenmill.parallel.world import (
     World,
     barrier,
@@ -46,7 +50,7 @@ from tokenmill.parallel.zero import build_zero1_optimizer
 from tokenmill.train import checkpoint as ckpt
 from tokenmill.train.compile import apply_compile
 from tokenmill.train.metrics import MetricsWriter, Progress, ThroughputMeter, read_metrics
-from tokenmill.train.optim import build_optimizer, build_scheduler
+from tokenmill.train.optim import build_optimizer, build_scheduler, load_scheduler_state
 from tokenmill.train.precision import apply_precision, apply_tf32, autocast, check_supported, grad_scaler
 from tokenmill.train.timing import PHASES, PhaseTimer
 
@@ -76,15 +80,26 @@ def sync(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
-def build_model(cfg: C.Config, vocab_size: int, device: torch.device) -> GPT:
-    """The model with every model-level switch applied, on ``device``."""
+def build_model(cfg: C.Config, vocab_size: int, device: torch.device, world: Optional[World] = None) -> GPT:
+    """The model with every model-level switch applied, on ``device`` (this rank's pipeline stage and
+    tensor-parallel shards under ``world``)."""
     torch.manual_seed(cfg.train.seed)
     with torch.device(device):
         model = GPT(cfg.model, vocab_size)
+    world = world or World(device=device)
+    apply_pipeline_split(model, world)
     apply_precision(model, cfg.train)
+    apply_tensor_parallel(model, world)
     apply_activation_checkpointing(model, cfg.memory.activation_checkpointing)
     apply_compile(model, cfg.compile)
     return model
+
+
+def model_size(cfg: C.Config, vocab_size: int) -> tuple[int, int]:
+    """(parameters, parameters without position embeddings) of the whole model, counted on ``meta``."""
+    with torch.device("meta"):
+        model = GPT(cfg.model, vocab_size)
+    return model.num_params(), model.num_params(exclude_position=True)
 
 
 def memory_stats(device: torch.device) -> dict[str, float]:
@@ -140,18 +155,20 @@ def _clean_metrics(run_dir: Path, upto_step: int) -> None:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches, cfg: C.Config, device: torch.device) -> float:
+def evaluate(model: nn.Module, batches, cfg: C.Config, world: World, pipeline: Optional[Pipeline] = None) -> float:
+    """Mean loss over ``batches`` (averaged over data-parallel ranks)."""
+    device = world.device
     model.eval()
     total = torch.zeros((), device=device)
     n = 0
     for batch in batches:
         x, y = to_device(batch, device, cfg.data.non_blocking)
         with autocast(cfg.train, device):
-            _, loss = model(x, y)
+            loss = pipeline.eval_loss(x, y) if pipeline is not None else model(x, y)[1]
         total += loss.float()
         n += 1
     model.train()
-    return (total / max(n, 1)).item()
+    return global_mean(total / max(n, 1), world).item()
 
 
 def make_optimizer(model: nn.Module, cfg: C.Config, world: World) -> torch.optim.Optimizer:
@@ -161,14 +178,19 @@ def make_optimizer(model: nn.Module, cfg: C.Config, world: World) -> torch.optim
     return build_memory_optimizer(model, cfg, world.distributed) or build_optimizer(model, cfg.optim)
 
 
-def optimizer_step(optimizer, scaler, params, grad_clip: float, want_norm: bool) -> Optional[torch.Tensor]:
+def optimizer_step(optimizer, scaler, params, grad_clip: float, want_norm: bool,
+                   world: Optional[World] = None) -> Optional[torch.Tensor]:
     """Unscale (fp16), clip / measure the gradient norm, step, zero the gradients; returns the norm
     (None when neither clipping nor logging asked for it, or the optimizer stepped in backward)."""
     if scaler is not None:
         scaler.unscale_(optimizer)
     grad_norm = None
     if not isinstance(optimizer, OptimizerInBackward) and (grad_clip > 0 or want_norm):
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+        max_norm = grad_clip if grad_clip > 0 else float("inf")
+        if world is not None and (world.tp > 1 or world.pp > 1):  # parameters split over ranks
+            grad_norm = clip_grad_norm(params, max_norm, world)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()
@@ -215,10 +237,11 @@ def _train(cfg: C.Config, run_dir: Path, world: World, resume: bool, on_step_end
         data = build_datasets(cfg.data, cfg.model.block_size, t.seed, cfg.model.vocab_size,
                               with_val=t.eval_batches > 0, progress=not quiet and rank0)
     vocab_size = cfg.model.vocab_size or data.vocab_size
-    model = build_model(cfg, vocab_size, device)
-    n_params = model.num_params()
-    fpt = flops_per_token(cfg.model, model.num_params(exclude_position=True), cfg.model.block_size)
+    model = build_model(cfg, vocab_size, device, world)
+    n_params, n_flop_params = model_size(cfg, vocab_size)
+    fpt = flops_per_token(cfg.model, n_flop_params, cfg.model.block_size)
     model = apply_data_parallel(model, world, cfg.parallel)
+    pipeline = Pipeline(model, world, cfg.parallel, t.grad_accum_steps) if world.pp > 1 else None
     optimizer = make_optimizer(model, cfg, world)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
     scaler = grad_scaler(cfg.train, device)
@@ -270,6 +293,10 @@ def _train(cfg: C.Config, run_dir: Path, world: World, resume: bool, on_step_end
                 with timer.phase("h2d"):
                     x, y = to_device(batch, device, cfg.data.non_blocking)
                 with grad_sync(model, enabled=micro == t.grad_accum_steps - 1):  # no_sync until the last
+                    if pipeline is not None:  # forwards and backwards interleaved by the schedule
+                        with timer.phase("forward"), autocast(t, device):
+                            loss_sum += pipeline.train_step(x, y)
+                        continue
                     with timer.phase("forward"), autocast(t, device):
                         _, loss = model(x, y)
                     loss_sum += loss.detach().float()
@@ -277,7 +304,7 @@ def _train(cfg: C.Config, run_dir: Path, world: World, resume: bool, on_step_end
                         scaled = loss / t.grad_accum_steps
                         (scaler.scale(scaled) if scaler is not None else scaled).backward()
             with timer.phase("optimizer"):
-                grad_norm = optimizer_step(optimizer, scaler, params, cfg.optim.grad_clip, is_log)
+                grad_norm = optimizer_step(optimizer, scaler, params, cfg.optim.grad_clip, is_log, world)
                 lr = scheduler.get_last_lr()[0]
                 scheduler.step()
             pending.append(loss_sum / t.grad_accum_steps)
@@ -312,7 +339,7 @@ def _train(cfg: C.Config, run_dir: Path, world: World, resume: bool, on_step_end
 
             did_work = False
             if val and t.eval_every_steps and done % t.eval_every_steps == 0 and done != t.max_steps:
-                last["val_loss"] = _eval_and_log(model, val, cfg, device, done, writer, progress)
+                last["val_loss"] = _eval_and_log(model, pipeline, val, cfg, world, done, writer, progress)
                 did_work = True
             if cfg.checkpoint.every_steps and done % cfg.checkpoint.every_steps == 0 and done != t.max_steps:
                 if not is_log:  # never save a model whose losses were not checked
@@ -330,7 +357,7 @@ def _train(cfg: C.Config, run_dir: Path, world: World, resume: bool, on_step_end
 
     if start_step < t.max_steps:
         if val:
-            last["val_loss"] = _eval_and_log(model, val, cfg, device, t.max_steps, writer, progress)
+            last["val_loss"] = _eval_and_log(model, pipeline, val, cfg, world, t.max_steps, writer, progress)
         if cfg.checkpoint.save_final:
             pckpt.save_checkpoint(run_dir, t.max_steps, model, optimizer, scheduler, scaler, cfg, world)
     writer.close()
@@ -371,7 +398,7 @@ def _resume(run_dir, model, optimizer, scheduler, scaler, cfg, world, quiet) -> 
     if found is None:
         return 0, None
     path, state = found
-    scheduler.load_state_dict(state["scheduler"])
+    load_scheduler_state(scheduler, state["scheduler"])
     if scaler is not None and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
     start_step = int(state["step"])
@@ -417,8 +444,8 @@ def _format(rec: dict[str, Any]) -> str:
     return s
 
 
-def _eval_and_log(model, val, cfg, device, step, writer, progress) -> float:
-    v = evaluate(model, val, cfg, device)
+def _eval_and_log(model, pipeline, val, cfg, world, step, writer, progress) -> float:
+    v = evaluate(model, val, cfg, world, pipeline)
     writer.write({"step": step, "val_loss": v})
     progress.log(f"step {step:>6} | val_loss {v:.4f}")
     return v

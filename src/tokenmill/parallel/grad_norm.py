@@ -1,0 +1,48 @@
+"""The global gradient norm when parameters are split by tensor or pipeline parallelism.
+
+``torch.nn.utils.clip_grad_norm_`` needs all gradients of one kind (all plain tensors, or DTensors on
+one mesh) and sees only this rank's pipeline stage. Here every rank adds up the squares of the
+gradient values it holds, each divided by how many ranks hold the same values (a plain tensor is held
+by all data- and tensor-parallel ranks of its stage, a DTensor shard by fewer), and one all-reduce
+over the world gives the squared norm of the whole model's gradient.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from tokenmill.parallel.world import World
+
+
+def _local_and_copies(grad: torch.Tensor, world: World) -> tuple[torch.Tensor, int]:
+    """(the values this rank holds, the number of ranks holding the same values)."""
+    from torch.distributed.tensor import DTensor
+
+    shards = 1
+    if isinstance(grad, DTensor):
+        for dim, placement in enumerate(grad.placements):
+            if placement.is_shard():
+                shards *= grad.device_mesh.size(dim)
+        grad = grad.to_local()
+    return grad, world.size // world.pp // shards
+
+
+@torch.no_grad()
+def clip_grad_norm(params, max_norm: float, world: World) -> torch.Tensor:
+    """Scale the gradients so that their global L2 norm is at most ``max_norm`` (``inf``: only
+    measure); returns the norm before clipping (a plain tensor, the same on every rank)."""
+    held = [_local_and_copies(p.grad, world) for p in params if p.grad is not None]
+    total = torch.zeros((), dtype=torch.float32, device=world.device)
+    for g, copies in held:
+        total += g.float().pow(2).sum() / copies
+    if world.distributed:
+        dist.all_reduce(total)
+    norm = total.sqrt()
+    if not math.isinf(max_norm):
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for g, _ in held:
+            g.mul_(coef.to(g.dtype))
+    return norm
