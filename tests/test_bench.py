@@ -311,6 +311,7 @@ def test_max_batch_real_probes_on_cpu(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     res = json.loads((out / "max-batch.json").read_text())
     assert res["max_batch"] == 4 and res["hit_limit"]
+    assert res["environment"]["torch"] and res["environment"]["date"] and "git_commit" in res["environment"]
     assert [q["value"] for q in res["probes"]] == [4]  # one real probe; the search is tested above
     assert res["probes"][0]["status"] == "fits" and res["probes"][0]["step_time_ms"] > 0
     assert (out / "probes" / "batch-4" / "rung.toml").exists()

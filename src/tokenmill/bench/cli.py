@@ -132,10 +132,10 @@ def _sizing_setup(args: argparse.Namespace, kind: str):
 
 
 def _context(cfg: C.Config, args: argparse.Namespace) -> dict:
-    from tokenmill.bench.env import host_facts
+    from tokenmill.bench.env import probe_environment
 
     return {"config": cfg.to_dict(), "probe_steps": args.probe_steps, "memory_cap_mb": args.memory_cap_mb,
-            "nproc": args.nproc, **host_facts()}
+            "nproc": args.nproc, "environment": probe_environment()}
 
 
 def cmd_max_batch(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ the rungs run.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import socket
 import subprocess
@@ -55,7 +56,10 @@ def host_facts() -> dict[str, Any]:
 
 
 def git_facts() -> dict[str, Any]:
-    """The commit of the tokenmill checkout (``git rev-parse HEAD``), when it is one."""
+    """The commit of the tokenmill checkout (``git rev-parse HEAD``), when it is one; a copy of the
+    source without ``.git`` (e.g. shipped to a GPU machine) may name it in ``TOKENMILL_GIT_COMMIT``."""
+    if os.environ.get("TOKENMILL_GIT_COMMIT"):
+        return {"git_commit": os.environ["TOKENMILL_GIT_COMMIT"], "git_dirty": False}
     here = Path(__file__).resolve().parent
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
