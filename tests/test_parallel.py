@@ -182,6 +182,18 @@ def test_tensor_and_pipeline_parallel_match_single_process(mp2_runs, name, tmp_p
     summary = json.loads((run / "summary.json").read_text())
     assert summary["layout"] == name.split("_")[0] and summary["params"] == json.loads(
         (tmp_path / "ref" / "summary.json").read_text())["params"]
+    # the final sharded checkpoint, read whole in one process, holds the single-process run's weights
+    import torch
+
+    from tokenmill.train.sample import load_checkpoint_model
+
+    got, _, path = load_checkpoint_model(run)
+    want, _, _ = load_checkpoint_model(tmp_path / "ref")
+    assert path.suffix == ".dcp"
+    got_sd, want_sd = got.state_dict(), want.state_dict()
+    assert got_sd.keys() == want_sd.keys()
+    for k in want_sd:
+        assert torch.allclose(got_sd[k], want_sd[k], rtol=1e-4, atol=1e-6), (name, k)
 
 
 @pytest.mark.parametrize("name", ["tp", "pp_gpipe"])

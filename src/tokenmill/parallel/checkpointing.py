@@ -140,6 +140,16 @@ def _load_dcp(path: Path, model, optimizer) -> None:
                    options=_options())
 
 
+def load_model_weights(path: Path, model) -> dict[str, torch.Tensor]:
+    """The model weights of DCP checkpoint ``path``, read whole in one process (no process group),
+    as a state dict for ``model`` (a plain GPT of the run's shape): for sampling and export."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(path))
+    return state["model"]
+
+
 def _options():
     """Optimizer state keyed by parameter name, hyperparameters included (``param_groups.<name>.lr``):
     so a checkpoint loads into any grouping of the parameters (tensor parallelism splits the groups
