@@ -139,12 +139,15 @@ SEPARATE_QKV = {"model.fused_qkv": False}
 UNTIED = {"model.tie_embeddings": False}
 CLIP = {"optim.grad_clip": 0.1}
 EVAL = {"train.eval_batches": 2, "train.eval_every_steps": 3}
+# Activation checkpointing (bit-identical) and the chunked loss ride along, against plain references.
+AC = {"memory.activation_checkpointing": 1}
 MP_2 = {
-    "tp": ({"parallel.tp": 2, "checkpoint.every_steps": 3, **SEPARATE_QKV, **CLIP}, {**SEPARATE_QKV, **CLIP}, 1),
-    "pp_gpipe": ({"parallel.pp": 2, "parallel.pp_schedule": "gpipe", "checkpoint.every_steps": 3, **UNTIED,
-                  **CLIP, **EVAL}, {**UNTIED, **CLIP, **EVAL}, 1),
-    "pp_1f1b_accum": ({"parallel.pp": 2, "parallel.pp_microbatches": 4, "train.grad_accum_steps": 2, **UNTIED},
-                      {"train.grad_accum_steps": 2, **UNTIED}, 1),
+    "tp": ({"parallel.tp": 2, "checkpoint.every_steps": 3, **SEPARATE_QKV, **CLIP, **AC}, {**SEPARATE_QKV, **CLIP}, 1),
+    "pp_gpipe": ({"parallel.pp": 2, "parallel.pp_schedule": "gpipe", "checkpoint.every_steps": 3,
+                  "model.loss_impl": "chunked", "model.loss_chunk_size": 48, **UNTIED, **CLIP, **EVAL},
+                 {**UNTIED, **CLIP, **EVAL}, 1),
+    "pp_1f1b_accum": ({"parallel.pp": 2, "parallel.pp_microbatches": 4, "train.grad_accum_steps": 2, **UNTIED,
+                       **AC}, {"train.grad_accum_steps": 2, **UNTIED}, 1),
 }
 MP_4 = {
     "fsdp_tp": ({"parallel.dp_shard": 2, "parallel.tp": 2, **SEPARATE_QKV, **CLIP}, {**SEPARATE_QKV, **CLIP}, 2),
@@ -193,7 +196,9 @@ def test_tensor_and_pipeline_parallel_match_single_process(mp2_runs, name, tmp_p
     got_sd, want_sd = got.state_dict(), want.state_dict()
     assert got_sd.keys() == want_sd.keys()
     for k in want_sd:
-        assert torch.allclose(got_sd[k], want_sd[k], rtol=1e-4, atol=1e-6), (name, k)
+        # Adam turns summation-order rounding (the chunked loss) into weight differences up to ~1e-5;
+        # a weight that was not trained, or not loaded, is off by about lr = 1e-3
+        assert torch.allclose(got_sd[k], want_sd[k], rtol=1e-4, atol=2e-5), (name, k)
 
 
 @pytest.mark.parametrize("name", ["tp", "pp_gpipe"])
