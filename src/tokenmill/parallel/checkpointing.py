@@ -115,8 +115,8 @@ def load_latest(run_dir, model, optimizer, world: World, check=None) -> tuple[Pa
         return path, extra
     if world.sharded:
         raise ParallelError(
-            f"{path} is a single-file checkpoint; resuming it under FSDP (dp_shard > 1) is not supported. "
-            "Resume it with one process or DDP (parallel.dp_shard=1)."
+            f"{path} is a single-file checkpoint; resuming it with sharded parameters (FSDP, TP or PP) is not "
+            "supported. Resume it with one process or DDP (parallel.dp_shard=1, tp=1, pp=1)."
         )
     state = ckpt.load_checkpoint(path, map_location=world.device)
     if check is not None:
