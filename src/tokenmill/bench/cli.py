@@ -13,6 +13,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 from tokenmill import config as C
 
@@ -138,19 +139,31 @@ def _context(cfg: C.Config, args: argparse.Namespace) -> dict:
             "nproc": args.nproc, "environment": probe_environment()}
 
 
+def _search_and_write(kind: str, search, cfg: C.Config, args: argparse.Namespace, out: Path) -> Optional[dict]:
+    """Run a sizing search; write ``OUT/KIND.json`` (result + config + device environment) and return
+    the result, or print the error and return None."""
+    from tokenmill.bench.sizing import SizingError, write_result
+
+    try:
+        found = search()
+    except SizingError as e:
+        print(f"tokenmill: error: {e}", file=sys.stderr)
+        return None
+    result = {"kind": kind, **found, **_context(cfg, args)}
+    write_result(result, out / f"{kind}.json")
+    return result
+
+
 def cmd_max_batch(args: argparse.Namespace) -> int:
-    from tokenmill.bench.sizing import SizingError, search_max_batch, write_result
+    from tokenmill.bench.sizing import search_max_batch
 
     cfg, out, probe = _sizing_setup(args, "max-batch")
     print(f"tokenmill bench max-batch: batch sizes {args.start}..{args.max_batch_limit}, "
           f"block_size {cfg.model.block_size}, grad_accum {cfg.train.grad_accum_steps}; probes in {out}/probes")
-    try:
-        found = search_max_batch(probe, args.start, args.max_batch_limit)
-    except SizingError as e:
-        print(f"tokenmill: error: {e}", file=sys.stderr)
+    result = _search_and_write("max-batch", lambda: search_max_batch(probe, args.start, args.max_batch_limit),
+                               cfg, args, out)
+    if result is None:
         return 1
-    result = {"kind": "max-batch", **found, **_context(cfg, args)}
-    write_result(result, out / "max-batch.json")
     b = result["max_batch"]
     if b == 0:
         print("tokenmill bench max-batch: even the first batch size does not fit.")
@@ -177,7 +190,7 @@ def parse_shapes(text: str) -> list[tuple[str, int, int, int]]:
 
 
 def cmd_max_model(args: argparse.Namespace) -> int:
-    from tokenmill.bench.sizing import SizingError, fmt_params, model_shapes, search_max_model, write_result
+    from tokenmill.bench.sizing import fmt_params, model_shapes, search_max_model
 
     cfg, out, probe = _sizing_setup(args, "max-model")
     shapes = model_shapes(cfg, parse_shapes(args.shapes) if args.shapes else None, args.max_params)
@@ -185,13 +198,9 @@ def cmd_max_model(args: argparse.Namespace) -> int:
         raise C.ConfigError("no model shape left to probe (check --shapes / --max-params).")
     print(f"tokenmill bench max-model: {len(shapes)} shapes from {shapes[0]['name']} to {shapes[-1]['name']}, "
           f"batch {cfg.train.batch_size} x block {cfg.model.block_size}; probes in {out}/probes")
-    try:
-        found = search_max_model(shapes, probe)
-    except SizingError as e:
-        print(f"tokenmill: error: {e}", file=sys.stderr)
+    result = _search_and_write("max-model", lambda: search_max_model(shapes, probe), cfg, args, out)
+    if result is None:
         return 1
-    result = {"kind": "max-model", **found, **_context(cfg, args)}
-    write_result(result, out / "max-model.json")
     best = result["largest"]
     if best is None:
         print("tokenmill bench max-model: even the smallest shape does not fit.")
