@@ -245,3 +245,111 @@ def test_keep_last_and_tensorboard(tmp_path):
     acc.Reload()
     assert [e.step for e in acc.Scalars("loss")] == [2, 4, 6, 8]
     assert [e.value for e in acc.Scalars("loss")] == pytest.approx(list(losses(tmp_path).values()))
+
+
+PHASE_KEYS = ("data_ms", "h2d_ms", "forward_ms", "backward_ms", "optimizer_ms")
+
+
+@pytest.mark.parametrize("every_ckpt,logged", [(3, [4, 8, 12]), (0, [4, 8])])
+def test_phase_breakdown_adds_up_to_step_time(tmp_path, monkeypatch, every_ckpt, logged):
+    """A slow timing warm-up (like compilation), with and without checkpoints off the log steps: each
+    logged row's phases are averaged over exactly the steps of its step_ms window, so phases +
+    other_ms = step_ms."""
+    import time
+
+    import tokenmill.train.trainer as T
+
+    real_build, done = T.build_model, [0]
+
+    def slow_warmup_model(*a, **k):
+        model = real_build(*a, **k)
+        forward = model.forward
+
+        def slow_forward(*args, **kwargs):
+            if done[0] < 2:  # the two warm-up steps: 30 ms more forward each
+                time.sleep(0.03)
+            return forward(*args, **kwargs)
+
+        model.forward = slow_forward
+        return model
+
+    monkeypatch.setattr(T, "build_model", slow_warmup_model)
+    cfg = tiny_cfg(**{"train.max_steps": logged[-1], "log.every_steps": 4, "checkpoint.every_steps": every_ckpt,
+                      "log.timing_warmup_steps": 2, "checkpoint.keep_last": 5})
+    train(cfg, tmp_path, quiet=True, on_step_end=lambda step: done.__setitem__(0, step))
+    rows = [r for r in read_metrics(tmp_path) if "step_ms" in r]
+    assert [r["step"] for r in rows] == logged
+    for r in rows:
+        total = sum(r[k] for k in PHASE_KEYS) + r["other_ms"]
+        # by construction up to float rounding; 5% + 0.5 ms leaves room for clock noise
+        assert abs(total - r["step_ms"]) <= 0.05 * r["step_ms"] + 0.5, r
+        assert r["other_ms"] >= 0, r  # phases are timed inside the step-time window
+
+
+def test_phase_timer_counts_its_own_steps():
+    from tokenmill.train.timing import PhaseTimer
+
+    timer = PhaseTimer(torch.device("cpu"))
+    timer.add_host("data", 5.0)  # a warm-up step, dropped by the reset
+    timer.step_done()
+    timer.reset()
+    for _ in range(3):
+        timer.add_host("data", 1.0)
+        timer.step_done()
+    assert timer.collect() == ({"data": 3.0}, 3)
+    assert timer.collect() == ({}, 0)
+
+
+def test_tensor_learning_rate_is_logged_as_float(tmp_path, monkeypatch):
+    """Optimizers like torchao's AdamW8bit keep lr as a tensor: metrics.jsonl still gets a float."""
+    import tokenmill.train.trainer as T
+    from tokenmill.train.metrics import MetricsWriter
+    from tokenmill.train.optim import param_groups
+
+    def tensor_lr_adamw(model, cfg):
+        return torch.optim.AdamW(param_groups(model, cfg), lr=torch.tensor(cfg.lr), foreach=False)
+
+    monkeypatch.setattr(T, "build_optimizer", tensor_lr_adamw)
+    cfg = tiny_cfg(**{"train.max_steps": 2, "log.every_steps": 1})
+    train(cfg, tmp_path / "run", quiet=True)
+    lrs = [r["lr"] for r in read_metrics(tmp_path / "run") if "lr" in r]
+    assert len(lrs) == 2 and all(type(v) is float for v in lrs)
+    assert lrs == pytest.approx([lr_at(s, cfg.optim, 2) for s in range(2)], rel=1e-6)  # float32 lr
+
+    writer = MetricsWriter(tmp_path / "w", tensorboard=False)
+    (tmp_path / "w").mkdir()
+    writer.write({"step": 1, "lr": torch.tensor(0.5), "loss": float("nan")})
+    assert read_metrics(tmp_path / "w") == [{"step": 1, "lr": 0.5, "loss": None}]
+
+
+def test_optimizer_8bit_without_torchao_is_a_user_error(tmp_path, monkeypatch, capsys):
+    import sys
+
+    from tokenmill.cli import main
+
+    monkeypatch.setitem(sys.modules, "torchao", None)  # import fails whether or not it is installed
+    monkeypatch.setitem(sys.modules, "torchao.optim", None)
+    argv = ["train", "--preset", "tiny", "--data.source", "synthetic", "--model.vocab_size", "64",
+            "--train.device", "cpu", "--train.max_steps", "1", "--memory.optimizer_8bit", "true",
+            "--run-dir", str(tmp_path)]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("tokenmill: error: memory.optimizer_8bit needs torchao")
+    assert "pip install torchao" in err and "drop --memory.optimizer_8bit" in err
+
+
+def test_dropout_seed_differs_per_data_parallel_rank():
+    from tokenmill.train.trainer import seed_dropout
+
+    def masks(dp_rank, start_step=0):
+        torch.manual_seed(1234)  # what build_model leaves behind, the same on every rank
+        seed_dropout(1337, dp_rank, start_step)
+        return torch.rand(64)
+
+    torch.manual_seed(1234)
+    unchanged = torch.rand(64)
+    assert torch.equal(masks(0), unchanged)  # rank 0 (and one process): exactly as before
+    assert torch.equal(masks(0, start_step=5), unchanged)  # rank 0 keeps the restored RNG on resume
+    assert torch.equal(masks(1), masks(1))  # TP ranks / PP stages of one DP group: equal masks
+    draws = [masks(0), masks(1), masks(2), masks(1, start_step=5)]
+    assert len({tuple(d.tolist()) for d in draws}) == len(draws)

@@ -14,7 +14,12 @@ from .dataset import SyntheticDataset, WindowDataset, global_indices, open_token
 
 class StreamBatchSampler(Sampler[list[int]]):
     """Yields, in order, this rank's micro-batches (lists of global indices) of steps
-    ``start_step .. max_steps-1``: for each step, micro-steps ``0 .. grad_accum-1``."""
+    ``start_step .. max_steps-1``: for each step, micro-steps ``0 .. grad_accum-1``.
+
+    The global stream is consumed ``batch_size x grad_accum x dp_size`` samples a step, from global
+    sample ``start_sample`` on (default ``start_step`` x that global batch). A resumed run passes the
+    number of samples its checkpoint had consumed, so a run resumed with another global batch (another
+    data-parallel degree or accumulation) continues the same stream, neither replaying nor skipping."""
 
     def __init__(
         self,
@@ -24,22 +29,26 @@ class StreamBatchSampler(Sampler[list[int]]):
         max_steps: int,
         dp_rank: int = 0,
         dp_size: int = 1,
+        start_sample: int | None = None,
     ):
-        if batch_size < 1 or grad_accum < 1 or not 0 <= dp_rank < dp_size or start_step < 0:
+        if (batch_size < 1 or grad_accum < 1 or not 0 <= dp_rank < dp_size or start_step < 0
+                or (start_sample is not None and start_sample < 0)):
             raise ValueError(
                 f"bad stream layout: batch_size={batch_size}, grad_accum={grad_accum}, dp_rank={dp_rank}, "
-                f"dp_size={dp_size}, start_step={start_step}"
+                f"dp_size={dp_size}, start_step={start_step}, start_sample={start_sample}"
             )
         self.batch_size, self.grad_accum = batch_size, grad_accum
         self.start_step, self.max_steps = start_step, max_steps
         self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.global_batch = batch_size * grad_accum * dp_size
+        self.start_sample = start_step * self.global_batch if start_sample is None else start_sample
 
     def __iter__(self) -> Iterator[list[int]]:
         for step in range(self.start_step, self.max_steps):
+            first = self.start_sample + (step - self.start_step) * self.global_batch  # of this step
             for m in range(self.grad_accum):
-                yield list(
-                    global_indices(step, m, self.dp_rank, self.batch_size, self.grad_accum, self.dp_size)
-                )
+                local = global_indices(0, m, self.dp_rank, self.batch_size, self.grad_accum, self.dp_size)
+                yield [first + i for i in local]
 
     def __len__(self) -> int:
         return max(0, self.max_steps - self.start_step) * self.grad_accum
@@ -55,14 +64,16 @@ def build_train_loader(
     dp_rank: int = 0,
     dp_size: int = 1,
     device_type: str = "cpu",
+    start_sample: int | None = None,
 ) -> DataLoader:
     """A DataLoader yielding ``(x, y)`` of shape ``[batch_size, block_size]`` for every micro-step of
-    steps ``start_step .. max_steps-1`` of this rank, in order (``grad_accum`` batches per step).
+    steps ``start_step .. max_steps-1`` of this rank, in order (``grad_accum`` batches per step),
+    starting at global sample ``start_sample`` (see :class:`StreamBatchSampler`).
 
     Uses data_cfg.num_workers, prefetch_factor and persistent_workers (the last two only with workers)
     and pin_memory (only when ``device_type == 'cuda'``).
     """
-    sampler = StreamBatchSampler(batch_size, grad_accum, start_step, max_steps, dp_rank, dp_size)
+    sampler = StreamBatchSampler(batch_size, grad_accum, start_step, max_steps, dp_rank, dp_size, start_sample)
     workers = data_cfg.num_workers
     kwargs = {}
     if workers > 0:

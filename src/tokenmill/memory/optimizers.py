@@ -130,9 +130,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 def build_adamw_8bit(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     try:
         from torchao.optim import AdamW8bit
-    except ImportError:
+    except ImportError as e:
         raise MemoryOptionError(
-            "memory.optimizer_8bit needs torchao: `pip install torchao` (or turn the switch off)."
+            f"memory.optimizer_8bit needs torchao's AdamW8bit, which could not be imported ({e}): "
+            "`pip install torchao`, or drop --memory.optimizer_8bit (the plain AdamW)."
         ) from None
     return AdamW8bit(param_groups(model, cfg), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
 

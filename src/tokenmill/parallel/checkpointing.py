@@ -4,8 +4,8 @@
   gathers the optimizer state to rank 0), exactly as a single-process run does.
 - FSDP / HSDP (``dp_shard > 1``): ``torch.distributed.checkpoint`` (DCP) writes a folder
   ``step_XXXXXXXX.dcp/`` in which each rank saves its own shards in parallel, plus ``extra.pt`` (rank 0:
-  scheduler, scaler, step, RNG, config). The folder is written under a temporary name and renamed
-  once every rank has finished, so a crash never leaves a half-written checkpoint under a real name.
+  scheduler, scaler, step, data position, RNG, config). The folder is written under a temporary name and
+  renamed once every rank has finished, so a crash never leaves a half-written checkpoint under a real name.
 
 Loading picks the newest checkpoint of either kind. A DCP checkpoint loads under any world size and
 layout (DCP reshards on load: FSDP on 2 ranks -> 1 process, DDP, FSDP on 4 ranks ...); model and
@@ -43,30 +43,58 @@ def list_all(run_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def _extra(scheduler, scaler, cfg, device, step) -> dict[str, Any]:
-    t = cfg.train
+def global_batch(cfg, world: World) -> int:
+    """Samples of the global data stream consumed per optimizer step (micro-batch x accumulation x
+    data-parallel degree)."""
+    return cfg.train.batch_size * cfg.train.grad_accum_steps * world.dp_size
+
+
+def data_position(step: int, global_samples: int | None, cfg, world: World) -> dict[str, int]:
+    """Where the global data stream stands after ``step`` steps: ``global_samples`` consumed (default:
+    every step at the current global batch), and the global batch of the run that saved it.
+    ``global_batch`` marks the entry as complete (older checkpoints stored ``global_samples`` without
+    the data-parallel degree; :func:`saved_global_samples` ignores those)."""
+    g = global_batch(cfg, world)
+    samples = step * g if global_samples is None else global_samples
+    return {"step": step, "global_samples": samples, "global_batch": g}
+
+
+def saved_global_samples(extra: dict[str, Any]) -> int | None:
+    """The number of global samples a checkpoint had consumed, or None for a checkpoint that did not
+    record it reliably (resume then starts at ``step`` x the current global batch)."""
+    pos = extra.get("data_position") or {}
+    if "global_batch" not in pos or "global_samples" not in pos:
+        return None
+    return int(pos["global_samples"])
+
+
+def _extra(scheduler, scaler, cfg, world: World, step, global_samples=None) -> dict[str, Any]:
     return {
         "scheduler": scheduler.state_dict(),
         "scaler": scaler.state_dict() if scaler is not None else {},
         "step": step,
-        "data_position": {"step": step, "global_samples": step * t.batch_size * t.grad_accum_steps},
-        "rng": ckpt.rng_state(device),
+        "data_position": data_position(step, global_samples, cfg, world),
+        "rng": ckpt.rng_state(world.device),
         "config": cfg.to_dict(),
     }
 
 
-def save_checkpoint(run_dir, step, model, optimizer, scheduler, scaler, cfg, world: World) -> Path:
-    """Save step ``step`` (a collective under torchrun: every rank must call it)."""
+def save_checkpoint(run_dir, step, model, optimizer, scheduler, scaler, cfg, world: World,
+                    global_samples: int | None = None) -> Path:
+    """Save step ``step`` (a collective under torchrun: every rank must call it). ``global_samples``:
+    samples of the global data stream consumed so far (default ``step`` x the current global batch;
+    a resumed run whose global batch changed passes the true count)."""
     d = ckpt.checkpoint_dir(run_dir)
     if world.sharded:
         path = _save_dcp(d, step, model, optimizer, world)
         if world.is_rank0:
-            ckpt.atomic_torch_save(_extra(scheduler, scaler, cfg, world.device, step), path / "extra.pt")
+            extra = _extra(scheduler, scaler, cfg, world, step, global_samples)
+            ckpt.atomic_torch_save(extra, path / "extra.pt")
     else:
         path = d / f"step_{step:08d}.pt"
         optim_sd = consolidated_state_dict(optimizer, world)
         if world.is_rank0:
-            state = _extra(scheduler, scaler, cfg, world.device, step)
+            state = _extra(scheduler, scaler, cfg, world, step, global_samples)
             state["model"] = ckpt.clean_state_dict(unwrap(model).state_dict())
             state["optimizer"] = optim_sd
             d.mkdir(parents=True, exist_ok=True)

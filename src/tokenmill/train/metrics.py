@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 
 class MetricsWriter:
     def __init__(self, run_dir: Path, tensorboard: bool, enabled: bool = True):
@@ -32,6 +34,7 @@ class MetricsWriter:
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
+        record = {k: plain(v) for k, v in record.items()}
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         with open(self.path, "a") as f:
             f.write(json.dumps(clean) + "\n")
@@ -44,6 +47,14 @@ class MetricsWriter:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+def plain(value: Any) -> Any:
+    """A one-element tensor as a Python number (e.g. the learning rate of an optimizer that keeps it as
+    a tensor, like torchao's AdamW8bit), so that JSON can hold it; anything else unchanged."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    return value
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:

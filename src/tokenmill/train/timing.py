@@ -6,6 +6,12 @@ only read at log steps, after the trainer's device synchronisation, so the break
 sync; the events measure device time. On CPU (and MPS) work is timed with the host clock around
 each phase. ``other`` is the rest of the wall-clock step time (logging, Python overhead, device
 idle while the host is busy elsewhere).
+
+The timer also counts the steps it covers (:meth:`PhaseTimer.step_done`), so the per-step phases
+are averaged over exactly the steps they were measured in. The trainer calls :meth:`PhaseTimer.reset`
+wherever it starts a throughput window (after the timing warm-up, after evaluation and
+checkpointing), so the phases cover the same steps as ``step_ms`` and ``other_ms`` = ``step_ms`` -
+the phases is the real rest.
 """
 
 from __future__ import annotations
@@ -25,6 +31,16 @@ class PhaseTimer:
         self.cuda = device.type == "cuda"
         self.host = defaultdict(float)  # seconds
         self.events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self.steps = 0  # optimizer steps since the last reset / collect
+
+    def reset(self) -> None:
+        """Drop everything measured so far (unread CUDA events included): a new window starts."""
+        self.host.clear()
+        self.events.clear()
+        self.steps = 0
+
+    def step_done(self) -> None:
+        self.steps += 1
 
     def add_host(self, phase: str, seconds: float) -> None:
         self.host[phase] += seconds
@@ -44,11 +60,12 @@ class PhaseTimer:
                 yield
                 self.host[name] += time.perf_counter() - t0
 
-    def collect(self) -> dict[str, float]:
-        """Seconds per phase since the last call. Call only after a device synchronisation."""
+    def collect(self) -> tuple[dict[str, float], int]:
+        """(seconds per phase, steps counted) since the last reset or collect; then resets.
+        Call only after a device synchronisation."""
         out = dict(self.host)
         for name, start, end in self.events:
             out[name] = out.get(name, 0.0) + start.elapsed_time(end) / 1000.0
-        self.host.clear()
-        self.events.clear()
-        return out
+        steps = self.steps
+        self.reset()
+        return out, steps

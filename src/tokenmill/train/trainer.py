@@ -95,6 +95,22 @@ def build_model(cfg: C.Config, vocab_size: int, device: torch.device, world: Opt
     return model
 
 
+_RESUME_SEED_STRIDE = 1_000_003  # > any data-parallel degree: (rank, step) pairs get distinct seeds
+
+
+def seed_dropout(seed: int, dp_rank: int, start_step: int = 0) -> None:
+    """Give each data-parallel rank its own dropout masks (call once the model is built and
+    initialised, identically on every rank, from ``seed``).
+
+    DP rank 0 keeps the RNG as it is (as build_model left it, or restored from the checkpoint), so a
+    single process is unchanged and resumes bit-exactly. Rank r > 0 is reseeded from ``seed``, r and
+    ``start_step`` (a checkpoint holds rank 0's RNG state only). Tensor-parallel ranks and pipeline
+    stages of one DP group share the DP rank, hence the masks (TP's replicated activations need
+    equal masks)."""
+    if dp_rank > 0:
+        torch.manual_seed(seed + dp_rank + _RESUME_SEED_STRIDE * start_step)
+
+
 def model_size(cfg: C.Config, vocab_size: int) -> tuple[int, int]:
     """(parameters, parameters without position embeddings) of the whole model, counted on ``meta``."""
     with torch.device("meta"):
@@ -147,8 +163,10 @@ def oom_message(cfg: C.Config, device: torch.device, err: BaseException) -> str:
 
 def _clean_metrics(run_dir: Path, upto_step: int) -> None:
     """On resume, drop metric lines of steps after the checkpoint (they will be trained again)."""
-    rows = [r for r in read_metrics(run_dir) if r.get("step", 0) <= upto_step]
     path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return
+    rows = [r for r in read_metrics(run_dir) if r.get("step", 0) <= upto_step]
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
     tmp.replace(path)
@@ -246,19 +264,23 @@ def _train(cfg: C.Config, run_dir: Path, world: World, resume: bool, on_step_end
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
     scaler = grad_scaler(cfg.train, device)
 
-    start_step, rng_to_restore = 0, None
+    start_step, rng_to_restore, start_sample = 0, None, None
     if resume:
-        start_step, rng_to_restore = _resume(run_dir, model, optimizer, scheduler, scaler, cfg, world, quiet)
+        start_step, rng_to_restore, start_sample = _resume(run_dir, model, optimizer, scheduler, scaler, cfg,
+                                                           world, quiet)
     if rank0:
         C.save(cfg, run_dir / "config.toml")
 
     # global batch = micro-batch x accumulation x data-parallel degree; every rank reads its slice
-    tokens_per_step = t.batch_size * t.grad_accum_steps * world.dp_size * cfg.model.block_size
+    global_batch = pckpt.global_batch(cfg, world)
+    tokens_per_step = global_batch * cfg.model.block_size
+    if start_sample is None:  # a fresh run, or a checkpoint without a reliable data position
+        start_sample = start_step * global_batch
     info = {**device_info(device), "world_size": world.size, "layout": world.layout()}
     peak = peak_flops(info.get("gpu_name", "cpu"), math_mode(t.precision, t.tf32))
     peak = peak * world.size if peak else peak  # MFU of the whole job
     loader = build_train_loader(data.train, cfg.data, t.batch_size, t.grad_accum_steps, start_step,
-                                t.max_steps, world.dp_rank, world.dp_size, device.type)
+                                t.max_steps, world.dp_rank, world.dp_size, device.type, start_sample)
     val = val_batches(data.val, t.batch_size, t.eval_batches) if (data.val is not None and t.eval_batches) else []
 
     writer = MetricsWriter(run_dir, cfg.log.tensorboard, enabled=rank0)
@@ -278,7 +300,9 @@ def _train(cfg: C.Config, run_dir: Path, world: World, resume: bool, on_step_end
     it = iter(loader)  # may draw from the global RNG (worker seeds): restore the RNG after it
     if rng_to_restore is not None:
         ckpt.set_rng_state(rng_to_restore, device)
+    seed_dropout(t.seed, world.dp_rank, start_step)
     meter.mark(start_step)
+    timer.reset()
     model.train()
     try:
         for step in range(start_step, t.max_steps):
@@ -309,6 +333,7 @@ def _train(cfg: C.Config, run_dir: Path, world: World, resume: bool, on_step_end
                 scheduler.step()
             pending.append(loss_sum / t.grad_accum_steps)
             meter.step_done()
+            timer.step_done()
             progress.update()
             if on_step_end is not None:
                 on_step_end(done)
@@ -317,22 +342,21 @@ def _train(cfg: C.Config, run_dir: Path, world: World, resume: bool, on_step_end
                 sync(device)
                 tps = meter.close_window()
                 losses = _global_losses(pending, done, run_dir, writer, cfg, world)
-                phases = timer.collect()
-                nsteps = max(1, len(losses))
+                phases, nsteps = timer.collect()  # the steps of the meter's window (same resets)
                 rec = {
                     "step": done,
                     "loss": losses[-1],
-                    "lr": lr,
+                    "lr": _as_float(lr),  # a tensor under some optimizers (torchao's AdamW8bit)
                     "grad_norm": _as_float(grad_norm),
                     "tokens_per_sec": tps,
                     "mfu": (fpt * tps / peak) if (tps and peak) else None,
-                    **{f"{p}_ms": 1000 * phases.get(p, 0.0) / nsteps for p in PHASES},
+                    **{f"{p}_ms": 1000 * phases.get(p, 0.0) / max(1, nsteps) for p in PHASES},
                     **memory_stats(device),
                 }
                 if tps:
                     step_ms = 1000 * tokens_per_step / tps
                     rec["step_ms"] = step_ms
-                    rec["other_ms"] = max(0.0, step_ms - sum(rec[f"{p}_ms"] for p in PHASES))
+                    rec["other_ms"] = _other_ms(step_ms, sum(rec[f"{p}_ms"] for p in PHASES))
                 writer.write(rec)
                 last["loss"] = losses[-1]
                 progress.log(_format(rec))
@@ -344,12 +368,14 @@ def _train(cfg: C.Config, run_dir: Path, world: World, resume: bool, on_step_end
             if cfg.checkpoint.every_steps and done % cfg.checkpoint.every_steps == 0 and done != t.max_steps:
                 if not is_log:  # never save a model whose losses were not checked
                     _global_losses(pending, done, run_dir, writer, cfg, world)
-                pckpt.save_checkpoint(run_dir, done, model, optimizer, scheduler, scaler, cfg, world)
+                pckpt.save_checkpoint(run_dir, done, model, optimizer, scheduler, scaler, cfg, world,
+                                      start_sample + (done - start_step) * global_batch)
                 did_work = True
             if is_log or did_work or done == meter.timing_from:
                 if done == meter.timing_from:
                     sync(device)
                 meter.mark(done)
+                timer.reset()  # phases cover the meter's window: no warm-up, eval or checkpoint steps
     except torch.OutOfMemoryError as e:
         raise TrainingError(oom_message(cfg, device, e)) from None
     finally:
@@ -359,7 +385,8 @@ def _train(cfg: C.Config, run_dir: Path, world: World, resume: bool, on_step_end
         if val:
             last["val_loss"] = _eval_and_log(model, pipeline, val, cfg, world, t.max_steps, writer, progress)
         if cfg.checkpoint.save_final:
-            pckpt.save_checkpoint(run_dir, t.max_steps, model, optimizer, scheduler, scaler, cfg, world)
+            pckpt.save_checkpoint(run_dir, t.max_steps, model, optimizer, scheduler, scaler, cfg, world,
+                                  start_sample + (t.max_steps - start_step) * global_batch)
     writer.close()
 
     summary = {
@@ -391,23 +418,32 @@ def _train(cfg: C.Config, run_dir: Path, world: World, resume: bool, on_step_end
     return summary
 
 
-def _resume(run_dir, model, optimizer, scheduler, scaler, cfg, world, quiet) -> tuple[int, Any]:
-    """Load the newest checkpoint (any layout); returns (start step, RNG state to restore)."""
+def _resume(run_dir, model, optimizer, scheduler, scaler, cfg, world, quiet) -> tuple[int, Any, Optional[int]]:
+    """Load the newest checkpoint (any layout); returns (start step, RNG state to restore, global samples
+    consumed: where the data stream goes on, None when the checkpoint did not record it)."""
     found = pckpt.load_latest(run_dir, model, optimizer, world,
                               check=lambda saved: _check_same_model(saved.get("config", {}), cfg))
-    if found is None:
-        return 0, None
+    if found is None:  # e.g. a torchrun restart before the first checkpoint: start over, cleanly
+        if world.is_rank0:
+            _clean_metrics(run_dir, 0)
+        barrier(world)
+        return 0, None, None
     path, state = found
     load_scheduler_state(scheduler, state["scheduler"])
     if scaler is not None and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
     start_step = int(state["step"])
+    start_sample = pckpt.saved_global_samples(state)
     if world.is_rank0:
         _clean_metrics(run_dir, start_step)
         if not quiet:
             print(f"tokenmill: resumed from {path} at step {start_step}")
+            old, new = (state.get("data_position") or {}).get("global_batch"), pckpt.global_batch(cfg, world)
+            if start_sample is not None and old != new:
+                print(f"tokenmill: the global batch changed from {old} to {new} samples per step; the data "
+                      f"stream continues at sample {start_sample} (nothing replayed or skipped)")
     barrier(world)
-    return start_step, state["rng"]
+    return start_step, state["rng"], start_sample
 
 
 def _global_losses(pending, done, run_dir, writer, cfg, world) -> list[float]:
@@ -421,6 +457,13 @@ def _global_losses(pending, done, run_dir, writer, cfg, world) -> list[float]:
         if not math.isfinite(v):
             _stop_on_nan(run_dir, writer, done - len(losses) + 1 + i, v, cfg)
     return losses
+
+
+def _other_ms(step_ms: float, phases_ms: float) -> float:
+    """The step time outside the timed phases. Phases are timed inside the step-time window, so only
+    clock noise can make it negative: up to 1% of the step is rounded to 0; more stays visible."""
+    other = step_ms - phases_ms
+    return 0.0 if -0.01 * step_ms < other < 0.0 else other
 
 
 def _as_float(x) -> Optional[float]:
@@ -470,7 +513,18 @@ def _check_same_model(saved: dict[str, Any], cfg: C.Config) -> None:
     diff = [k for k in now if k in saved_model and saved_model[k] != now[k] and k in _SHAPE_FIELDS]
     if diff:
         pairs = ", ".join(f"model.{k}: checkpoint {saved_model[k]!r} vs now {now[k]!r}" for k in diff)
-        raise TrainingError(f"cannot resume: the model differs from the checkpoint's ({pairs}).")
+        keep = " ".join(f"--model.{k} {_cli_value(saved_model[k])}" for k in diff)
+        hint = (f"The model's shape switches cannot change on resume: resume with the checkpoint's values "
+                f"({keep}), or start a new run.")
+        if {"fused_qkv", "tie_embeddings"} & set(diff):
+            hint += (" Tensor parallelism needs --model.fused_qkv false and pipeline parallelism "
+                     "--model.tie_embeddings false; to use them later, train from the start with those.")
+        raise TrainingError(f"cannot resume: the model differs from the checkpoint's ({pairs}). {hint}")
+
+
+def _cli_value(v: Any) -> str:
+    """A config value as written on the command line (``true``, ``64``)."""
+    return str(v).lower() if isinstance(v, bool) else str(v)
 
 
 _SHAPE_FIELDS = {
