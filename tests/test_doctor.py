@@ -6,20 +6,25 @@ and check the verdict; CUDA-only diagnoses run on a GPU and are skipped elsewher
 
 from __future__ import annotations
 
+import functools
 import inspect
+import itertools
 import json
 import os
+import shlex
 import textwrap
 
 import pytest
 import torch
 
 from conftest import tiny_cfg
+from tokenmill import config as C
 from tokenmill.cli import main
 from tokenmill.data.prepare import prepare
 from tokenmill.profiling import memory, rules
-from tokenmill.profiling.doctor import diagnose, rank
+from tokenmill.profiling.doctor import diagnose, facts_from_profile, last_run, rank
 from tokenmill.profiling.runner import ProfileOptions, prepare_config, run_profile
+from tokenmill.profiling.trace import OUTSIDE
 from tokenmill.train.trainer import train
 
 OPTS = ProfileOptions(wait=1, warmup=1, active=3)
@@ -113,13 +118,83 @@ def test_doctor_cli_text_json_and_errors(tmp_path, capsys):
     assert main(["doctor", str(tmp_path / "run"), "--json"]) == 0
     v = json.loads(capsys.readouterr().out)
     assert v["main"] == "host_sync" and v["findings"][0]["suggestions"][0]["switch"] == "--log.every_steps 50"
-    (tmp_path / "empty").mkdir()
-    assert main(["doctor", str(tmp_path / "empty")]) == 1
+    (tmp_path / "untimed").mkdir()
+    (tmp_path / "untimed" / "config.toml").write_text((tmp_path / "run" / "config.toml").read_text())
+    assert main(["doctor", str(tmp_path / "untimed")]) == 1
     assert "neither profile.json nor timed rows" in capsys.readouterr().err
+
+
+@pytest.fixture
+def all_cores():
+    """torch at its default thread count (one per core; the tests run with one thread)."""
+    torch.set_num_threads(os.cpu_count() or 1)
+    yield
+    torch.set_num_threads(1)
+
+
+def profile_cli(run_dir, *args: str) -> None:
+    """``tokenmill profile`` of the tiny preset through the CLI's main function."""
+    rc = main(["profile", "--preset", "tiny", "--data.source", "synthetic", "--model.vocab_size", "64",
+               "--train.device", "cpu", "--train.eval_batches", "0", "--wait", "1", "--warmup", "1", "--active", "2",
+               "--quiet", "--run-dir", str(run_dir), *args])
+    assert rc == 0
+
+
+def doctor_json(run_dir, capsys) -> dict:
+    capsys.readouterr()
+    assert main(["doctor", str(run_dir), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_cli_default_threads_tiny_batch_and_sync_every_step(tmp_path, capsys, all_cores):
+    """Through the CLI at the default thread count: a planted tiny batch (8 tokens per step) is
+    overhead-bound; a default-batch run that logs every step is host-sync-bound, not overhead-bound."""
+    profile_cli(tmp_path / "tiny", "--train.batch_size", "1", "--model.block_size", "8")
+    v = doctor_json(tmp_path / "tiny", capsys)
+    assert v["main"] == "launch_overhead", v
+    assert v["figures"]["flops_per_op"] < rules.CPU_OVERHEAD_FLOPS_PER_OP
+    assert any(s.startswith("--train.batch_size 4") for s in switches(v["findings"][0]))
+    profile_cli(tmp_path / "sync", "--log.every_steps", "1")
+    v = doctor_json(tmp_path / "sync", capsys)
+    assert v["main"] == "host_sync", v
+    assert "launch_overhead" not in [f["key"] for f in v["findings"]]  # the default batch is not flagged
+    assert v["findings"][0]["score"] >= 1.5 * max([f["score"] for f in v["findings"][1:]] or [0.0])
 
 
 # ------------------------------------------------------------------------------------------------
 # Rules on synthetic facts
+
+
+TINY_SUMMARY = {"params": 30000, "flops_per_token": 190000.0, "device": "cpu"}  # the tiny preset, vocab 64
+
+
+def profile_dict(forward=0.3, backward=0.4, optimizer=0.2, idle=0.1, step=100.0, per_block=None, tokens=128,
+                 ops=2000.0, syncs=1.0) -> dict:
+    """A CPU ``profile.json`` body: by default 128 tokens and 2000 operators per step, one loss read-back
+    per step outside the phases (logging every step)."""
+    share = {"data": 0.0, "h2d": 0.0, "forward": forward, "backward": backward, "optimizer": optimizer, "idle": idle}
+    ms = {**{k: v * step for k, v in share.items()}, "step": step}
+    src = {"call": "aten::item", "op": "aten::item", "parent": "training loop (logging / loss read-back)",
+           "region": OUTSIDE, "python": "", "per_step": syncs, "ms_per_step": 0.01 * syncs}
+    return {"version": 1, "device": "cpu", "tokens_per_step": tokens,
+            "breakdown": {"steps": [3, 4], "ms_per_step": ms, "share": share},
+            "host_busy": {"busy_fraction": 0.9, "ops_per_step": ops, "mean_op_us": 40.0}, "device_busy": None,
+            "syncs": {"per_step": syncs, "ms_per_step": 0.01 * syncs, "sources": [src]}, "memory": None, "allocator": None,
+            "per_block": per_block, "files": {}, "notes": []}
+
+
+def write_run(d, cfg=None, profile=None, summary=None, metrics=None):
+    """A hand-written run directory."""
+    d.mkdir(parents=True, exist_ok=True)
+    if cfg is not None:
+        C.save(cfg, d / "config.toml")
+    if profile is not None:
+        (d / "profile.json").write_text(json.dumps(profile))
+    if summary is not None:
+        (d / "summary.json").write_text(json.dumps(summary))
+    if metrics is not None:
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics))
+    return d
 
 
 def facts(**kw) -> dict:
@@ -128,7 +203,8 @@ def facts(**kw) -> dict:
         "config": {"data.num_workers": 0, "log.every_steps": 10, "train.batch_size": 8, "train.grad_accum_steps": 1,
                    "model.attention": "sdpa", "train.precision": "fp32", "optim.impl": "foreach"},
         "device": "cpu", "step_ms": 100.0, "data_ms": 2.0, "h2d_ms": 0.5, "data_share": 0.02, "h2d_share": 0.005,
-        "idle_share": 0.02, "fixed_share": 0.12, "tokens_per_step": 8192, "syncs_per_step": 0.1, "sync_sources": [],
+        "idle_share": 0.02, "compute_share": 0.95, "tokens_per_step": 8192, "host_ops_per_step": 2000.0,
+        "flops_per_op": 1e6, "syncs_per_step": 0.1, "sync_sources": [],
     }
     cfg = kw.pop("config", {})
     f.update(kw)
@@ -147,7 +223,7 @@ def cuda_facts(**kw) -> dict:
 @pytest.mark.parametrize("planted, expected", [
     ({"data_share": 0.6, "data_ms": 60.0}, "data_bound"),
     ({"syncs_per_step": 3.0, "config": {"log.every_steps": 1}}, "host_sync"),
-    ({"fixed_share": 0.6, "tokens_per_step": 32}, "launch_overhead"),
+    ({"flops_per_op": 800.0, "tokens_per_step": 8}, "launch_overhead"),
     ({"config": {"model.attention": "manual"}, "attention_flop_share": 0.2}, "attention"),
 ])
 def test_each_cpu_rule_triggers_first(planted, expected):
@@ -192,7 +268,7 @@ def test_gpu_idle_while_waiting_for_data_is_not_launch_overhead():
 def test_ranking_follows_expected_gain():
     f = facts(data_share=0.5, data_ms=50.0, syncs_per_step=2.0, config={"model.attention": "manual"})
     assert [x["key"] for x in rank(f)] == ["data_bound", "host_sync", "attention"]
-    f = facts(data_share=0.2, data_ms=20.0, fixed_share=0.8, tokens_per_step=64)
+    f = facts(data_share=0.2, data_ms=20.0, compute_share=0.78, flops_per_op=800.0, tokens_per_step=8)
     assert [x["key"] for x in rank(f)][:2] == ["launch_overhead", "data_bound"]
 
 
@@ -200,7 +276,7 @@ def test_suggestions_name_existing_switches_only():
     """Every --switch names a real config field; fields that do not exist become plain advice."""
     from tokenmill.config import field_specs
 
-    planted = [facts(data_share=0.6, data_ms=60.0), facts(fixed_share=0.6, tokens_per_step=32),
+    planted = [facts(data_share=0.6, data_ms=60.0), facts(flops_per_op=800.0, tokens_per_step=8),
                cuda_facts(optimizer_state_mb=40000.0, memory_total_mb=70000.0, peak_reserved_mb=75000.0),
                cuda_facts(vocab_sized_mb=60000.0, memory_total_mb=70000.0, peak_reserved_mb=75000.0)]
     for f in planted:
@@ -226,6 +302,204 @@ def test_logits_peak_suggests_the_chunked_loss():
 def test_memory_rules_stay_minor_on_cpu():
     f = facts(activation_mb=9.0, memory_total_mb=10.0, vocab_sized_mb=8.0)
     assert all(x["minor"] for x in rank(f))
+
+
+def test_sync_rule_wins_however_the_step_splits(tmp_path):
+    """Logging every step on CPU: the sync rule is first whatever the (noisy) split of the step, and the
+    logging time outside the phases is the sync rule's, never per-step overhead."""
+    cfg = tiny_cfg(**{"log.every_steps": 1})
+    verdicts = {}
+    for i, split in enumerate(itertools.product((0.2, 0.35), (0.3, 0.5), (0.1, 0.3), (0.01, 0.1, 0.3))):
+        fwd, bwd, opt, idle = (x / sum(split) for x in split)
+        prof = profile_dict(forward=fwd, backward=bwd, optimizer=opt, idle=idle)
+        verdicts[split] = diagnose(write_run(tmp_path / str(i), cfg, profile=prof, summary=TINY_SUMMARY))
+    assert {k: v["main"] for k, v in verdicts.items() if v["main"] != "host_sync"} == {}
+    for split, v in verdicts.items():
+        assert all(x["minor"] for x in v["findings"][1:]), v["findings"]
+        assert v["figures"]["sync_share"] == pytest.approx(split[3] / sum(split))
+
+
+def test_sync_time_is_taken_out_of_the_overhead_share():
+    prof = profile_dict(forward=0.3, backward=0.3, optimizer=0.1, idle=0.3)
+    f = facts_from_profile(prof)
+    assert f["logging_share"] == pytest.approx(0.3) and f["loop_share"] == 0.0
+    assert f["sync_ms"] == pytest.approx(30.0)
+    prof["syncs"] = {"per_step": 0.0, "ms_per_step": 0.0, "sources": []}  # no read-back: idle is the loop
+    f = facts_from_profile(prof)
+    assert f["loop_share"] == pytest.approx(0.3) and f["sync_ms"] == 0.0
+
+
+def test_tiny_batch_at_default_threads_is_overhead_bound(tmp_path):
+    """The audited profile (2 threads, batch 1 x 8 tokens, 1994 operators per step): the optimizer and
+    idle share stays under 30%, yet every phase is per-operator overhead."""
+    prof = profile_dict(forward=0.26, backward=0.45, optimizer=0.27, idle=0.02, step=212.0, tokens=8, ops=1994.0,
+                        syncs=0.25)
+    cfg = tiny_cfg(**{"train.batch_size": 1, "model.block_size": 8, "model.vocab_size": 256})
+    v = diagnose(write_run(tmp_path, cfg, profile=prof, summary={"params": 33920, "flops_per_token": 208128.0}))
+    assert v["main"] == "launch_overhead", v
+    assert "--train.batch_size 4" in switches(v["findings"][0])
+
+
+def test_cpu_overhead_rule_scales_with_work_per_operator():
+    """The same step split is overhead-bound with tiny operators only (FLOPs per operator, not times)."""
+    assert rank(facts(flops_per_op=800.0))[0]["key"] == "launch_overhead"
+    assert "launch_overhead" not in [x["key"] for x in rank(facts(flops_per_op=12000.0))]
+    assert "launch_overhead" not in [x["key"] for x in rank(facts(flops_per_op=800.0, compute_share=0.2))]
+    assert "launch_overhead" not in [x["key"] for x in rank(facts(flops_per_op=None))]  # metrics only
+
+
+# Run configs (on top of the tiny preset) and planted facts that together make every rule emit its
+# suggestions, including the branches that depend on the config.
+RUN_VARIANTS = [
+    {}, {"train.precision": "fp16-autocast"}, {"train.precision": "bf16"}, {"train.grad_accum_steps": 2},
+    {"optim.grad_clip": 0.0}, {"memory.optimizer_8bit": True}, {"memory.optimizer_offload": True},
+    {"memory.optimizer_in_backward": True, "optim.grad_clip": 0.0}, {"parallel.zero1": True},
+    {"parallel.dp_shard": 2}, {"parallel.dp_replicate": 2}, {"parallel.dp_shard": -1, "parallel.dp_replicate": 1},
+    {"parallel.pp": 2, "model.tie_embeddings": False},
+    {"parallel.pp": 2, "parallel.pp_microbatches": 4, "model.tie_embeddings": False},
+    {"parallel.tp": 2, "model.fused_qkv": False}, {"train.batch_size": 1}, {"train.batch_size": 3},
+    {"data.num_workers": 2, "data.persistent_workers": False, "data.pin_memory": True, "data.non_blocking": True},
+    {"model.loss_impl": "chunked"}, {"model.attention": "manual"}, {"model.sdpa_backend": "math"},
+    {"compile.enabled": True, "compile.mode": "reduce-overhead"}, {"optim.impl": "fused"},
+    {"optim.impl": "for-loop"}, {"memory.activation_checkpointing": 1}, {"memory.expandable_segments": True},
+    {"log.every_steps": 1}, {"train.precision": "fp32", "train.tf32": True}, {"data.cpu_work_ms": 5.0},
+]
+SYNC_SOURCES = [{"call": "cudaStreamSynchronize", "op": "aten::item", "parent": "aten::copy_", "region": r,
+                 "python": "", "per_step": 1.0} for r in ("h2d", "forward")]
+MEMORY = {"memory_total_mb": 70000.0, "peak_reserved_mb": 75000.0}
+PLANTED = [
+    dict(data_share=0.6, data_ms=60.0),
+    dict(syncs_per_step=2.0, sync_sources=SYNC_SOURCES),
+    dict(flops_per_op=800.0, tokens_per_step=8),
+    dict(attention_flop_share=0.2),
+    dict(activation_mb=9.0, memory_total_mb=10.0, vocab_sized_mb=8.0),
+    dict(optimizer_state_mb=5.0, memory_total_mb=10.0),
+]
+PLANTED_CUDA = [
+    dict(data_share=0.6, data_ms=60.0), dict(h2d_share=0.3, h2d_ms=30.0),
+    dict(syncs_per_step=2.0, device_busy_fraction=0.6, device_idle_share=0.4, sync_sources=SYNC_SOURCES),
+    dict(device_busy_fraction=0.3, device_idle_share=0.7, mean_kernel_us=8.0), dict(gemm_share=0.7),
+    dict(alloc_retries=3, cuda_malloc_per_step=4.0, cuda_free_per_step=4.0, reserved_minus_allocated_mb=900.0),
+    dict(vocab_sized_mb=60000.0, peak_region="forward", peak_op="aten::log_softmax", **MEMORY),
+    dict(activation_mb=60000.0, **MEMORY), dict(optimizer_state_mb=40000.0, **MEMORY),
+]
+
+
+def test_every_suggested_switch_resolves_on_the_run_config(tmp_path, monkeypatch):
+    """Each switch any rule prints, added to the run's own config the way a user would
+    (`--config RUN/config.toml --key value ...`), passes the config resolver."""
+    monkeypatch.setattr(C, "field_specs", functools.cache(C.field_specs))  # static; slow to build each time
+    seen: dict[str, list[str]] = {}
+    fired = set()
+    for i, variant in enumerate(RUN_VARIANTS):
+        run_cfg = tiny_cfg(**variant)
+        path = tmp_path / f"run{i}.toml"
+        C.save(run_cfg, path)
+        flat = C.flatten(run_cfg.to_dict())
+        for f in [facts(**x) for x in PLANTED] + [cuda_facts(**x) for x in PLANTED_CUDA]:
+            f["config"] = flat
+            for rule in rules.RULES:
+                found = rule(f)
+                if found is None:
+                    continue
+                fired.add(rule.__name__)
+                for s in found.suggestions:
+                    if s["switch"] and f"{rule.__name__} on {variant}" not in seen.get(s["switch"], []):
+                        seen.setdefault(s["switch"], []).append(f"{rule.__name__} on {variant}")
+                        words = shlex.split(s["switch"])
+                        assert len(words) % 2 == 0 and all(w.startswith("--") for w in words[::2]), s["switch"]
+                        overrides = {k[2:]: v for k, v in zip(words[::2], words[1::2])}
+                        try:
+                            C.resolve(None, [str(path)], overrides)
+                        except C.ConfigError as e:
+                            pytest.fail(f"{s['switch']!r} from {rule.__name__} on {variant}: {e}")
+    assert fired == {r.__name__ for r in rules.RULES}
+    assert "--parallel.dp_shard -1 --parallel.dp_replicate 1" in seen
+    assert "--memory.optimizer_in_backward true --optim.grad_clip 0" in seen
+    assert "--memory.optimizer_in_backward true" in seen  # grad_clip already 0: nothing to add
+    assert not any(k.startswith("--memory.optimizer_in_backward") for k, v in seen.items()
+                   if any("grad_accum_steps" in w for w in v))
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading run directories
+
+
+def timed_row(step, data_ms=1.0, forward_ms=40.0, **kw) -> dict:
+    row = {"step": step, "loss": 4.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_sec": 1000.0, "data_ms": data_ms,
+           "h2d_ms": 0.1, "forward_ms": forward_ms, "backward_ms": 50.0, "optimizer_ms": 8.0}
+    row["step_ms"] = data_ms + forward_ms + 0.1 + 50.0 + 8.0 + 1.0
+    row["other_ms"] = 1.0
+    return {**row, **kw}
+
+
+def test_doctor_reads_only_the_last_run_of_an_appended_metrics_file(tmp_path):
+    """A data-bound run, then a healthy one in the same directory: only the second one's rows count."""
+    slow = [timed_row(s, data_ms=300.0) for s in (2, 4, 6, 8)] + [{"step": 8, "val_loss": 4.1}]
+    fast = [timed_row(s) for s in (2, 4, 6)] + [{"step": 6, "val_loss": 4.0}]
+    d = write_run(tmp_path / "r", tiny_cfg(), metrics=slow + fast)
+    v = diagnose(d)
+    assert v["main"] is None and v["figures"]["data_share"] < 0.05, v
+    assert any("last one" in w for w in v["warnings"])
+    assert last_run(slow + fast) == fast
+    assert last_run(slow) == slow
+    rerun = [timed_row(2), {"step": 2, "val_loss": 4.0}, timed_row(2), timed_row(4)]  # same first step again
+    assert last_run(rerun) == rerun[2:]
+    assert diagnose(write_run(tmp_path / "s", tiny_cfg(), metrics=fast + slow))["main"] == "data_bound"
+
+
+def test_doctor_skips_a_truncated_metrics_line(tmp_path, capsys):
+    d = write_run(tmp_path / "r", tiny_cfg(), metrics=[timed_row(s) for s in (2, 4, 6)])
+    with open(d / "metrics.jsonl", "a") as f:
+        f.write('{"step": 8, "loss": 4.0, "data_')  # the run was killed mid-line
+    capsys.readouterr()
+    assert main(["doctor", str(d)]) == 0
+    out = capsys.readouterr()
+    assert "tokenmill: warning: metrics.jsonl: skipped 1 unreadable line(s) (4" in out.err
+    v = diagnose(d)
+    assert v["figures"]["step_ms"] == pytest.approx(100.1)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("old_profile", "profile.json does not have the layout this version reads (KeyError: 'breakdown'"),
+    ("bad_profile", "profile.json' is not valid JSON"),
+    ("not_a_run", "is not a tokenmill run directory (no config.toml, metrics.jsonl, profile.json); make one "
+                  "with `tokenmill train ... --run-dir DIR`"),
+    ("file", "is a file, not a run directory; give its folder: `tokenmill doctor"),
+    ("missing", "does not exist; make one with `tokenmill train ... --run-dir DIR` or `tokenmill profile"),
+], ids=lambda x: x if " " not in x else "")
+def test_doctor_errors_name_the_fix(tmp_path, capsys, case, message):
+    d = tmp_path / "run"
+    if case == "old_profile":
+        write_run(d, tiny_cfg(), profile={"version": 0, "device": "cpu", "steps": {}})
+    elif case == "bad_profile":
+        write_run(d, tiny_cfg())
+        (d / "profile.json").write_text('{"version": 1, "breakdown": {"ms_')
+    elif case == "not_a_run":
+        (d / "notes").mkdir(parents=True)
+    elif case == "file":
+        write_run(d, tiny_cfg(), metrics=[timed_row(2)])
+        d = d / "metrics.jsonl"
+    assert main(["doctor", str(d)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("tokenmill: error: ") and message in err, err
+    if "profile" in case:
+        assert "re-run `tokenmill profile`" in err
+    assert "Traceback" not in err
+
+
+def test_per_block_null_is_unknown_not_zero(tmp_path):
+    """--per-block skipped (compile): profile.json holds null; the attention share is unknown, so the
+    manual-attention finding falls back to the FLOP share instead of reading 0%."""
+    cfg = tiny_cfg(**{"model.attention": "manual"})
+    for i, pb in enumerate((None, {"attn_ms_per_step": None, "mlp_ms_per_step": None})):
+        d = write_run(tmp_path / str(i), cfg, profile=profile_dict(per_block=pb), summary=TINY_SUMMARY)
+        f = facts_from_profile(profile_dict(per_block=pb))
+        assert "attn_share" not in f
+        found = next(x for x in diagnose(d)["findings"] if x["key"] == "attention")
+        assert not any("attention regions take" in e for e in found["evidence"])
+    f = facts_from_profile(profile_dict(per_block={"attn_ms_per_step": 25.0, "mlp_ms_per_step": 30.0}))
+    assert f["attn_share"] == pytest.approx(0.25)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import torch
 
 from conftest import tiny_cfg
 from tokenmill.cli import main
-from tokenmill.profiling import analysis, memory
+from tokenmill.profiling import analysis, memory, runner
 from tokenmill.profiling.runner import ProfileOptions, prepare_config, run_profile
 from tokenmill.profiling.trace import OUTSIDE, Trace
 
@@ -125,6 +125,7 @@ def test_analysis_of_a_cuda_like_trace():
     assert d["gemm_share"] == pytest.approx(300 / 700)
     s = analysis.syncs(tr)
     assert s["per_step"] == 1.0 and s["basis"].startswith("blocking CUDA")
+    assert s["ms_per_step"] == pytest.approx(0.13) and s["sources"][0]["ms_per_step"] == pytest.approx(0.13)
     src = s["sources"][0]
     assert src["call"] == "cudaStreamSynchronize" and src["op"] == "aten::item" and src["region"] == OUTSIDE
     assert analysis.top_kernels(tr)[0]["name"] == "elementwise_kernel"
@@ -136,6 +137,18 @@ def test_analysis_of_a_cuda_like_trace():
     assert m["transient_mb"] == pytest.approx(300)
     # a 300 MB block is "vocabulary-sized" for B*T*V = 75 Mi elements at 4 bytes each
     assert memory.memory_peak(tr, (300 * 2**20 // 4,))["vocab_sized_mb"] == pytest.approx(300)
+
+
+def test_per_block_is_null_when_the_hooks_did_not_run():
+    """--per-block under compile skips the hooks: profile.json records null (unknown), never zeros."""
+    opts = ProfileOptions(wait=1, warmup=1, active=2, per_block=True)
+    compiled = tiny_cfg(**{"compile.enabled": True})
+    assert runner.analyse(cuda_like_trace(), compiled, None, opts, cuda=False)["per_block"] is None
+    assert runner.analyse(cuda_like_trace(), tiny_cfg(), None, opts, cuda=False)["per_block"] is None  # no regions
+    tr = cuda_like_trace()
+    doc = {"traceEvents": [e for e in tr.doc["traceEvents"]] + [_x("block0.attn", "user_annotation", 110, 40)]}
+    pb = runner.analyse(Trace(doc), tiny_cfg(), None, opts, cuda=False)["per_block"]
+    assert pb == {"attn_ms_per_step": pytest.approx(0.02), "mlp_ms_per_step": 0.0}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -158,3 +171,6 @@ def test_profile_on_cuda_writes_memory_files(tmp_path):
     with open(tmp_path / "memory_snapshot.pickle", "rb") as f:
         assert "segments" in pickle.load(f)
     assert (tmp_path / "memory_timeline.json").exists()
+    # on CUDA with --with-stack the runner also writes the HTML timeline, and lists it among the files
+    assert (tmp_path / "memory_timeline.html").exists(), prof["notes"]
+    assert prof["files"]["memory_timeline"] == "memory_timeline.html"

@@ -135,6 +135,7 @@ def syncs(trace: Trace) -> dict[str, Any]:
     n = max(1, len(trace.steps))
     cuda = bool(trace.device)
     counts: dict[tuple, int] = defaultdict(int)
+    times: dict[tuple, float] = defaultdict(float)  # us inside the sync calls (CUDA: the host blocked)
     for s in trace.in_window(trace.host):
         if cuda:
             if s.cat not in ("cuda_runtime", "cuda_driver") or s.name not in SYNC_RUNTIME:
@@ -146,14 +147,18 @@ def syncs(trace: Trace) -> dict[str, Any]:
                 continue  # counted at the outermost sync operator (item -> _local_scalar_dense)
             if any(a.name.startswith(HOST_SCALAR_PARENTS) for a in s.ancestors()):
                 continue
-        counts[_source(trace, s)] += 1
+        src = _source(trace, s)
+        counts[src] += 1
+        times[src] += s.dur
     sources = [
-        {"call": call, "op": op, "parent": parent, "region": region, "python": py, "per_step": c / n}
+        {"call": call, "op": op, "parent": parent, "region": region, "python": py, "per_step": c / n,
+         "ms_per_step": times[(call, op, parent, region, py)] / n / 1000}
         for (call, op, parent, region, py), c in sorted(counts.items(), key=lambda kv: -kv[1])
     ]
     return {
         "basis": "blocking CUDA runtime calls" if cuda else "operators that would block on an accelerator",
         "per_step": sum(counts.values()) / n,
+        "ms_per_step": sum(times.values()) / n / 1000,
         "sources": sources,
     }
 

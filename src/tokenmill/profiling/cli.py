@@ -73,5 +73,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     except DoctorError as e:
         print(f"tokenmill: error: {e}", file=sys.stderr)
         return 1
+    for w in verdict["warnings"]:
+        print(f"tokenmill: warning: {w}", file=sys.stderr)
     print(json.dumps(verdict, indent=2) if args.json else format_verdict(verdict))
     return 0

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from tokenmill import config as C
 from tokenmill.profiling import rules
+from tokenmill.profiling.trace import OUTSIDE
 from tokenmill.train.timing import PHASES
 
 MB = 1024**2
@@ -24,30 +25,99 @@ class DoctorError(RuntimeError):
     """The run directory cannot be diagnosed; the message says why."""
 
 
+HOW_TO_MAKE_A_RUN = ("make one with `tokenmill train ... --run-dir DIR` or `tokenmill profile ... --run-dir DIR`, "
+                     "then run `tokenmill doctor DIR`")
+RERUN_PROFILE = "re-run `tokenmill profile` with this version to write a new one"
+
+
 def load_run(run_dir: str | Path) -> dict[str, Any]:
-    """The raw inputs: ``config`` (flat 'section.field' dict), ``metrics`` (rows), ``summary``, ``profile``."""
+    """The raw inputs: ``config`` (flat 'section.field' dict), ``metrics`` (the last run's rows),
+    ``summary``, ``profile``, and ``warnings`` (what was skipped while reading)."""
     d = Path(run_dir)
-    if not d.is_dir():
-        raise DoctorError(f"run directory '{d}' does not exist.")
-    out: dict[str, Any] = {"config": {}, "metrics": [], "summary": {}, "profile": None}
-    if (d / "config.toml").is_file():
-        try:
-            out["config"] = C.flatten(C.from_dict(C.load_toml(d / "config.toml")).to_dict())
-        except C.ConfigError:  # written by another version: take the keys as they are
-            out["config"] = C.flatten(C.load_toml(d / "config.toml"))
-    else:
-        out["config"] = C.flatten(C.Config().to_dict())
+    if d.is_file():
+        hint = f" its folder: `tokenmill doctor {d.parent}`" if d.parent != Path() else " a run directory"
+        raise DoctorError(f"'{d}' is a file, not a run directory; give{hint}.")
+    if not d.exists():
+        raise DoctorError(f"run directory '{d}' does not exist; {HOW_TO_MAKE_A_RUN}.")
+    names = ("config.toml", "metrics.jsonl", "profile.json")
+    if not any((d / n).is_file() for n in names):
+        raise DoctorError(f"'{d}' is not a tokenmill run directory (no {', '.join(names)}); {HOW_TO_MAKE_A_RUN}.")
+    out: dict[str, Any] = {"config": {}, "metrics": [], "summary": {}, "profile": None, "warnings": []}
+    out["config"] = _read_config(d / "config.toml")
     if (d / "metrics.jsonl").is_file():
-        out["metrics"] = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    for name in ("summary", "profile"):
-        if (d / f"{name}.json").is_file():
-            out[name] = json.loads((d / f"{name}.json").read_text())
+        rows = _read_jsonl(d / "metrics.jsonl", out["warnings"])
+        out["metrics"] = last_run(rows)
+        if len(out["metrics"]) < len(rows):
+            out["warnings"].append(f"metrics.jsonl holds several runs; reading the last one only "
+                                   f"({len(out['metrics'])} of {len(rows)} rows)")
+    if (d / "summary.json").is_file():
+        try:
+            out["summary"] = json.loads((d / "summary.json").read_text())
+        except ValueError:
+            out["warnings"].append("summary.json is not valid JSON (a run killed while writing it?); ignored")
+    if (d / "profile.json").is_file():
+        try:
+            out["profile"] = json.loads((d / "profile.json").read_text())
+        except ValueError as e:
+            raise DoctorError(f"'{d / 'profile.json'}' is not valid JSON ({e}); {RERUN_PROFILE}.") from None
+        if not isinstance(out["profile"], dict):
+            raise DoctorError(f"'{d / 'profile.json'}' is not a tokenmill profile; {RERUN_PROFILE}.")
     if not out["profile"] and not any("step_ms" in r for r in out["metrics"]):
         raise DoctorError(
             f"'{d}' has neither profile.json nor timed rows in metrics.jsonl; train longer than "
             "log.timing_warmup_steps + log.every_steps, or run `tokenmill profile`."
         )
     return out
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    """The run's flat config; this version's defaults when there is none. A config written by another
+    version is taken key by key, as it is."""
+    if not path.is_file():
+        return C.flatten(C.Config().to_dict())
+    try:
+        return C.flatten(C.from_dict(C.load_toml(path)).to_dict())
+    except C.ConfigError:
+        pass
+    try:
+        tree = C.load_toml(path)
+    except C.ConfigError as e:
+        raise DoctorError(str(e)) from None
+    return {f"{s}.{k}": v for s, body in tree.items() if isinstance(body, dict) for k, v in body.items()}
+
+
+def _read_jsonl(path: Path, warnings: list[str]) -> list[dict[str, Any]]:
+    """The rows of a JSON-lines file; lines that are not a JSON object (a run killed mid-write) are
+    skipped with a warning."""
+    rows, bad = [], []
+    for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if isinstance(row, dict) and isinstance(row.get("step", 0), (int, float)):
+            rows.append(row)
+        else:
+            bad.append(i)
+    if bad:
+        warnings.append(f"{path.name}: skipped {len(bad)} unreadable line(s) ({', '.join(map(str, bad[:5]))}"
+                        f"{', ...' if len(bad) > 5 else ''}; a run killed while writing?)")
+    return rows
+
+
+def last_run(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of the last run in a ``metrics.jsonl`` that successive runs appended to: a new run
+    starts where a training row's step does not increase over the previous training row's."""
+    start, prev = 0, None
+    for i, r in enumerate(rows):
+        if "loss" not in r or "val_loss" in r or "event" in r or "step" not in r:
+            continue  # evaluation and event rows repeat the step of the training row before them
+        if prev is not None and r["step"] <= prev:
+            start = i
+        prev = r["step"]
+    return rows[start:]
 
 
 def steady_rows(run: dict[str, Any]) -> list[dict[str, Any]]:
@@ -69,20 +139,39 @@ def facts_from_metrics(rows: list[dict[str, Any]]) -> dict[str, Any]:
     f["idle_ms"] = mean["other_ms"]
     for p in (*PHASES, "idle"):
         f[f"{p}_share"] = f[f"{p}_ms"] / step
-    f["fixed_share"] = (mean["optimizer_ms"] + mean["other_ms"]) / step
+    f["loop_share"] = f["idle_share"]  # the trainer's windows leave logging out of other_ms
     f["phase_source"] = "metrics.jsonl (trainer's always-on breakdown)"
     return f
 
 
 def facts_from_profile(p: dict[str, Any]) -> dict[str, Any]:
+    """Facts from ``profile.json``; a file of another version raises :class:`DoctorError`."""
+    try:
+        return _profile_facts(p)
+    except (KeyError, TypeError, AttributeError) as e:
+        raise DoctorError(
+            f"profile.json does not have the layout this version reads ({type(e).__name__}: {e}; written by "
+            f"another version of tokenmill?); {RERUN_PROFILE}."
+        ) from None
+
+
+def _profile_facts(p: dict[str, Any]) -> dict[str, Any]:
     ms, share = p["breakdown"]["ms_per_step"], p["breakdown"]["share"]
     f: dict[str, Any] = {f"{k}_ms": v for k, v in ms.items() if k != "step"}
     f["step_ms"] = ms["step"]
     f.update({f"{k}_share": v for k, v in share.items()})
-    f["fixed_share"] = share["optimizer"] + share["idle"]
     f["phase_source"] = "profile.json (record_function regions of the profiled steps)"
     f["syncs_per_step"] = p["syncs"]["per_step"]
-    f["sync_sources"] = p["syncs"]["sources"]
+    f["sync_sources"] = sources = p["syncs"]["sources"]
+    # What the syncs cost the host: the time inside the sync calls within the phases, plus, when the
+    # syncs happen outside the phases (the trainer's read-back at log steps), the time outside the
+    # phases (logging). That time is the sync rule's, not per-step overhead (loop_share).
+    inside = sum(s.get("ms_per_step") or 0.0 for s in sources if s.get("region") != OUTSIDE)
+    outside = any(s.get("region") == OUTSIDE for s in sources)
+    f["logging_share"] = share["idle"] if outside else 0.0
+    f["loop_share"] = share["idle"] - f["logging_share"]
+    f["sync_ms"] = inside + (ms["idle"] if outside else 0.0)
+    f["sync_share"] = f["sync_ms"] / ms["step"] if ms["step"] else None
     f["host_mean_op_us"] = p["host_busy"]["mean_op_us"]
     f["host_ops_per_step"] = p["host_busy"]["ops_per_step"]
     d = p.get("device_busy")
@@ -91,8 +180,9 @@ def facts_from_profile(p: dict[str, Any]) -> dict[str, Any]:
         f["device_idle_share"] = 1.0 - (d["busy_fraction"] or 0.0)
         for k in ("kernels_per_step", "mean_kernel_us", "gemm_share"):
             f[k] = d[k]
-    if p.get("per_block") and ms["step"]:
-        f["attn_share"] = p["per_block"]["attn_ms_per_step"] / ms["step"]
+    attn = (p.get("per_block") or {}).get("attn_ms_per_step")  # null: not measured (e.g. skipped under compile)
+    if attn is not None and ms["step"]:
+        f["attn_share"] = attn / ms["step"]
     m = p.get("memory")
     if m:
         for k in ("peak_mb", "peak_region", "peak_op", "vocab_sized_mb", "transient_mb", "step_start_mb",
@@ -158,6 +248,10 @@ def gather_facts(run: dict[str, Any]) -> dict[str, Any]:
         f.update(facts_from_profile(prof))
     f["gpu_name"] = f.get("gpu_name") or summary.get("gpu_name")
     f["tokens_per_step"] = (prof or {}).get("tokens_per_step") or summary.get("tokens_per_step")
+    fpt = summary.get("flops_per_token") or (6.0 * summary["params"] if summary.get("params") else None)
+    if fpt and f["tokens_per_step"] and f.get("host_ops_per_step"):
+        f["flops_per_op"] = fpt * f["tokens_per_step"] / f["host_ops_per_step"]
+    f["compute_share"] = _compute_share(f)
     f["tokens_per_sec"] = summary.get("tokens_per_sec")
     f["mfu"] = summary.get("mfu")
     f["attention_flop_share"] = rules.attention_flop_share(
@@ -165,6 +259,15 @@ def gather_facts(run: dict[str, Any]) -> dict[str, Any]:
     )
     f.update(memory_facts(f, cfg, summary))
     return f
+
+
+def _compute_share(f: dict[str, Any]) -> Optional[float]:
+    """Share of the step in forward, backward, optimizer and the loop between them: what per-operator
+    overhead can inflate (data waits, copies, syncs and logging are other rules' business)."""
+    parts = [f.get(f"{p}_share") for p in ("forward", "backward", "optimizer")]
+    if any(x is None for x in parts):
+        return None
+    return sum(parts) + (f.get("loop_share") or 0.0)
 
 
 def diagnose(run_dir: str | Path) -> dict[str, Any]:
@@ -182,6 +285,7 @@ def diagnose(run_dir: str | Path) -> dict[str, Any]:
         "main": main["key"] if main else None,
         "findings": found,
         "figures": _figures(facts),
+        "warnings": run["warnings"],
     }
 
 
@@ -197,7 +301,8 @@ def rank(facts: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _figures(f: dict[str, Any]) -> dict[str, Any]:
     keys = ["step_ms", *[f"{p}_share" for p in (*PHASES, "idle")], "syncs_per_step", "device_busy_fraction",
-            "tokens_per_step", "tokens_per_sec", "mfu", "peak_mb", "memory_total_mb", "phase_source"]
+            "sync_share", "tokens_per_step", "host_ops_per_step", "flops_per_op", "tokens_per_sec", "mfu", "peak_mb",
+            "memory_total_mb", "phase_source"]
     return {k: f[k] for k in keys if f.get(k) is not None}
 
 

@@ -12,6 +12,7 @@ To add a rule: write ``def my_rule(f) -> Finding | None`` and append it to :data
 
 from __future__ import annotations
 
+import functools
 import math
 import typing
 from collections.abc import Callable
@@ -20,6 +21,8 @@ from typing import Any, Literal, NamedTuple, Optional
 from tokenmill.config import field_specs
 
 MIN_SCORE = 0.10  # below this a finding is reported as minor ("nothing stands out" otherwise)
+# CPU: below this many model FLOPs per operator the step is per-operator overhead (see launch_overhead)
+CPU_OVERHEAD_FLOPS_PER_OP = 4096
 
 
 class Finding(NamedTuple):
@@ -29,8 +32,13 @@ class Finding(NamedTuple):
     suggestions: list[dict[str, Optional[str]]]
 
 
+@functools.cache
+def _specs() -> dict:
+    return field_specs()  # fixed for the process; building it is slow (type hints of every section)
+
+
 def has_field(key: str) -> bool:
-    return key in field_specs()
+    return key in _specs()
 
 
 def _accepts(tp: Any, value: Any) -> bool:
@@ -44,14 +52,18 @@ def _accepts(tp: Any, value: Any) -> bool:
     return isinstance(value, tp) or (tp is float and isinstance(value, int))
 
 
-def switch(key: str, value: Any, why: str, fallback: Optional[str] = None) -> dict[str, Optional[str]]:
-    """A suggestion ``--key value``; plain advice (``fallback``, else ``why``) where this version of the
-    config lacks the field or the value does not fit it."""
-    spec = field_specs().get(key)
-    if spec is None or not _accepts(spec[0], value):
-        return advice(fallback or why)
-    v = str(value).lower() if isinstance(value, bool) else value
-    return {"switch": f"--{key} {v}", "why": why}
+def switch(key: str, value: Any, why: str, fallback: Optional[str] = None,
+           also: Optional[dict[str, Any]] = None) -> dict[str, Optional[str]]:
+    """A suggestion ``--key value`` (followed by the ``also`` overrides it needs to be valid); plain
+    advice (``fallback``, else ``why``) where this version of the config lacks a field or a value does
+    not fit it."""
+    words = []
+    for k, val in {key: value, **(also or {})}.items():
+        spec = _specs().get(k)
+        if spec is None or not _accepts(spec[0], val):
+            return advice(fallback or why)
+        words.append(f"--{k} {str(val).lower() if isinstance(val, bool) else val}")
+    return {"switch": " ".join(words), "why": why}
 
 
 def advice(why: str, switch_text: Optional[str] = None) -> dict[str, Optional[str]]:
@@ -143,11 +155,21 @@ def host_sync(f: dict) -> Optional[Finding]:
     if any(s.get("region") in ("forward", "backward", "optimizer") for s in sources):
         sug.append(advice("avoid .item()/.tolist()/print(tensor) and nonzero()/boolean-mask indexing inside the "
                           "step: keep values on the device (torch.where, masked arithmetic) and read them rarely"))
-    if f.get("device_idle_share") is not None:  # CUDA: the cost of the syncs shows as device idle time
-        score = 0.9 * _idle_not_data(f)
-    else:  # no device timeline: the count is the evidence
-        score = 0.12 + 0.5 * (f.get("idle_share") or 0.0)
+    cost = f.get("sync_share") or 0.0  # host time in the syncs and the logging around them
+    if f.get("sync_ms"):
+        ev.insert(1, f"the syncs and the logging around them take {f['sync_ms']:.1f} ms of {f['step_ms']:.1f} ms "
+                     f"per step ({pct(cost)})")
+    if f.get("device_idle_share") is not None:  # CUDA: the syncs also leave the device idle
+        score = 0.9 * max(_idle_not_data(f), cost)
+    else:  # no device timeline: the time they cost, and at least what the count says an accelerator loses
+        score = max(sync_count_score(per_step), 0.9 * cost)
     return Finding(_clamp(score, hi=0.6), "host-sync-bound: the host waits for the device every step", ev, sug)
+
+
+def sync_count_score(per_step: float) -> float:
+    """The least a sync rule finding scores for ``per_step`` syncs per step (>= 1) where their cost
+    cannot be measured (CPU: nothing waits): each drains an accelerator's queue of launched work."""
+    return min(0.3, 0.1 + 0.05 * per_step)
 
 
 def _idle_not_data(f: dict) -> float:
@@ -162,25 +184,32 @@ def launch_overhead(f: dict) -> Optional[Finding]:
     tokens = f.get("tokens_per_step")
     batch = cfg(f, "train.batch_size", 1)
     if f.get("device") == "cuda" and f.get("device_busy_fraction") is not None:
-        idle = _idle_not_data(f)
+        # device idle while the host logs after a sync is the sync rule's business
+        idle = max(0.0, _idle_not_data(f) - (f.get("logging_share") or 0.0))
         small = (f.get("mean_kernel_us") or 0.0) < 50.0
         if idle < 0.3 or not small:
             return None
         ev = [f"the GPU is idle {pct(idle)} of the step while the host is not waiting for data",
               f"{f.get('kernels_per_step', 0):.0f} kernels per step, mean {f.get('mean_kernel_us', 0):.1f} us: "
               "the host cannot launch them fast enough"]
+        if tokens is not None:
+            ev.append(f"{tokens:,} tokens per step")
         score = 0.8 * idle
     else:
-        fixed = f.get("fixed_share")
-        if fixed is None or fixed < 0.3 or (tokens is not None and tokens > 4096):
+        # No device timeline: the evidence is the work per operator (model FLOPs per step / operators per
+        # step, from the profile). It scales with tokens per step and the model's width and does not
+        # depend on the thread count, the profiler's overhead or other load on the host.
+        per_op, compute = f.get("flops_per_op"), f.get("compute_share")
+        if per_op is None or per_op >= CPU_OVERHEAD_FLOPS_PER_OP or compute is None or compute < 0.3:
             return None
-        ev = [f"per-step fixed costs (optimizer, loop overhead) take {pct(fixed)} of the step"]
+        ev = [f"{f.get('host_ops_per_step', 0):,.0f} operators per step for {tokens or 0:,} tokens: "
+              f"{per_op:,.0f} model FLOPs per operator on average (< {CPU_OVERHEAD_FLOPS_PER_OP:,}), nanoseconds "
+              "of math behind microseconds of dispatch each"]
         if f.get("host_mean_op_us") is not None:
-            ev.append(f"{f.get('host_ops_per_step', 0):.0f} operators per step with a mean self time of "
-                      f"{f['host_mean_op_us']:.1f} us: framework overhead, not math")
-        score = 0.75 * fixed
-    if tokens is not None:
-        ev.append(f"{tokens:,} tokens per step")
+            ev.append(f"mean operator self time {f['host_mean_op_us']:.1f} us: framework overhead, not math")
+        ev.append(f"forward, backward, optimizer and the loop between them take {pct(compute)} of the step; "
+                  "at this size they hardly grow with the batch")
+        score = 0.75 * compute
     sug = [switch("train.batch_size", 4 * batch, "4x the work per launch and per optimizer step (if memory allows)")]
     if not cfg(f, "compile.enabled", False):
         sug.append(switch("compile.enabled", True, "fuse small operators into fewer kernels"))
@@ -189,8 +218,9 @@ def launch_overhead(f: dict) -> Optional[Finding]:
                           "(with --compile.enabled true)"))
     if cfg(f, "optim.impl", "foreach") != "fused":
         sug.append(switch("optim.impl", "fused", "one fused optimizer kernel instead of many small ones"))
-    sug.append(switch("train.grad_accum_steps", 4 * cfg(f, "train.grad_accum_steps", 1),
-                      "amortise the optimizer step over more micro-batches when a larger batch does not fit"))
+    if not cfg(f, "memory.optimizer_in_backward", False):  # that steps in backward: no accumulation
+        sug.append(switch("train.grad_accum_steps", 4 * cfg(f, "train.grad_accum_steps", 1),
+                          "amortise the optimizer step over more micro-batches when a larger batch does not fit"))
     return Finding(_clamp(score), "launch/overhead-bound: per-operator and per-step overhead dominate", ev, sug)
 
 
@@ -253,8 +283,11 @@ def _memory_weight(f: dict) -> float:
 
 
 def _split_batch(f: dict, why: str) -> dict:
+    """Half the micro-batch, twice the accumulation: only where that keeps the global batch and the
+    config stays valid (no step in backward; the pipeline's micro-batches still divide the batch)."""
     b, a = cfg(f, "train.batch_size", 1), cfg(f, "train.grad_accum_steps", 1)
-    if b < 2:
+    pp_micro = (cfg(f, "parallel.pp_microbatches", 0) or cfg(f, "parallel.pp", 1)) if cfg(f, "parallel.pp", 1) > 1 else 1
+    if b < 2 or b % 2 or (b // 2) % pp_micro or cfg(f, "memory.optimizer_in_backward", False):
         return advice(why)
     return advice(why, f"--train.batch_size {b // 2} --train.grad_accum_steps {2 * a}")
 
@@ -312,18 +345,31 @@ def optimizer_state_memory(f: dict) -> Optional[Finding]:
     sug = []
     if cfg(f, "train.precision", "fp32") != "bf16":
         sug.append(switch("train.precision", "bf16", "pure bf16 halves weights, gradients and optimizer state"))
-    m = "memory."
-    sug += [
-        switch(m + "optimizer_8bit", True, "8-bit AdamW state, about a quarter of fp32 state (needs torchao)",
-               "8-bit optimizer state (e.g. torchao's AdamW8bit)"),
-        switch(m + "optimizer_offload", True, "AdamW state and its step in CPU memory",
-               "offload the optimizer state to CPU memory"),
-        switch("parallel.zero1", True, "with several GPUs: shard the optimizer state over data-parallel ranks",
-               "with several GPUs: shard the optimizer state (ZeRO-1 / FSDP)"),
-        switch("parallel.dp_shard", -1, "with several GPUs: FSDP shards parameters, gradients and state"),
-        switch(m + "optimizer_in_backward", True, "step in backward: no full set of gradient buffers",
-               "apply the optimizer step inside backward, freeing each gradient at once"),
-    ]
+    # memory.optimizer_8bit / _offload / _in_backward exclude each other: offered only when none is on
+    alternative = not any(cfg(f, f"memory.{k}", False) for k in ("optimizer_8bit", "optimizer_offload",
+                                                                     "optimizer_in_backward"))
+    fp16 = cfg(f, "train.precision", "fp32") == "fp16-autocast"
+    model_parallel = cfg(f, "parallel.tp", 1) > 1 or cfg(f, "parallel.pp", 1) > 1
+    if alternative and not model_parallel:
+        sug.append(switch("memory.optimizer_8bit", True, "8-bit AdamW state, about a quarter of fp32 state "
+                          "(needs torchao)", "8-bit optimizer state (e.g. torchao's AdamW8bit)"))
+    if alternative and not fp16:
+        sug.append(switch("memory.optimizer_offload", True, "AdamW state and its step in CPU memory",
+                          "offload the optimizer state to CPU memory"))
+    if cfg(f, "parallel.dp_shard", 1) == 1 and not cfg(f, "parallel.zero1", False):
+        if not model_parallel:
+            sug.append(switch("parallel.zero1", True, "with several GPUs: shard the optimizer state over "
+                              "data-parallel ranks", "with several GPUs: shard the optimizer state (ZeRO-1 / FSDP)"))
+        # only one of dp_replicate and dp_shard may be -1 (the rest of the world size)
+        also = {"parallel.dp_replicate": 1} if cfg(f, "parallel.dp_replicate", -1) == -1 else {}
+        sug.append(switch("parallel.dp_shard", -1, "with several GPUs: FSDP shards parameters, gradients and state",
+                          also=also))
+    if alternative and not fp16 and cfg(f, "train.grad_accum_steps", 1) == 1:
+        # the step in backward cannot clip the global gradient norm
+        also = {"optim.grad_clip": 0} if (cfg(f, "optim.grad_clip", 1.0) or 0) > 0 else {}
+        sug.append(switch("memory.optimizer_in_backward", True, "step in backward: no full set of gradient buffers"
+                          + (" (no gradient clipping)" if also else ""),
+                          "apply the optimizer step inside backward, freeing each gradient at once", also=also))
     if cfg(f, "optim.impl", "foreach") != "for-loop":
         sug.append(switch("optim.impl", "for-loop", "smaller optimizer temporaries (the state itself stays)"))
     return Finding(_clamp(0.4 * share * _memory_weight(f)), "optimizer-state-dominated memory", ev, sug)

@@ -166,7 +166,8 @@ def analyse(
         "syncs": analysis.syncs(trace),
         "memory": memory.memory_peak(trace, numels),
         "allocator": allocator,
-        "per_block": _per_block(trace) if opts.per_block else None,
+        # null when not asked for, or when the hooks were skipped (compile): unknown, not zero
+        "per_block": _per_block(trace) if opts.per_block and not cfg.compile.enabled else None,
         "files": {},
         "notes": [],
     }
@@ -184,16 +185,19 @@ def analyse(
     return out
 
 
-def _per_block(trace: Trace) -> dict[str, float]:
-    """Forward time per step of all ``blockN.attn`` and ``blockN.mlp`` regions."""
+def _per_block(trace: Trace) -> Optional[dict[str, float]]:
+    """Forward time per step of all ``blockN.attn`` and ``blockN.mlp`` regions; None when the trace
+    has none (no hooks ran), so that a missing measurement never reads as zero time."""
     n = max(1, len(trace.steps))
     out = {"attn_ms_per_step": 0.0, "mlp_ms_per_step": 0.0}
+    seen = False
     for s in trace.in_window(trace.host):
         if s.cat == "user_annotation" and s.name.startswith("block") and "." in s.name:
             part = s.name.rsplit(".", 1)[1]
             if f"{part}_ms_per_step" in out:
                 out[f"{part}_ms_per_step"] += s.dur / n / 1000
-    return out
+                seen = True
+    return out if seen else None
 
 
 def _files(run_dir: Path) -> dict[str, str]:
