@@ -90,3 +90,23 @@ def test_killed_run_resumes_to_the_same_trajectory(tmp_path):
 
     tm("train", *common, "--run-dir", cut, "--resume")
     assert step_losses(cut) == step_losses(tmp_path / "full")  # bit-exact on CPU
+
+
+def test_parallel_errors_are_clear_and_suggest_torchrun(tmp_path):
+    """A parallel layout in one process (no torchrun) stops with the message, no traceback."""
+    out = tm("train", *TINY, *SYNTH, "--parallel.tp", 2, "--model.fused_qkv", "false", "--run-dir", tmp_path / "r",
+             check=False)
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.startswith("tokenmill: error:") and "Traceback" not in out.stderr, out.stderr
+    assert "torchrun --nproc-per-node 2 -m tokenmill train" in out.stderr
+
+
+def test_user_errors_cover_parallel_memory_doctor_and_sizing():
+    from tokenmill.bench.sizing import SizingError
+    from tokenmill.errors import USER_ERRORS
+    from tokenmill.memory.optimizers import MemoryOptionError
+    from tokenmill.parallel.world import ParallelError
+    from tokenmill.profiling.doctor import DoctorError
+
+    for cls in (ParallelError, MemoryOptionError, DoctorError, SizingError):
+        assert issubclass(cls, USER_ERRORS), cls

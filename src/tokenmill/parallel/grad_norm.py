@@ -17,6 +17,26 @@ import torch.distributed as dist
 from tokenmill.parallel.world import World
 
 
+def _is_shard(placement) -> bool:
+    """True when ``placement`` splits the tensor over its mesh dimension (each rank holds a different part).
+
+    ``Shard`` answers ``is_shard()``. ``_StridedShard`` (FSDP2's placement on the FSDP mesh dimension of a
+    weight that TP already shards on the same tensor dimension) is a ``Shard`` subclass in older torch but
+    a separate class whose ``is_shard()`` is False in newer ones (2.13), so it is recognised by class, and
+    any other placement with a tensor ``dim`` that is neither replicated nor partial counts as a shard too.
+    """
+    if placement.is_shard():
+        return True
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:
+        _StridedShard = None
+    if _StridedShard is not None and isinstance(placement, _StridedShard):
+        return True
+    return (isinstance(getattr(placement, "dim", None), int)
+            and not placement.is_replicate() and not placement.is_partial())
+
+
 def _local_and_copies(grad: torch.Tensor, world: World) -> tuple[torch.Tensor, int]:
     """(the values this rank holds, the number of ranks holding the same values)."""
     from torch.distributed.tensor import DTensor
@@ -24,7 +44,7 @@ def _local_and_copies(grad: torch.Tensor, world: World) -> tuple[torch.Tensor, i
     shards = 1
     if isinstance(grad, DTensor):
         for dim, placement in enumerate(grad.placements):
-            if placement.is_shard():
+            if _is_shard(placement):
                 shards *= grad.device_mesh.size(dim)
         grad = grad.to_local()
     return grad, world.size // world.pp // shards

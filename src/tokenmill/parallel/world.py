@@ -105,6 +105,13 @@ def is_elastic_restart() -> bool:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
 
 
+def _torchrun_hint(world_size: int, nproc: int) -> str:
+    """In a single process (no torchrun), how to start the ``nproc`` processes the degrees ask for."""
+    if world_size != 1:
+        return ""
+    return f" This is one process; launch {nproc} with `torchrun --nproc-per-node {nproc} -m tokenmill train ...`."
+
+
 def resolve_degrees(cfg: ParallelConfig, world_size: int) -> tuple[int, int]:
     """(dp_replicate, dp_shard) with -1 replaced by the rest; pp x dp_replicate x dp_shard x tp must be
     the world size."""
@@ -115,6 +122,7 @@ def resolve_degrees(cfg: ParallelConfig, world_size: int) -> tuple[int, int]:
             raise ParallelError(
                 f"world size {world_size} is not divisible by the fixed parallel degrees (product {known}); "
                 "change parallel.dp_replicate / dp_shard / tp / pp or --nproc-per-node."
+                + _torchrun_hint(world_size, known)
             )
         rest = world_size // known
         rep, shard = (rest, shard) if rep == -1 else (rep, rest)
@@ -124,6 +132,7 @@ def resolve_degrees(cfg: ParallelConfig, world_size: int) -> tuple[int, int]:
             f"parallel.pp ({cfg.pp}) x dp_replicate ({rep}) x dp_shard ({shard}) x tp ({cfg.tp}) = {total}, but "
             f"the world size is {world_size}: the degrees must multiply to the number of processes (use -1 for "
             "'the rest'; tp and pp need torchrun with that many processes)."
+            + _torchrun_hint(world_size, total)
         )
     return rep, shard
 
