@@ -4,12 +4,12 @@
 #
 #   TOKENMILL_GIT_COMMIT=<commit> bash benchmarks/gpu_session.sh PART OUT_DIR
 #
-# PART: check | best | rasbt | book-perf | memory | profile ; OUT_DIR: where results go ($OUT on the
+# PART: check | best | rasbt | book-perf | memory | memory-ladder | profile ; OUT_DIR: where results go ($OUT on the
 # device machine); copy them to benchmarks/results/<date>-<gpu>/ and commit. SMOKE=1 runs every part
 # with tiny shapes on any machine (how CI-less checks of this script are done on a CPU).
 # The device image lacks tomli-w: carry its wheel in .device-wheels/ (see benchmarks/README.md).
 set -euo pipefail
-PART=${1:?part: check, best, rasbt, book-perf, memory or profile}
+PART=${1:?part: check, best, rasbt, book-perf, memory, memory-ladder or profile}
 OUT=${2:?output directory}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
@@ -39,8 +39,10 @@ check)
     $PY -m pytest -q -x -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest.txt" | tail -15
     ;;
 best | rasbt | book-perf) ladder "$PART" ;;
+memory-ladder) ladder memory ;;  # the memory ladder alone, when the memory part does not fit one call
 memory)
     ladder book-memory
+    ladder memory
     tm train --preset gpt2-large --config benchmarks/configs/book-memory-5gb.toml \
         --run-dir "$OUT/book-memory-5gb" --log.progress plain "${TINY[@]}"
     $PY - "$OUT/book-memory-5gb" <<'PYEOF'  # summary + config + GPU/torch/CUDA/date/commit in one JSON

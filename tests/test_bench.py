@@ -11,8 +11,10 @@ import torch
 from conftest import cpu_env
 from tokenmill import config as C
 from tokenmill.bench import report
+from tokenmill.bench.cli import parse_sets, sizing_config
 from tokenmill.bench.configs import plan_steps, rung_config
-from tokenmill.bench.ladder import run_ladder
+from tokenmill.bench.env import git_facts
+from tokenmill.bench.ladder import _record, gpu_warning, run_ladder, skip_reason
 from tokenmill.bench.runner import failure_reason
 from tokenmill.bench.schema import LadderError, Measure, load_ladder, shipped_ladders
 from tokenmill.bench.sizing import (
@@ -23,20 +25,23 @@ from tokenmill.bench.sizing import (
     search_max_batch,
     search_max_model,
 )
-from tokenmill.cli import main
+from tokenmill.cli import build_parser, main
 
 CPU_ONLY = not torch.cuda.is_available()
 CPU_ENV = {"cuda_available": False, "gpu_count": 0, "gpu_names": [], "torch": torch.__version__, "cuda": None}
+GPU_ENV = {"cuda_available": True, "gpu_count": 1, "gpu_names": ["NVIDIA H100 80GB HBM3"], "torch": "2.x", "cuda": "12.x"}
+SHIPPED = ["best", "book-memory", "book-perf", "memory", "rasbt", "scale-out"]
 
 
 # ----------------------------------------------------------------------------------------------
 # Ladder files
 
 
-@pytest.mark.parametrize("name", ["rasbt", "book-perf", "book-memory", "best", "scale-out"])
+@pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_ladder_parses_and_every_rung_resolves(name):
-    assert name in shipped_ladders()
+    assert shipped_ladders() == SHIPPED  # a new ladder is added to this test
     ladder = load_ladder(name)  # parsing resolves every cumulative config, normal and --smoke
+    assert ladder.gpu  # every shipped ladder is written for a GPU: a CPU run warns
     for i, rung in enumerate(ladder.rungs):
         assert rung.explain and not rung.missing_fields()
         for smoke in (False, True):
@@ -78,6 +83,57 @@ def test_book_ladders_shapes():
     assert perf.requirement(perf.rungs[-1]) == "multi-gpu"
 
 
+def _cpu_smoke_plan(ladder):
+    """(rung name, skip reason) in a --smoke run on a CPU, carrying as the runner does."""
+    carried, out = [], []
+    for i, rung in enumerate(ladder.rungs):
+        why = skip_reason(ladder, rung, rung_config(ladder, i, carried, smoke=True).config, CPU_ENV, True)
+        out.append((rung.name, why))
+        if why is None:
+            carried.append(i)
+    return out
+
+
+def test_memory_ladder_one_rung_per_switch():
+    ladder = load_ladder("memory")
+    assert (ladder.headline, ladder.base_preset) == ("peak_alloc_mb", "gpt2-medium")
+    assert [r.name for r in ladder.rungs] == [
+        "baseline", "bf16", "chunked-loss", "activation-checkpointing", "expandable-segments",
+        "optimizer-in-backward", "adamw-8bit", "optimizer-offload"]
+    base = rung_config(ladder, 0).config
+    assert 350e6 < count_params(base) < 360e6 and base.model.block_size == 1024
+    last = rung_config(ladder, len(ladder.rungs) - 1).config
+    assert (last.train.precision, last.model.loss_impl, last.memory.activation_checkpointing,
+            last.memory.expandable_segments) == ("bf16", "chunked", 1, True)
+    switches = ("optimizer_in_backward", "optimizer_8bit", "optimizer_offload")
+    for name, on in zip(("optimizer-in-backward", "adamw-8bit", "optimizer-offload"), switches):
+        i = [r.name for r in ladder.rungs].index(name)
+        mem = rung_config(ladder, i).config.memory
+        assert [getattr(mem, k) for k in switches] == [k == on for k in switches]  # exclusive: one at a time
+    inb = rung_config(ladder, 5).config
+    assert (inb.optim.grad_clip, inb.train.grad_accum_steps) == (0.0, 1)
+    eight = ladder.rungs[6]
+    assert eight.packages == ["torchao"] and ladder.requirement(eight) == "cuda"
+    why = skip_reason(ladder, eight, rung_config(ladder, 6).config, GPU_ENV, False)
+    assert (why is None) == (not eight.missing_packages())
+    if eight.missing_packages():
+        assert "torchao" in why and "pip install torchao" in why
+    assert [n for n, why in _cpu_smoke_plan(ladder) if why is None] == [
+        "baseline", "bf16", "chunked-loss", "activation-checkpointing", "optimizer-in-backward"]
+
+
+def test_best_ladder_smoke_runs_the_cpu_rungs():
+    ladder = load_ladder("best")
+    assert ladder.requires is None  # CUDA is required rung by rung
+    plan = dict(_cpu_smoke_plan(ladder))
+    assert [n for n, why in plan.items() if why is None] == [
+        "baseline", "vocab-pad-64", "batch-32", "batch-64", "chunked-loss", "batch-128"]
+    assert all("CUDA" in plan[n] for n in ("cudnn-attention", "compile", "compile-max-autotune"))
+    names = [r.name for r in ladder.rungs]
+    assert names.index("batch-128") == names.index("chunked-loss") + 1
+    assert rung_config(ladder, names.index("batch-128")).config.train.batch_size == 128
+
+
 def _write(tmp_path, text, name="mine.toml"):
     path = tmp_path / name
     path.write_text(text)
@@ -115,6 +171,49 @@ def test_unknown_override_key_gets_closest_suggestion(tmp_path, capsys):
         load_ladder(str(owned))
     with pytest.raises(LadderError, match="Did you mean 'rasbt'"):
         load_ladder("rasbtt")
+
+
+def test_bad_rung_value_names_the_ladder_and_rung(tmp_path):
+    path = _write(tmp_path, USER_LADDER + '[[rung]]\nname = "base"\nexplain = "x"\n[[rung]]\nname = "fast"\n'
+                  'explain = "x"\nset = { "model.attention" = "flashy" }\n')
+    with pytest.raises(LadderError, match=r"^ladder 'mine' \(.*mine\.toml\), rung 1 'fast': "
+                                          r"model\.attention: 'flashy' is not one of \['manual', 'sdpa'\]"):
+        load_ladder(str(path))
+
+
+def test_needs_typo_fails_and_a_future_field_is_skipped_with_a_hint(tmp_path):
+    typo = _write(tmp_path, USER_LADDER + '[[rung]]\nname = "a"\nexplain = "x"\nneeds = ["train.batchsize"]\n')
+    with pytest.raises(LadderError, match=r"rung 0 'a': needs 'train.batchsize' is not a config field\. "
+                                          r"Did you mean 'train.batch_size'\?"):
+        load_ladder(str(typo))
+    future = _write(tmp_path, USER_LADDER + '[[rung]]\nname = "a"\nexplain = "x"\nneeds = ["train.batch_sizes_2"]\n'
+                    'set = { "train.batch_sizes_2" = 4 }\n', "future.toml")
+    ladder = load_ladder(str(future))  # two edits away: may be a field of a later tokenmill
+    doc = run_ladder(ladder, tmp_path / "out", env=CPU_ENV, log=lambda s: None)
+    reason = doc["rungs"][0]["reason"]
+    assert doc["rungs"][0]["status"] == "skipped"
+    assert "train.batch_sizes_2 (not a tokenmill config field yet)" in reason and "Did you mean 'train.batch_size'" in reason
+
+
+def test_set_rejects_the_step_keys_the_bench_owns(capsys):
+    for key in ("train.max_steps", "log.every_steps", "log.timing_warmup_steps"):
+        with pytest.raises(C.ConfigError, match="--steps"):
+            parse_sets([f"{key}=4"])
+    assert parse_sets(["train.seed=3"]) == {"train.seed": "3"}
+    assert main(["bench", "ladder", "rasbt", "--set", "train.max_steps=4"]) == 2
+    assert "use --steps N" in capsys.readouterr().err
+
+
+def test_sizing_commands_take_a_positional_config(tmp_path):
+    first = _write(tmp_path, "[train]\nbatch_size = 5\n[model]\nn_layer = 3\n", "first.toml")
+    second = _write(tmp_path, "[train]\nbatch_size = 6\n", "second.toml")
+    for cmd in ("max-batch", "max-model"):
+        args = build_parser().parse_args(["bench", cmd, str(first), "--preset", "tiny", "--config", str(second),
+                                          "--model.n_head", "2"])
+        cfg = sizing_config(args)
+        assert (cfg.model.n_layer, cfg.train.batch_size, cfg.model.n_head) == (3, 6, 2)  # --config after it
+        args = build_parser().parse_args(["bench", cmd, "--preset", "tiny"])
+        assert sizing_config(args).train.batch_size == C.resolve("tiny").train.batch_size
 
 
 def test_plan_steps_whole_windows():
@@ -161,8 +260,10 @@ needs = ["model.no_such_field"]
 name = "batch-2"
 explain = "still runs, without the failed rung's switch"
 set = { "train.batch_size" = 2 }
+reference = { tokens_per_sec = 1000 }
 """
-    ladder = load_ladder(str(_write(tmp_path, USER_LADDER + rungs)))
+    gpu_ladder = USER_LADDER.replace('base_preset = "tiny"', 'base_preset = "tiny"\ngpu = true')
+    ladder = load_ladder(str(_write(tmp_path, gpu_ladder + rungs)))
     lines = []
     doc = run_ladder(ladder, tmp_path / "out", env=CPU_ENV, log=lines.append, cli_set={"train.device": "cpu"})
     by = {r["name"]: r for r in doc["rungs"]}
@@ -180,6 +281,89 @@ set = { "train.batch_size" = 2 }
     md = (tmp_path / "out" / "ladder.md").read_text()
     assert "failed:" in md and "/nonexistent/tokenmill-data" in md
     assert any("failed" in ln for ln in lines)
+    # written for a GPU, run on a CPU: a warning, and no comparison with the seed's figures
+    assert len(doc["warnings"]) == 1 and "written for a CUDA GPU" in doc["warnings"][0]
+    assert any("warning" in ln and "written for a CUDA GPU" in ln for ln in lines)
+    assert after["reference_check"] is None and "agrees" not in md and "not compared" in md
+    assert doc["tokenmill_version"]
+
+
+def test_gpu_warning_only_for_real_runs_off_the_gpu():
+    ladder = load_ladder("rasbt")
+    assert "no CUDA GPU is visible" in gpu_warning(ladder, CPU_ENV, False, None)
+    assert "train.device=cpu" in gpu_warning(ladder, GPU_ENV, False, {"train.device": "cpu"})
+    assert gpu_warning(ladder, CPU_ENV, True, None) is None  # --smoke
+    assert gpu_warning(ladder, GPU_ENV, False, None) is None
+
+
+def _fake_doc(name, env, smoke, summary):
+    """A ladder document as a run would leave it, with ``summary(i)`` as rung i's trainer summary
+    (None: skipped)."""
+    ladder = load_ladder(name)
+    doc = report.new_document(ladder, env, smoke, None)
+    carried = []
+    for i, rung in enumerate(ladder.rungs):
+        rec = _record(ladder, i, rung, carried)
+        rc = rung_config(ladder, i, carried, smoke=smoke)
+        rec["config"], rec["plan"] = rc.config.to_dict(), rc.plan.to_dict()
+        rec["summary"] = summary(i)
+        rec["status"], rec["reason"] = ("measured", None) if rec["summary"] else ("skipped", "needs 2 CUDA GPUs")
+        if rec["summary"]:
+            carried.append(i)
+        doc["rungs"].append(rec)
+    report.derive(doc)
+    return doc
+
+
+def test_report_loss_flag_mfu_bf16_and_reference_gating(tmp_path):
+    def summary(device, gpu=None):
+        def make(i):
+            if i == 4:
+                return None
+            return {"tokens_per_sec": 1e5 * (i + 1), "tokens_per_sec_min": 1, "tokens_per_sec_max": 2,
+                    "step_time_ms": 100.0, "mfu": 0.1, "peak_alloc_mb": 30000.0 - 5000 * i,
+                    "peak_reserved_mb": 32000.0 - 5000 * i, "final_loss": 4.0 if i != 2 else 3.0, "params": 1,
+                    "flops_per_token": 4e9, "world_size": 1, "device": device, **({"gpu_name": gpu} if gpu else {})}
+        return make
+
+    gpu = _fake_doc("book-memory", GPU_ENV, False, summary("cuda", "NVIDIA H100 80GB HBM3"))
+    m = [r["metrics"] for r in gpu["rungs"]]
+    assert m[0]["mfu_bf16"] == pytest.approx(4e9 * 1e5 / 989.4e12)
+    assert [x and x["loss_flag"] for x in m] == [False, False, True, False, None]
+    assert m[2]["loss_change_vs_baseline"] == pytest.approx(-0.25)
+    assert gpu["rungs"][1]["reference_check"]["agrees"] is True  # -17% here, -31% in the book
+    md = report.markdown(gpu)
+    assert "agrees" in md and "3.0000 ⚠ -25% vs base" in md and "MFU bf16 peak" in md
+    from tokenmill.bench.plot import write_png
+
+    assert write_png(gpu, tmp_path / "gpu.png") is None  # references drawn, inside the memory axis
+
+    cpu = _fake_doc("book-memory", CPU_ENV, False, summary("cpu"))
+    assert all(r["reference_check"] is None for r in cpu["rungs"]) and not report.compares_references(cpu)
+    assert cpu["rungs"][0]["metrics"]["mfu_bf16"] is None
+    md = report.markdown(cpu)
+    assert "agrees" not in md and "not compared: this run was not on a CUDA GPU" in md
+    smoke = _fake_doc("book-memory", GPU_ENV, True, summary("cuda", "NVIDIA H100 80GB HBM3"))
+    assert not report.compares_references(smoke) and "not compared: a --smoke run" in report.markdown(smoke)
+
+
+def test_git_commit_only_from_tokenmills_own_checkout(tmp_path, monkeypatch):
+    monkeypatch.delenv("TOKENMILL_GIT_COMMIT", raising=False)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run(git + ["init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "other.txt").write_text("another project\n")
+    subprocess.run(git + ["add", "other.txt"], cwd=tmp_path, check=True)
+    subprocess.run(git + ["commit", "-q", "-m", "x"], cwd=tmp_path, check=True)
+    installed = tmp_path / "venv" / "env.py"  # an installed copy inside another project's repository
+    installed.parent.mkdir()
+    installed.write_text("# tokenmill\n")
+    assert git_facts(installed) == {"git_commit": None, "git_dirty": None}
+    subprocess.run(git + ["add", str(installed)], cwd=tmp_path, check=True)
+    subprocess.run(git + ["commit", "-q", "-m", "y"], cwd=tmp_path, check=True)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
+    assert git_facts(installed) == {"git_commit": head, "git_dirty": False}
+    monkeypatch.setenv("TOKENMILL_GIT_COMMIT", "abc123")
+    assert git_facts(installed)["git_commit"] == "abc123"
 
 
 @pytest.fixture(scope="module")

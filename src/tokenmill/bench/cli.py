@@ -4,7 +4,7 @@
     tokenmill bench ladder rasbt --out runs/rasbt [--smoke] [--steps N] [--set train.device=cuda]
     tokenmill bench ladder my-ladder.toml
     tokenmill bench max-batch --preset gpt2-124m --train.precision bf16-autocast
-    tokenmill bench max-model --preset gpt2-124m --memory.activation_checkpointing 1
+    tokenmill bench max-model my-config.toml --memory.activation_checkpointing 1
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ def register(subparsers) -> None:
         sp = sub.add_parser(name, help=help_text, description=help_text + "; each probe is a subprocess.",
                             allow_abbrev=False)
         add_config_args(sp)
+        sp.add_argument("config_file", nargs="?", metavar="CONFIG.toml",
+                        help="a TOML config file (the same as --config FILE, applied before any --config)")
         sp.add_argument("--probe-steps", type=int, default=3, help="training steps per probe")
         sp.add_argument("--memory-cap-mb", type=float,
                         help="count a probe whose peak reserved CUDA memory exceeds this as too big")
@@ -73,10 +75,15 @@ def parse_sets(items: list[str]) -> dict[str, str]:
         if not sep or not key.strip():
             raise C.ConfigError(f"--set expects KEY=VALUE (e.g. train.device=cuda), got {item!r}.")
         out[key.strip()] = value.strip()
+    from tokenmill.bench.schema import MEASURE_KEYS
+
     specs = C.field_specs()
     for key in out:
         if key not in specs:
             raise C.ConfigError(f"--set: unknown config key '{key}'.{C._closest(key, list(specs))}")
+        if key in MEASURE_KEYS:
+            raise C.ConfigError(f"--set {key}: the bench sets {', '.join(MEASURE_KEYS)} from the ladder's "
+                                "[ladder.measure]; use --steps N for the timed steps per rung.")
     return out
 
 
@@ -116,15 +123,24 @@ def cmd_ladder(args: argparse.Namespace) -> int:
 # sizing
 
 
+def sizing_config(args: argparse.Namespace) -> C.Config:
+    """The config of a sizing search: --preset, the positional config file, --config files, options."""
+    from tokenmill.cli import config_from_args
+
+    if args.config_file:
+        args.config = [args.config_file, *args.config]
+        args.config_file = None
+    return config_from_args(args)
+
+
 def _sizing_setup(args: argparse.Namespace, kind: str):
     from tokenmill.bench.sizing import SubprocessProbe
-    from tokenmill.cli import config_from_args
 
     if args.resume:
         raise C.ConfigError(f"--resume has no meaning for bench {kind}.")
     if args.probe_steps < 2:
         raise C.ConfigError("--probe-steps must be >= 2 (the first step is warm-up).")
-    cfg = config_from_args(args)
+    cfg = sizing_config(args)
     out = Path(args.run_dir) if args.run_dir else Path("runs") / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
     launcher = "torchrun" if args.nproc > 1 else None
     probe = SubprocessProbe(cfg, out, "batch" if kind == "max-batch" else "model", args.probe_steps,

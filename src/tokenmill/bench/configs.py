@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 from tokenmill import config as C
-from tokenmill.bench.schema import Ladder, LadderError, Measure
+from tokenmill.bench.schema import Ladder, LadderError, Measure, ladder_label
 
 BENCH_DEFAULTS: dict[str, Any] = {
     "train.eval_batches": 0,  # evaluation is excluded from timing anyway; it only costs time
@@ -103,7 +103,7 @@ def rung_config(
     """The resolved config of rung ``index``. ``carried``: indices of earlier rungs whose ``set`` is
     applied (default: all earlier rungs). ``cli_set``: ``--set`` strings applied after the base."""
     rung = ladder.rungs[index]
-    where = f"ladder '{ladder.name}', rung {index} '{rung.name}'"
+    where = f"{ladder_label(ladder.name, ladder.source)}, rung {index} '{rung.name}'"
     carried = list(range(index)) if carried is None else carried
     try:
         cfg = C.Config()

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 
 def device_facts() -> dict[str, Any]:
@@ -46,29 +46,43 @@ def probe_environment(timeout_s: float = 120.0) -> dict[str, Any]:
 
 
 def host_facts() -> dict[str, Any]:
+    import tokenmill
+
     return {
         "host": socket.gethostname(),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "tokenmill_version": tokenmill.__version__,
         **git_facts(),
     }
 
 
-def git_facts() -> dict[str, Any]:
-    """The commit of the tokenmill checkout (``git rev-parse HEAD``), when it is one; a copy of the
-    source without ``.git`` (e.g. shipped to a GPU machine) may name it in ``TOKENMILL_GIT_COMMIT``."""
+def _git(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10)
+
+
+def git_facts(path: Optional[Path] = None) -> dict[str, Any]:
+    """The commit of the tokenmill checkout this code runs from (``git rev-parse HEAD``).
+
+    Git is trusted only when this file is tracked by the repository around it: an installed copy
+    inside another project's repository (a virtual environment in it, say) must not record that
+    project's commit. A copy of the source without ``.git`` (e.g. shipped to a GPU machine) may name
+    its commit in ``TOKENMILL_GIT_COMMIT``. ``path``: the file to check instead of this one (tests)."""
     if os.environ.get("TOKENMILL_GIT_COMMIT"):
         return {"git_commit": os.environ["TOKENMILL_GIT_COMMIT"], "git_dirty": False}
-    here = Path(__file__).resolve().parent
+    here = Path(path or __file__).resolve()
+    unknown = {"git_commit": None, "git_dirty": None}
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
-                                timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        if _git(["ls-files", "--error-unmatch", here.name], here.parent).returncode != 0:
+            return unknown  # not in a git checkout, or not tokenmill's own
+        head = _git(["rev-parse", "HEAD"], here.parent)
+        dirty = _git(["status", "--porcelain", "--untracked-files=no"], here.parent)
     except (OSError, subprocess.SubprocessError):
-        return {"git_commit": None, "git_dirty": None}
-    return {"git_commit": commit or None, "git_dirty": bool(dirty)}
+        return unknown
+    if head.returncode != 0 or dirty.returncode != 0:
+        return unknown
+    return {"git_commit": head.stdout.strip() or None, "git_dirty": bool(dirty.stdout.strip())}
 
 
 def gpu_label(env: dict[str, Any]) -> str:

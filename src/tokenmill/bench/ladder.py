@@ -1,8 +1,9 @@
 """Run a ladder: every rung in order, each in a fresh subprocess; write ladder.json/.md/.png.
 
 A rung is *measured*, *failed* (non-zero exit, time limit, no timed window: the reason is its
-error line) or *skipped* (the machine lacks what it ``requires``, a config field it ``needs`` does not
-exist yet, or torch.compile on a CPU in --smoke). Only measured rungs are carried into later rungs.
+error line) or *skipped* (the machine lacks what it ``requires`` or a Python package it names in
+``packages``, a config field it ``needs`` does not exist yet, or torch.compile on a CPU in --smoke).
+Only measured rungs are carried into later rungs.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
+from tokenmill import config as C
 from tokenmill.bench import report
 from tokenmill.bench.configs import rung_config
 from tokenmill.bench.env import gpu_label, probe_environment
@@ -34,10 +36,26 @@ def skip_reason(ladder: Ladder, rung: Rung, cfg, env: dict[str, Any], smoke: boo
             return "needs a CUDA GPU (none visible)"
         if device in ("cpu", "mps"):
             return f"needs CUDA but train.device = '{device}'"
+    absent = rung.missing_packages()
+    if absent:
+        return f"needs the Python package(s) {', '.join(absent)} (not installed: pip install {' '.join(absent)})"
     runs_on_cpu = device == "cpu" or (device == "auto" and not env.get("cuda_available"))
     if smoke and runs_on_cpu and cfg.compile.enabled:
         return "torch.compile on a CPU costs about a minute per graph; skipped in --smoke"
     return None
+
+
+def gpu_warning(ladder: Ladder, env: dict[str, Any], smoke: bool, cli_set: Optional[dict[str, str]]) -> Optional[str]:
+    """A warning when a ladder written for a CUDA GPU runs elsewhere for real (not --smoke)."""
+    if smoke or not ladder.gpu:
+        return None
+    device = (cli_set or {}).get("train.device", "auto")
+    if env.get("cuda_available") and device in ("auto", "cuda"):
+        return None
+    where = "no CUDA GPU is visible" if not env.get("cuda_available") else f"--set train.device={device}"
+    return (f"ladder '{ladder.name}' is written for a CUDA GPU, but {where}: its rungs run on the CPU (or are "
+            "skipped), the figures say nothing about GPU speed or memory, and no comparison with the seed's "
+            "reference figures is made. Use --smoke to check the machinery quickly.")
 
 
 def run_ladder(
@@ -59,6 +77,10 @@ def run_ladder(
     doc = report.new_document(ladder, env, smoke, cli_set)
     log(f"tokenmill bench: ladder '{ladder.name}' ({len(ladder.rungs)} rungs) on {gpu_label(env)}"
         f"{' [smoke]' if smoke else ''} -> {out}")
+    warning = gpu_warning(ladder, env, smoke, cli_set)
+    if warning:
+        doc["warnings"].append(warning)
+        log(f"tokenmill bench: warning: {warning}")
     carried: list[int] = []
     echo = (lambda line: log(f"        | {line}")) if echo_runs else None
     for i, rung in enumerate(ladder.rungs):
@@ -87,7 +109,9 @@ def _run_rung(ladder: Ladder, i: int, rec: dict[str, Any], carried: list[int], o
     rung = ladder.rungs[i]
     missing = rung.missing_fields()
     if missing:
-        return "skipped", f"needs {', '.join(missing)} (not a tokenmill config field yet)"
+        specs = list(C.field_specs())
+        return "skipped", "; ".join(f"needs {k} (not a tokenmill config field yet).{C._closest(k, specs)}"
+                                    for k in missing)
     try:
         rc = rung_config(ladder, i, carried, cli_set, smoke, timed_steps)
     except LadderError as e:
@@ -113,6 +137,7 @@ def _record(ladder: Ladder, i: int, rung: Rung, carried: list[int]) -> dict[str,
         "set": rung.set,
         "requires": ladder.requirement(rung),
         "needs": rung.needs,
+        "packages": rung.packages,
         "launcher": rung.launcher,
         "nproc": rung.nproc,
         "reference": rung.reference,

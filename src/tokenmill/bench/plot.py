@@ -1,8 +1,10 @@
 """``ladder.png``: throughput per rung (left) and peak memory per rung (right), side by side.
 
 The left panel shows tokens/s, or the time for the ladder's samples when that is the headline;
-skipped and failed rungs keep their row, labelled, so the ladder's shape stays visible.
-matplotlib is optional: without it the PNG is skipped with a note.
+skipped and failed rungs keep their row, labelled, so the ladder's shape stays visible. The seed's
+reference figures (hollow diamonds) are drawn only for a real run on a CUDA GPU: beside --smoke or
+CPU figures they would only flatten the bars. matplotlib is optional: without it the PNG is skipped
+with a note.
 """
 
 from __future__ import annotations
@@ -10,10 +12,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
+from tokenmill.bench.report import compares_references
+
 _LEGEND = {"loc": "lower left", "bbox_to_anchor": (0.0, 1.0), "ncol": 3, "fontsize": 8, "frameon": False}
 
 
-def _reference_points(rungs: list[dict[str, Any]], ys: list[int], key: str) -> list[tuple[int, float]]:
+def _reference_points(rungs: list[dict[str, Any]], ys: list[int], key: str, show: bool) -> list[tuple[int, float]]:
+    if not show:
+        return []
     return [(y, r["reference"][key]) for y, r in zip(ys, rungs) if key in r["reference"]]
 
 
@@ -30,12 +36,13 @@ def write_png(doc: dict[str, Any], path: Path) -> Optional[str]:
     labels = [f"{r['index']} {r['name']}" for r in rungs]
     ys = list(range(len(rungs)))[::-1]  # first rung on top
     time_headline = doc["ladder"]["headline"] == "time_for_samples"
+    show_refs = compares_references(doc)
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 1.6 + 0.45 * len(rungs)), sharey=True)
 
     key = "time_for_samples_s" if time_headline else "tokens_per_sec"
     vals = [(r["metrics"] or {}).get(key) for r in rungs]
     left.barh(ys, [v or 0 for v in vals], color="#4C72B0", label="measured")
-    refs = _reference_points(rungs, ys, key)
+    refs = _reference_points(rungs, ys, key, show_refs)
     if refs:
         source = doc["ladder"]["reference"].get("hardware") or "seed"
         left.scatter([v for _, v in refs], [y for y, _ in refs], marker="D", s=22, facecolors="none",
@@ -68,11 +75,14 @@ def write_png(doc: dict[str, Any], path: Path) -> Optional[str]:
         for y, v in zip(ys, alloc):
             if v is not None:
                 right.text(v / 1024, y + h / 2, f" {v / 1024:.2f}", va="center", fontsize=7)
+        mem_top = max(v for v in alloc + reserved if v is not None)
         for key, dy, color in (("peak_alloc_mb", h / 2, "#1E5631"), ("peak_reserved_mb", -h / 2, "#7A1F1F")):
-            pts = _reference_points(rungs, ys, key)
+            pts = _reference_points(rungs, ys, key, show_refs)
             if pts:
                 right.scatter([v / 1024 for _, v in pts], [y + dy for y, _ in pts], marker="D", s=16,
                               facecolors="none", edgecolors=color, zorder=3, label=f"seed reference ({key.split('_')[1]})")
+                mem_top = max([mem_top] + [v for _, v in pts])
+        right.set_xlim(0, mem_top / 1024 * 1.15)  # room for the labels, and for references beyond the bars
         right.legend(**_LEGEND)
         right.set_xlabel("GPU memory (GB = 1024^3 bytes)")
     else:

@@ -1,13 +1,16 @@
 """Derived figures of a ladder run and its reports: ``ladder.json`` content, ``ladder.md``, terminal.
 
 Per measured rung (``rung["metrics"]``): steady-state tokens/s (median of the timed windows, with
-min/max), step time, MFU, peak allocated/reserved memory (CUDA), final loss, speedup over the
-previous *measured* rung and over the baseline (the first measured rung), and with ``[ladder]
-samples`` the time for that many samples = samples * block_size / tokens_per_sec.
+min/max), step time, MFU (against the peak of the rung's math mode, and ``mfu_bf16`` against the
+bf16 dense peak), peak allocated/reserved memory (CUDA), final loss and its change from the
+baseline's (``loss_flag`` past ``[ladder.measure] loss_tolerance``), speedup over the previous
+*measured* rung and over the baseline (the first measured rung), and with ``[ladder] samples`` the
+time for that many samples = samples * block_size / tokens_per_sec.
 
-Reference figures from the seeds are compared by direction: the headline metric's change from the
-previous measured rung, in the seed and here, each classed better / worse / same (within
-``SAME_WITHIN``), and ``agrees`` says whether the classes match.
+Reference figures from the seeds are compared by direction, for rungs measured on a CUDA GPU outside
+--smoke only: the headline metric's change from the previous measured rung, in the seed and here,
+each classed better / worse / same (within ``SAME_WITHIN``), and ``agrees`` says whether the
+classes match.
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
+import tokenmill
 from tokenmill.bench.env import gpu_label
 from tokenmill.bench.schema import Ladder
+from tokenmill.model.flops import peak_flops
 
 HEADLINE_METRIC = {"tokens_per_sec": "tokens_per_sec", "peak_alloc_mb": "peak_alloc_mb",
                    "time_for_samples": "time_for_samples_s"}
@@ -44,6 +49,7 @@ def new_document(ladder: Ladder, env: dict[str, Any], smoke: bool, cli_set: Opti
             "headline": ladder.headline,
             "samples": ladder.samples,
             "requires": ladder.requires,
+            "gpu": ladder.gpu,
             "base": ladder.base,
             "measure": asdict(ladder.measure),
             "reference": ladder.reference_info,
@@ -54,10 +60,12 @@ def new_document(ladder: Ladder, env: dict[str, Any], smoke: bool, cli_set: Opti
         "torch": env.get("torch"),
         "cuda": env.get("cuda"),
         "date": env.get("date"),
+        "tokenmill_version": tokenmill.__version__,
         "git_commit": env.get("git_commit"),
         "git_dirty": env.get("git_dirty"),
         "host": env.get("host"),
         "environment": env,
+        "warnings": [],
         "baseline_rung": None,
         "rungs": [],
     }
@@ -77,10 +85,30 @@ def _direction(change: Optional[float], metric: str) -> Optional[str]:
     return "better" if up == HIGHER_IS_BETTER[metric] else "worse"
 
 
+def on_gpu(rung: dict[str, Any]) -> bool:
+    """Whether the rung trained on a CUDA device (the trainer's summary says)."""
+    return (rung.get("summary") or {}).get("device") == "cuda"
+
+
+def compares_references(doc: dict[str, Any]) -> bool:
+    """Seed figures are compared (and drawn) only for a real run on a CUDA GPU, never for --smoke or CPU runs."""
+    return not doc["smoke"] and any(on_gpu(r) for r in doc["rungs"])
+
+
+def mfu_bf16(summary: dict[str, Any]) -> Optional[float]:
+    """MFU against the GPU's bf16 dense peak whatever the rung's math mode: comparable across rungs."""
+    fpt, tps, gpu = summary.get("flops_per_token"), summary.get("tokens_per_sec"), summary.get("gpu_name")
+    peak = peak_flops(gpu, "bf16") if gpu else None
+    if not (fpt and tps and peak):
+        return None
+    return fpt * tps / (peak * (summary.get("world_size") or 1))  # tokens/s are the whole job's
+
+
 def rung_metrics(rung: dict[str, Any], samples: Optional[int]) -> dict[str, Any]:
     s = rung.get("summary") or {}
     m = {k: s.get(k) for k in ("tokens_per_sec", "tokens_per_sec_min", "tokens_per_sec_max", "step_time_ms",
                                "mfu", "peak_alloc_mb", "peak_reserved_mb", "final_loss", "params")}
+    m["mfu_bf16"] = mfu_bf16(s)
     m["final_loss_finite"] = m["final_loss"] is not None and math.isfinite(m["final_loss"])
     tps = m["tokens_per_sec"]
     if samples and tps:
@@ -94,6 +122,7 @@ def derive(doc: dict[str, Any]) -> None:
     """(Re)compute ``metrics`` and ``reference_check`` of every rung, in place."""
     lad = doc["ladder"]
     headline = HEADLINE_METRIC[lad["headline"]]
+    tolerance = lad["measure"].get("loss_tolerance", 0.05)
     prev = base = None
     for r in doc["rungs"]:
         r["metrics"] = None
@@ -110,11 +139,23 @@ def derive(doc: dict[str, Any]) -> None:
             old = prev["metrics"].get(key) if prev else None
             q = _ratio(m.get(key), old)
             m[f"{key}_change_vs_prev"] = q - 1 if q is not None else None
+        _loss_check(m, m if base is r else base["metrics"], tolerance)
         r["metrics"] = m
-        if not doc["smoke"]:  # smoke figures come from tiny shapes: nothing to compare
+        if not doc["smoke"] and on_gpu(r):  # smoke (tiny shapes) or CPU figures: nothing to compare
             r["reference_check"] = _reference_check(r, prev, headline)
         prev = r
     doc["baseline_rung"] = base["name"] if base else None
+
+
+def _loss_check(m: dict[str, Any], base: dict[str, Any], tolerance: float) -> None:
+    """``loss_change_vs_baseline`` and ``loss_flag``: non-finite, or further than ``tolerance``
+    (relative) from the baseline rung's final loss."""
+    loss, ref = m["final_loss"], base["final_loss"]
+    change = None
+    if m["final_loss_finite"] and base["final_loss_finite"] and ref:
+        change = loss / ref - 1
+    m["loss_change_vs_baseline"] = change
+    m["loss_flag"] = (loss is not None and not m["final_loss_finite"]) or (change is not None and abs(change) > tolerance)
 
 
 def _reference_check(r: dict[str, Any], prev: Optional[dict[str, Any]], metric: str) -> Optional[dict[str, Any]]:
@@ -174,6 +215,7 @@ def _columns(doc: dict[str, Any]) -> list[tuple[str, Callable[[dict[str, Any]], 
     lad = doc["ladder"]
     headline = HEADLINE_METRIC[lad["headline"]]
     has_ref = {k: any(k in r["reference"] for r in doc["rungs"]) for k in HIGHER_IS_BETTER}
+    compare = compares_references(doc)
     samples = lad["samples"]
 
     def met(key, fmt=_num):
@@ -187,7 +229,7 @@ def _columns(doc: dict[str, Any]) -> list[tuple[str, Callable[[dict[str, Any]], 
             return []
         fmt = _gb if key.endswith("_mb") else (lambda v: _num(v, "{:,.2f}") if key.endswith("_s") else _num(v))
         cols = [(REF_LABELS[key], ref(key, fmt))]
-        if key == headline and not doc["smoke"]:
+        if key == headline and compare:
             cols += [("ref Δ / ours Δ", _ref_change), ("agrees", _agrees)]
         return cols
 
@@ -214,16 +256,28 @@ def _columns(doc: dict[str, Any]) -> list[tuple[str, Callable[[dict[str, Any]], 
     cols += [("tok/s (min–max)", tps), ("vs prev", met("speedup_vs_prev", _x)),
              ("vs base", met("speedup_vs_baseline", _x))]
     cols += ref_cols("tokens_per_sec")
+    pct = lambda v: _num(v and 100 * v, "{:.1f}%")  # noqa: E731
     cols += [("step ms", met("step_time_ms", lambda v: _num(v, "{:,.1f}"))),
-             ("MFU", met("mfu", lambda v: _num(v and 100 * v, "{:.1f}%")))]
+             ("MFU", met("mfu", pct)), ("MFU bf16 peak", met("mfu_bf16", pct))]
     if headline != "peak_alloc_mb":
         cols += [("peak alloc GB", met("peak_alloc_mb", _gb))]
         cols += ref_cols("peak_alloc_mb")
     cols += [("peak reserved GB", met("peak_reserved_mb", _gb))] + ref_cols("peak_reserved_mb")
     if samples and headline != "time_for_samples_s":
         cols += [(time_head, time_s)] + ref_cols("time_for_samples_s")
-    cols += [("final loss", met("final_loss", lambda v: _num(v, "{:.4f}"))), ("status", _status)]
+    cols += [("final loss", _loss), ("status", _status)]
     return cols
+
+
+def _loss(r: dict[str, Any]) -> str:
+    m = r["metrics"]
+    if not m:
+        return ""
+    text = _num(m["final_loss"], "{:.4f}")
+    if m.get("loss_flag"):
+        change = m.get("loss_change_vs_baseline")
+        text += f" ⚠ {_pct(change)} vs base" if change is not None else " ⚠"
+    return text
 
 
 def _ref_change(r: dict[str, Any]) -> str:
@@ -262,25 +316,35 @@ def markdown_table(doc: dict[str, Any]) -> str:
 def markdown(doc: dict[str, Any]) -> str:
     lad = doc["ladder"]
     commit = (doc["git_commit"] or "unknown")[:12] + (" (with local changes)" if doc.get("git_dirty") else "")
+    version = doc.get("tokenmill_version") or "?"
     out = [
         f"# Ladder `{lad['name']}`" + (" (smoke run: tiny shapes, figures mean nothing)" if doc["smoke"] else ""),
         "",
         lad["description"],
         "",
         f"- GPU: {doc['gpu']}; torch {doc['torch']}, CUDA {doc['cuda']}",
-        f"- date {doc['date']}, host {doc['host']}, tokenmill commit {commit}",
+        f"- date {doc['date']}, host {doc['host']}, tokenmill {version}, commit {commit}",
         f"- headline: {lad['headline']}; baseline rung: {doc['baseline_rung']}",
         "- tokens/s: median over the timed windows (min–max in brackets), warm-up steps excluded; "
         "vs prev / vs base: tokens/s ratios to the previous measured rung and to the baseline",
+        "- MFU: against the dense peak of the rung's math mode (fp32, tf32 or bf16); MFU bf16 peak: against "
+        "the bf16 dense peak for every rung (comparable across rungs)",
+        f"- final loss: ⚠ = more than {100 * lad['measure'].get('loss_tolerance', 0.05):.0f}% from the "
+        "baseline rung's, or not finite (on synthetic uniform token ids every rung ends near ln(vocab))",
     ]
+    out[2:2] = [f"> **warning**: {w}\n" for w in doc.get("warnings", [])]  # under the title
     if lad["samples"]:
         out.append(f"- time for {lad['samples']:,} samples = samples x block_size / tokens/s; "
                    "* = extrapolated (the timed steps covered fewer samples)")
     if lad["reference"] or any(r["reference"] for r in doc["rungs"]):
         info = lad["reference"]
-        out.append(f"- ref = the seed's own figures ({info.get('source', 'seed')}; {info.get('hardware', '')}), "
-                   f"not measured here; Δ compares each rung with the previous measured rung, "
-                   f"changes under {100 * SAME_WITHIN:.0f}% count as same")
+        line = f"- ref = the seed's own figures ({info.get('source', 'seed')}; {info.get('hardware', '')}), not measured here; "
+        if compares_references(doc):
+            line += (f"Δ compares each rung with the previous measured rung, changes under {100 * SAME_WITHIN:.0f}% "
+                     "count as same")
+        else:
+            line += "not compared: " + ("a --smoke run" if doc["smoke"] else "this run was not on a CUDA GPU")
+        out.append(line)
         if info.get("note"):
             out.append(f"- {info['note']}")
     if doc["cli_set"]:
@@ -307,3 +371,5 @@ def write_outputs(doc: dict[str, Any], out: Path, log: Callable[[str], None]) ->
     log(f"wrote {out / 'ladder.json'}, {out / 'ladder.md'}" + (f", {out / 'ladder.png'}" if note is None else ""))
     if note:
         log(f"tokenmill bench: {note}")
+    for w in doc.get("warnings", []):  # again at the end, where it is seen
+        log(f"tokenmill bench: warning: {w}")

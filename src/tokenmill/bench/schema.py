@@ -10,6 +10,8 @@ ladder's base config (see :mod:`tokenmill.bench.configs`). Layout::
     headline = "tokens_per_sec"       # "tokens_per_sec" | "peak_alloc_mb" | "time_for_samples"
     samples = 10240                   # optional: report the time for this many samples
     requires = "cuda"                 # optional: every rung needs it ("cuda" | "multi-gpu")
+    gpu = true                        # optional: written for a CUDA GPU (on a CPU: a warning, no
+                                      # reference comparison)
     timeout_s = 900                   # optional: per-rung wall-clock limit
 
     [ladder.base]                     # overrides on the preset, dotted config keys
@@ -19,6 +21,7 @@ ladder's base config (see :mod:`tokenmill.bench.configs`). Layout::
     warmup_steps = 5                  # excluded from tokens/s (log.timing_warmup_steps)
     timed_steps = 40                  # or cover_samples = true with [ladder] samples
     windows = 4                       # timed windows (the median and min/max are reported)
+    loss_tolerance = 0.05             # flag a final loss this far (relative) from the baseline's
 
     [ladder.reference]                # optional: where the rung reference figures come from
     source = "..."
@@ -30,6 +33,7 @@ ladder's base config (see :mod:`tokenmill.bench.configs`). Layout::
     set = { "train.tf32" = true }     # overrides added at this rung (empty for the baseline)
     requires = "cuda"                 # optional
     needs = ["parallel.dp_shard"]     # optional: config fields that must exist, else skipped
+    packages = ["torchao"]            # optional: Python packages that must be installed, else skipped
     launcher = "torchrun"             # optional, with nproc = 2 (implies requires = "multi-gpu")
     reference = { tokens_per_sec = 27648 }   # optional seed figures for this rung
 
@@ -39,6 +43,7 @@ The keys ``train.max_steps``, ``log.every_steps`` and ``log.timing_warmup_steps`
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from dataclasses import dataclass, field
 from importlib import resources
@@ -53,10 +58,10 @@ LAUNCHERS = ("torchrun",)
 REFERENCE_METRICS = ("tokens_per_sec", "time_for_samples_s", "peak_alloc_mb", "peak_reserved_mb")
 MEASURE_KEYS = ("train.max_steps", "log.every_steps", "log.timing_warmup_steps")
 
-_LADDER_KEYS = ("name", "description", "base_preset", "headline", "samples", "requires", "timeout_s",
+_LADDER_KEYS = ("name", "description", "base_preset", "headline", "samples", "requires", "gpu", "timeout_s",
                 "base", "measure", "reference")
-_RUNG_KEYS = ("name", "explain", "set", "requires", "needs", "launcher", "nproc", "reference")
-_MEASURE_KEYS = ("warmup_steps", "timed_steps", "windows", "cover_samples")
+_RUNG_KEYS = ("name", "explain", "set", "requires", "needs", "packages", "launcher", "nproc", "reference")
+_MEASURE_KEYS = ("warmup_steps", "timed_steps", "windows", "cover_samples", "loss_tolerance")
 _REFERENCE_INFO_KEYS = ("source", "hardware", "note")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -67,12 +72,15 @@ class LadderError(C.ConfigError):
 
 @dataclass
 class Measure:
-    """Steps run per rung: ``warmup_steps`` untimed, then ``timed_steps`` in ``windows`` windows."""
+    """Steps run per rung: ``warmup_steps`` untimed, then ``timed_steps`` in ``windows`` windows.
+    ``loss_tolerance``: a rung whose final loss differs from the baseline rung's by more than this
+    (relative) is flagged in the report."""
 
     warmup_steps: int = 5
     timed_steps: int = 30
     windows: int = 3
     cover_samples: bool = False
+    loss_tolerance: float = 0.05
 
 
 @dataclass
@@ -82,6 +90,7 @@ class Rung:
     set: dict[str, Any] = field(default_factory=dict)
     requires: Optional[str] = None
     needs: list[str] = field(default_factory=list)
+    packages: list[str] = field(default_factory=list)
     launcher: Optional[str] = None
     nproc: int = 1
     reference: dict[str, float] = field(default_factory=dict)
@@ -90,6 +99,10 @@ class Rung:
         """Fields named in ``needs`` that this tokenmill's config does not have (yet)."""
         specs = C.field_specs()
         return [k for k in self.needs if k not in specs]
+
+    def missing_packages(self) -> list[str]:
+        """Python packages named in ``packages`` that are not installed here."""
+        return [name for name in self.packages if importlib.util.find_spec(name) is None]
 
 
 @dataclass
@@ -102,6 +115,7 @@ class Ladder:
     headline: str = "tokens_per_sec"
     samples: Optional[int] = None
     requires: Optional[str] = None
+    gpu: bool = False
     timeout_s: float = 900.0
     measure: Measure = field(default_factory=Measure)
     reference_info: dict[str, str] = field(default_factory=dict)
@@ -143,6 +157,17 @@ def load_ladder(name_or_path: str) -> Ladder:
 
 # ----------------------------------------------------------------------------------------------
 # Parsing
+
+
+def edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance: insertions, deletions and substitutions of one character."""
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i]
+        for j, cb in enumerate(b, 1):
+            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb)))
+        prev = cur
+    return prev[-1]
 
 
 def flat_overrides(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -188,8 +213,9 @@ def _check_overrides(overrides: dict[str, Any], where: str, deferred: list[str] 
     known = {k: v for k, v in overrides.items() if k not in deferred}
     try:
         C.apply_overrides(C.Config(), known, origin=where)
-    except C.ConfigError as e:
-        raise LadderError(str(e)) from None
+    except C.ConfigError as e:  # a bad value's message names only the key: say which ladder and rung
+        msg = str(e)
+        raise LadderError(msg if where in msg else f"{where}: {msg}") from None
     owned = [k for k in overrides if k in MEASURE_KEYS]
     if owned:
         raise LadderError(
@@ -205,9 +231,12 @@ def _parse_measure(t: dict[str, Any], where: str) -> Measure:
         timed_steps=_get(t, "timed_steps", int, where, 30),
         windows=_get(t, "windows", int, where, 3),
         cover_samples=_get(t, "cover_samples", bool, where, False),
+        loss_tolerance=float(_get(t, "loss_tolerance", (int, float), where, 0.05)),
     )
     if m.warmup_steps < 0 or m.timed_steps < 1 or m.windows < 1:
         raise LadderError(f"{where}: need warmup_steps >= 0, timed_steps >= 1 and windows >= 1.")
+    if m.loss_tolerance <= 0:
+        raise LadderError(f"{where}: loss_tolerance must be > 0 (a relative difference, e.g. 0.05).")
     return m
 
 
@@ -233,18 +262,40 @@ def _parse_rung(t: Any, i: int, where: str) -> Rung:
         set=flat_overrides(_get(t, "set", dict, where, {})),
         requires=_choice(_get(t, "requires", str, where), REQUIRES, f"{where}: requires"),
         needs=list(_get(t, "needs", list, where, [])),
+        packages=list(_get(t, "packages", list, where, [])),
         launcher=_choice(_get(t, "launcher", str, where), LAUNCHERS, f"{where}: launcher"),
         nproc=_get(t, "nproc", int, where, 1),
         reference=_parse_reference(_get(t, "reference", dict, where, {}), f"{where}: reference"),
     )
     if any(not isinstance(k, str) for k in rung.needs):
         raise LadderError(f"{where}: 'needs' must be a list of config keys such as \"parallel.dp_shard\".")
+    if any(not isinstance(k, str) for k in rung.packages):
+        raise LadderError(f"{where}: 'packages' must be a list of Python package names such as \"torchao\".")
+    _check_needs(rung.needs, where)
     if rung.nproc < 1 or (rung.nproc > 1 and rung.launcher is None):
         raise LadderError(f"{where}: nproc > 1 needs launcher = \"torchrun\" (and nproc >= 1).")
     if rung.launcher and rung.nproc < 2:
         raise LadderError(f"{where}: launcher = \"torchrun\" needs nproc >= 2.")
     _check_overrides(rung.set, where, deferred=rung.needs)
     return rung
+
+
+def _check_needs(needs: list[str], where: str) -> None:
+    """A ``needs`` key one edit away from a real field is a typo, not a future field: it would skip
+    the rung forever, so it fails here."""
+    specs = list(C.field_specs())
+    for key in needs:
+        if key in specs:
+            continue
+        near = min(specs, key=lambda s: edit_distance(key, s))
+        if edit_distance(key, near) <= 1:
+            raise LadderError(f"{where}: needs '{key}' is not a config field. Did you mean '{near}'? "
+                              "(a misspelt key in 'needs' would skip the rung forever)")
+
+
+def ladder_label(name: str, source: str) -> str:
+    """How error messages name a ladder: ``ladder 'mine' (mine.toml)`` or ``shipped ladder 'rasbt'``."""
+    return source if source.startswith("shipped ladder") else f"ladder '{name}' ({source})"
 
 
 def parse_ladder(tree: dict[str, Any], source: str = "ladder") -> Ladder:
@@ -266,13 +317,14 @@ def parse_ladder(tree: dict[str, Any], source: str = "ladder") -> Ladder:
         headline=_choice(_get(head, "headline", str, where, "tokens_per_sec"), HEADLINES, f"{where}: headline"),
         samples=_get(head, "samples", int, where),
         requires=_choice(_get(head, "requires", str, where), REQUIRES, f"{where}: requires"),
+        gpu=_get(head, "gpu", bool, where, False),
         timeout_s=float(_get(head, "timeout_s", (int, float), where, 900.0)),
         measure=_parse_measure(_get(head, "measure", dict, where, {}), f"{where} measure"),
         reference_info=_get(head, "reference", dict, where, {}),
         source=source,
     )
     _check_keys(ladder.reference_info, _REFERENCE_INFO_KEYS, f"{where} reference")
-    where = f"ladder '{ladder.name}'"
+    where = ladder_label(ladder.name, source)
     _check_overrides(ladder.base, f"{where} [ladder.base]")
     if ladder.samples is not None and ladder.samples < 1:
         raise LadderError(f"{where}: samples must be >= 1.")
