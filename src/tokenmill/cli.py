@@ -20,14 +20,16 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", help=f"start from a shipped preset: {', '.join(C.preset_names())}")
     p.add_argument("--config", action="append", default=[], metavar="FILE.toml",
                    help="TOML config file(s), applied after the preset, in order")
-    p.add_argument("--run-dir", help="run directory (default runs/<preset>-<date-time>)")
+    p.add_argument("--run-dir", help="run directory; None: runs/<preset>-<date-time>")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --run-dir")
     for sname, scls in C.sections().items():
         g = p.add_argument_group(f"[{sname}] {scls.__doc__.strip()}")
         for key, (_tp, default, doc) in C.field_specs().items():
             if key.startswith(sname + "."):
-                g.add_argument(f"--{key}", dest=f"cfg:{key}", metavar="VALUE", default=None,
-                               help=f"{doc} (default: {default!r})")
+                # SUPPRESS: an option not given stays out of the namespace (and out of argparse's own
+                # "(default: ...)" suffix; the config default is named in the help instead).
+                g.add_argument(f"--{key}", dest=f"cfg:{key}", metavar="VALUE", default=argparse.SUPPRESS,
+                               help=f"{doc} (default: {default!r})".replace("%", "%%"))
 
 
 def config_from_args(args: argparse.Namespace) -> C.Config:
