@@ -99,7 +99,7 @@ def test_memory_ladder_one_rung_per_switch():
     assert (ladder.headline, ladder.base_preset) == ("peak_alloc_mb", "gpt2-medium")
     assert [r.name for r in ladder.rungs] == [
         "baseline", "bf16", "chunked-loss", "activation-checkpointing", "expandable-segments",
-        "optimizer-in-backward", "adamw-8bit", "optimizer-offload"]
+        "optimizer-in-backward", "adamw-8bit", "optimizer-offload", "offload-gradients"]
     base = rung_config(ladder, 0).config
     assert 350e6 < count_params(base) < 360e6 and base.model.block_size == 1024
     last = rung_config(ladder, len(ladder.rungs) - 1).config
@@ -110,6 +110,8 @@ def test_memory_ladder_one_rung_per_switch():
         i = [r.name for r in ladder.rungs].index(name)
         mem = rung_config(ladder, i).config.memory
         assert [getattr(mem, k) for k in switches] == [k == on for k in switches]  # exclusive: one at a time
+    grads = rung_config(ladder, 8).config.memory
+    assert grads.optimizer_offload and grads.offload_gradients  # the last rung adds the gradients
     inb = rung_config(ladder, 5).config
     assert (inb.optim.grad_clip, inb.train.grad_accum_steps) == (0.0, 1)
     eight = ladder.rungs[6]

@@ -218,6 +218,12 @@ class MemoryConfig:
         "CPU; gradients are copied down and updated weights copied back each step (ZeRO-Offload style, "
         "single process). On a CPU run it changes nothing but adds copies.",
     )
+    offload_gradients: bool = F(
+        False,
+        "With memory.optimizer_offload: move each gradient to its CPU buffer inside backward, as soon as "
+        "it is complete (post-accumulate-grad hook), and free it on the device, so the full set of "
+        "gradients never exists there; accumulation sums on the CPU and clipping runs on the CPU.",
+    )
     optimizer_8bit: bool = F(
         False,
         "8-bit AdamW state (torchao.optim.AdamW8bit; needs `pip install torchao`). Approximate: "
@@ -524,6 +530,9 @@ def _validate_memory_and_parallel(cfg: Config) -> None:
             raise ConfigError("memory.optimizer_in_backward does not work with fp16 GradScaler; use bf16-autocast.")
     if mem.optimizer_offload and cfg.train.precision == "fp16-autocast":
         raise ConfigError("memory.optimizer_offload does not work with the fp16 GradScaler; use bf16-autocast.")
+    if mem.offload_gradients and not mem.optimizer_offload:
+        raise ConfigError("memory.offload_gradients moves gradients to the CPU optimizer of memory.optimizer_offload: "
+                          "add --memory.optimizer_offload true.")
     chosen = [k for k in ("optimizer_in_backward", "optimizer_offload", "optimizer_8bit") if getattr(mem, k)]
     if len(chosen) > 1:
         raise ConfigError(f"choose one of memory.{', memory.'.join(chosen)}.")

@@ -1,5 +1,5 @@
 """Optimizer-side memory switches: the one place where ``memory.optimizer_in_backward``,
-``memory.optimizer_offload`` and ``memory.optimizer_8bit`` are applied (:func:`build_memory_optimizer`).
+``memory.optimizer_offload`` (with ``memory.offload_gradients``) and ``memory.optimizer_8bit`` are applied (:func:`build_memory_optimizer`).
 
 Each returns an object that the training loop drives like any optimizer (``step``, ``zero_grad``,
 ``param_groups`` for the learning-rate schedule, ``state_dict``), so the loop does not change.
@@ -75,12 +75,22 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     ``step``: copy each gradient into a (pinned) CPU buffer, run AdamW on the CPU masters, copy the
     updated masters back into the device parameters. The device holds only the parameters and their
     gradients; the optimizer state (2 x fp32 per parameter) and the masters live in host memory.
+
+    ``offload_grads`` (``memory.offload_gradients``): each gradient goes down to its CPU buffer inside
+    backward, as soon as it is complete (post-accumulate-grad hook), and the device copy is freed, so
+    the full set of gradients never exists on the device. Micro-batches of gradient accumulation are
+    summed in the CPU buffer. Clipping then runs on the CPU gradients (:meth:`clip_grad_norm_`).
+
     ``state_dict`` is an ordinary AdamW state dict (checkpoints interchange with the plain optimizer);
     on load the masters are refreshed from the model's weights, so load the model first.
     """
 
-    def __init__(self, model: nn.Module, cfg: OptimConfig):
+    def __init__(self, model: nn.Module, cfg: OptimConfig, offload_grads: bool = False):
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.grad_bufs: list[torch.Tensor] = []  # pinned CPU gradient buffer of each master
+        self.got_grad: list[bool] = []  # this step, did parameter i get a gradient (offload_grads)?
+        self.offload_grads = offload_grads
+        self._gathered = False  # this step's gradients are in the CPU buffers (clip, then step)
         master_groups = []
         for group in param_groups(model, cfg):
             masters = []
@@ -88,9 +98,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 pin = p.device.type == "cuda"
                 m = torch.empty(p.shape, dtype=torch.float32, device="cpu", pin_memory=pin)
                 m.copy_(p.detach())
-                m.grad = torch.empty_like(m, pin_memory=pin)
                 masters.append(m)
+                if offload_grads:
+                    p.register_post_accumulate_grad_hook(self._make_hook(len(self.pairs)))
                 self.pairs.append((p, m))
+                self.grad_bufs.append(torch.empty_like(m, pin_memory=pin))
+                self.got_grad.append(False)
             master_groups.append({"params": masters, "weight_decay": group["weight_decay"]})
         kw = dict(_IMPL_KWARGS[cfg.impl])
         self.cpu = _adamw(master_groups, cfg, **kw)
@@ -98,23 +111,54 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self.param_groups = self.cpu.param_groups
         self.state = self.cpu.state
 
+    def _make_hook(self, i: int):
+        @torch.no_grad()
+        def hook(param: torch.Tensor) -> None:
+            buf = self.grad_bufs[i]
+            if not self.got_grad[i]:  # first micro-batch of the step: copy (asynchronous from CUDA)
+                buf.copy_(param.grad, non_blocking=True)
+                self.got_grad[i] = True
+            else:  # accumulation: a blocking copy (earlier async copies have landed), summed on the CPU
+                buf.add_(param.grad.to("cpu"))
+            param.grad = None  # the device gradient is freed now, not at the end of backward
+
+        return hook
+
     @torch.no_grad()
-    def step(self, closure=None):
+    def _gather_grads(self) -> None:
+        """Point each master's ``.grad`` at its CPU buffer holding this step's gradient (None if none)."""
+        if self._gathered:
+            return
+        self._gathered = True
         cuda = False
-        for p, m in self.pairs:
-            if p.grad is not None:
-                m.grad.copy_(p.grad, non_blocking=True)
-                cuda |= p.device.type == "cuda"
+        for i, (p, m) in enumerate(self.pairs):
+            if not self.offload_grads and p.grad is not None:
+                self.grad_bufs[i].copy_(p.grad, non_blocking=True)
+                self.got_grad[i] = True
+            cuda |= p.device.type == "cuda"
+            m.grad = self.grad_bufs[i] if self.got_grad[i] else None  # AdamW skips parameters without one
         if cuda:
             torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Global gradient norm (and clipping) over the CPU gradients: used when they left the device."""
+        self._gather_grads()
+        return torch.nn.utils.clip_grad_norm_([m for _, m in self.pairs], max_norm)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self._gather_grads()
         self.cpu.step()
         for p, m in self.pairs:
             p.copy_(m, non_blocking=True)
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p, _ in self.pairs:
+        for i, (p, m) in enumerate(self.pairs):
             p.grad = None
+            m.grad = None
+            self.got_grad[i] = False
+        self._gathered = False
 
     def state_dict(self) -> dict[str, Any]:
         return self.cpu.state_dict()
@@ -149,7 +193,7 @@ def build_memory_optimizer(model: nn.Module, cfg: Config, distributed: bool) -> 
     if mem.optimizer_in_backward:
         return OptimizerInBackward(model, cfg.optim)
     if mem.optimizer_offload:
-        return CPUOffloadOptimizer(model, cfg.optim)
+        return CPUOffloadOptimizer(model, cfg.optim, offload_grads=mem.offload_gradients)
     if mem.optimizer_8bit:
         return build_adamw_8bit(model, cfg.optim)
     return None

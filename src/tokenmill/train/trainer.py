@@ -30,7 +30,7 @@ from tokenmill import config as C
 from tokenmill.data import build_datasets, build_train_loader, to_device, val_batches
 from tokenmill.memory.activation_checkpointing import apply_activation_checkpointing
 from tokenmill.memory.allocator import apply_allocator_settings
-from tokenmill.memory.optimizers import OptimizerInBackward, build_memory_optimizer
+from tokenmill.memory.optimizers import CPUOffloadOptimizer, OptimizerInBackward, build_memory_optimizer
 from tokenmill.model import GPT, flops_per_token, math_mode, peak_flops
 from tokenmill.parallel import checkpointing as pckpt
 from tokenmill.parallel.data_parallel import apply_data_parallel, grad_sync, unwrap
@@ -205,7 +205,9 @@ def optimizer_step(optimizer, scaler, params, grad_clip: float, want_norm: bool,
     grad_norm = None
     if not isinstance(optimizer, OptimizerInBackward) and (grad_clip > 0 or want_norm):
         max_norm = grad_clip if grad_clip > 0 else float("inf")
-        if world is not None and (world.tp > 1 or world.pp > 1):  # parameters split over ranks
+        if isinstance(optimizer, CPUOffloadOptimizer) and optimizer.offload_grads:  # gradients on the CPU
+            grad_norm = optimizer.clip_grad_norm_(max_norm)
+        elif world is not None and (world.tp > 1 or world.pp > 1):  # parameters split over ranks
             grad_norm = clip_grad_norm(params, max_norm, world)
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
