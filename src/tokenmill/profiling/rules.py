@@ -356,6 +356,9 @@ def optimizer_state_memory(f: dict) -> Optional[Finding]:
     if alternative and not fp16:
         sug.append(switch("memory.optimizer_offload", True, "AdamW state and its step in CPU memory",
                           "offload the optimizer state to CPU memory"))
+    if cfg(f, "memory.optimizer_offload", False) and not cfg(f, "memory.offload_gradients", False):
+        sug.append(switch("memory.offload_gradients", True, "the gradients too: each leaves the device "
+                          "inside backward, as soon as it is complete"))
     if cfg(f, "parallel.dp_shard", 1) == 1 and not cfg(f, "parallel.zero1", False):
         if not model_parallel:
             sug.append(switch("parallel.zero1", True, "with several GPUs: shard the optimizer state over "
