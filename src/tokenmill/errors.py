@@ -4,24 +4,17 @@ from __future__ import annotations
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
+    from tokenmill.bench.sizing import SizingError
     from tokenmill.data.errors import DataError
     from tokenmill.memory.optimizers import MemoryOptionError
     from tokenmill.parallel.world import ParallelError
+    from tokenmill.profiling.doctor import DoctorError
     from tokenmill.train.precision import PrecisionError
     from tokenmill.train.sample import SampleError
     from tokenmill.train.trainer import TrainingError
 
-    errors: list[type[BaseException]] = [
-        DataError, MemoryOptionError, ParallelError, PrecisionError, SampleError, TrainingError,
-    ]
-    # the bench and profiling sub-commands live in their own packages, which may be left out
-    for module, name in (("tokenmill.bench.sizing", "SizingError"), ("tokenmill.profiling.doctor", "DoctorError")):
-        try:
-            errors.append(getattr(__import__(module, fromlist=[name]), name))
-        except ModuleNotFoundError as e:
-            if e.name not in (module, module.rsplit(".", 1)[0]):
-                raise
-    return tuple(errors)
+    return (DataError, DoctorError, MemoryOptionError, ParallelError, PrecisionError, SampleError, SizingError,
+            TrainingError)
 
 
 def __getattr__(name: str):
