@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from conftest import cpu_env
 from tokenmill.train.metrics import read_metrics
@@ -101,12 +102,26 @@ def test_parallel_errors_are_clear_and_suggest_torchrun(tmp_path):
     assert "torchrun --nproc-per-node 2 -m tokenmill train" in out.stderr
 
 
-def test_user_errors_cover_parallel_memory_doctor_and_sizing():
-    from tokenmill.bench.sizing import SizingError
-    from tokenmill.errors import USER_ERRORS
-    from tokenmill.memory.optimizers import MemoryOptionError
-    from tokenmill.parallel.world import ParallelError
-    from tokenmill.profiling.doctor import DoctorError
+def test_every_error_class_lives_in_errors_and_is_a_tokenmill_error():
+    """One error hierarchy: every exception class tokenmill defines is in tokenmill/errors.py and derives
+    from TokenmillError (which the CLI prints without a traceback)."""
+    import ast
 
-    for cls in (ParallelError, MemoryOptionError, DoctorError, SizingError):
-        assert issubclass(cls, USER_ERRORS), cls
+    from tokenmill import errors
+
+    src = Path(errors.__file__).parent
+    elsewhere = []
+    for path in src.rglob("*.py"):
+        if path.name == "errors.py" and path.parent == src:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                getattr(b, "id", getattr(b, "attr", "")).endswith(("Error", "Exception")) for b in node.bases
+            ):
+                elsewhere.append(f"{path.relative_to(src)}:{node.name}")
+    assert not elsewhere, elsewhere
+    defined = [v for v in vars(errors).values() if isinstance(v, type) and issubclass(v, Exception)]
+    assert len(defined) >= 10
+    assert all(issubclass(c, errors.TokenmillError) for c in defined)
+
+

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from tokenmill import __version__
 from tokenmill import config as C
+from tokenmill.errors import ConfigError, TokenmillError
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
@@ -42,7 +43,7 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
     if extra:
         bad = extra[0].split("=")[0]
         if bad.startswith("--") and "." in bad:
-            raise C.ConfigError(f"unknown config key '{bad[2:]}'.{C._closest(bad[2:], list(C.field_specs()))}")
+            raise ConfigError(f"unknown config key '{bad[2:]}'.{C._closest(bad[2:], list(C.field_specs()))}")
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return args
 
@@ -59,7 +60,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     if args.resume and not args.run_dir:
-        raise C.ConfigError("--resume needs --run-dir (the run to continue).")
+        raise ConfigError("--resume needs --run-dir (the run to continue).")
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args)
     train(cfg, run_dir, resume=args.resume)
     return 0
@@ -80,7 +81,7 @@ def cmd_config(args: argparse.Namespace) -> int:
         path = Path(args.update_readme)
         text, start, end = path.read_text(), "<!-- config-reference:start -->", "<!-- config-reference:end -->"
         if start not in text or end not in text:
-            raise C.ConfigError(f"{path} has no {start} ... {end} markers to fill.")
+            raise ConfigError(f"{path} has no {start} ... {end} markers to fill.")
         head, rest = text.split(start, 1)
         path.write_text(head + start + "\n" + C.reference_markdown() + end + rest.split(end, 1)[1])
         print(f"updated the config reference in {path}")
@@ -155,16 +156,12 @@ def main(argv: list[str] | None = None) -> int:
         sub = argv[0] if argv else None
         args = _parse(parser, argv) if sub in CONFIG_COMMANDS else parser.parse_args(argv)
         return args.func(args) or 0
-    except C.ConfigError as e:
+    except ConfigError as e:
         print(f"tokenmill: config error: {e}", file=sys.stderr)
         return 2
+    except TokenmillError as e:
+        print(f"tokenmill: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("tokenmill: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:
-        from tokenmill.errors import USER_ERRORS
-
-        if isinstance(e, USER_ERRORS):
-            print(f"tokenmill: error: {e}", file=sys.stderr)
-            return 1
-        raise

@@ -28,9 +28,7 @@ else:  # pragma: no cover
 
 import tomli_w
 
-
-class ConfigError(ValueError):
-    """A config key or value is wrong; the message names it and the fix."""
+from tokenmill.errors import ConfigError
 
 
 def F(default: Any, doc: str, **kw: Any) -> Any:

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from tokenmill import config as C
+from tokenmill.errors import LadderError
 
 HEADLINES = ("tokens_per_sec", "peak_alloc_mb", "time_for_samples")
 REQUIRES = ("cuda", "multi-gpu")
@@ -64,10 +65,6 @@ _RUNG_KEYS = ("name", "explain", "set", "requires", "needs", "packages", "launch
 _MEASURE_KEYS = ("warmup_steps", "timed_steps", "windows", "cover_samples", "loss_tolerance")
 _REFERENCE_INFO_KEYS = ("source", "hardware", "note")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-
-class LadderError(C.ConfigError):
-    """A ladder file is wrong; the message names the ladder, the rung and the key."""
 
 
 @dataclass

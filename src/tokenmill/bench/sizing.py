@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 from tokenmill import config as C
 from tokenmill.bench.runner import run_train
+from tokenmill.errors import SizingError
 
 # (name, n_layer, n_head, n_embd): the GPT-2 shapes, the GPT-3 paper's 1.3B (16 heads of 128), 2.7B,
 # 6.7B and 13B shapes, and two in-between sizes with heads of 128.
@@ -49,9 +50,6 @@ PROBE_FIXED: dict[str, Any] = {
     "train.sample_at_end": False,
 }
 
-
-class SizingError(RuntimeError):
-    """A probe failed for a reason other than memory; the search cannot go on."""
 
 
 @dataclass

@@ -8,6 +8,8 @@ Typical use::
     loader = build_train_loader(src.train, cfg.data, B, A, start_step, max_steps, rank, world, "cuda")
 """
 
+from tokenmill.errors import DataError
+
 from .corpus import embedded_corpus_files, ensure_embedded_corpus
 from .dataset import (
     SyntheticDataset,
@@ -16,7 +18,6 @@ from .dataset import (
     global_indices,
     open_token_data,
 )
-from .errors import DataError
 from .loader import (
     DataSources,
     StreamBatchSampler,

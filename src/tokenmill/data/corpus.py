@@ -10,37 +10,13 @@ import hashlib
 import os
 import shutil
 import sys
-import sysconfig
 import uuid
 from pathlib import Path
 
-from .errors import DataError
+from tokenmill.errors import DataError
+
 from .meta import META_NAME
-
-EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"})
-
-
-def stdlib_root() -> Path:
-    """The standard-library folder of the running Python."""
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def embedded_corpus_files(max_files: int | None = None) -> list[Path]:
-    """The corpus files: stdlib ``*.py`` outside site-packages, test(s) folders and idlelib, sorted by
-    relative path (the first ``max_files`` when given)."""
-    root = stdlib_root()
-    files = []
-    for folder, dirs, names in os.walk(root):
-        dirs[:] = [d for d in dirs if d not in EXCLUDED_DIRS]
-        files.extend(Path(folder) / n for n in names if n.endswith(".py"))
-    files.sort(key=lambda p: p.relative_to(root).as_posix())
-    if not files:
-        raise DataError(
-            f"the embedded corpus is empty: no .py files under '{root}' (a Python without its stdlib "
-            "sources?). Fix: prepare your own text with `tokenmill prepare INPUT --out DIR` and set "
-            "data.path."
-        )
-    return files[:max_files] if max_files is not None else files
+from .stdlib import embedded_corpus_files, stdlib_root  # noqa: F401 (re-exported)
 
 
 def cache_root(cache_dir: str | None = None) -> Path:
@@ -91,8 +67,6 @@ def ensure_embedded_corpus(data_cfg, progress: bool = True, max_files: int | Non
     if _is_valid(final):
         return final
 
-    from .prepare import prepare
-
     root.mkdir(parents=True, exist_ok=True)
     v = sys.version_info
     tok = f"bpe, {vocab_size} ids" if tokenizer == "bpe" else tokenizer
@@ -102,6 +76,8 @@ def ensure_embedded_corpus(data_cfg, progress: bool = True, max_files: int | Non
         file=sys.stderr,
         flush=True,
     )
+    from .prepare import prepare  # the caller is above prepare (prepare lists files from .stdlib)
+
     tmp = root / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         prepare(None, tmp, tokenizer=tokenizer, vocab_size=vocab_size, progress=progress, max_files=max_files)

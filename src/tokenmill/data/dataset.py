@@ -18,7 +18,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .errors import DataError
+from tokenmill.errors import DataError
+
 from .meta import DTYPES, META_NAME, PREPARE_HINT, read_meta
 
 _M64 = (1 << 64) - 1

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import DataError
+from tokenmill.errors import DataError
 
 FORMAT = "tokenmill-tokens"
 VERSION = 1

@@ -29,7 +29,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from .errors import DataError
+from tokenmill.errors import DataError
+
 from .meta import (
     DTYPES,
     FORMAT,
@@ -40,6 +41,7 @@ from .meta import (
     tmp_name,
     write_text_atomic,
 )
+from .stdlib import embedded_corpus_files, stdlib_root
 from .tokenizers import NAMES, TOKENIZER_FILE, BpeTokenizer, get_tokenizer, train_bpe
 
 DEFAULT_GLOB = "**/*.txt"
@@ -52,8 +54,6 @@ def _collect_input(
 ) -> tuple[list[tuple[Path, str]], str]:
     """(path, stable key) per document, sorted, and a description of the source."""
     if input is None:
-        from .corpus import embedded_corpus_files, stdlib_root
-
         root = stdlib_root()
         files = embedded_corpus_files(max_files)
         docs = [(f, f.relative_to(root).as_posix()) for f in files]

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import DataError
+from tokenmill.errors import DataError
+
 from .meta import read_meta, tmp_name
 
 EOT_TEXT = "<|endoftext|>"

@@ -13,11 +13,8 @@ import torch
 from torch import nn
 
 from tokenmill.config import Config, OptimConfig
+from tokenmill.errors import MemoryOptionError
 from tokenmill.train.optim import _IMPL_KWARGS, param_groups
-
-
-class MemoryOptionError(RuntimeError):
-    """A memory switch that cannot run here; the message says why and what to do."""
 
 
 def _adamw(params, cfg: OptimConfig, **kw) -> torch.optim.AdamW:

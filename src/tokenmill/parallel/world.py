@@ -21,10 +21,7 @@ import torch
 import torch.distributed as dist
 
 from tokenmill.config import ParallelConfig
-
-
-class ParallelError(RuntimeError):
-    """A parallel layout that cannot run; the message says what to change."""
+from tokenmill.errors import ParallelError
 
 
 @dataclass

@@ -14,15 +14,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 from tokenmill import config as C
+from tokenmill.errors import DoctorError
 from tokenmill.profiling import rules
 from tokenmill.profiling.trace import OUTSIDE
 from tokenmill.train.timing import PHASES
 
 MB = 1024**2
 
-
-class DoctorError(RuntimeError):
-    """The run directory cannot be diagnosed; the message says why."""
 
 
 HOW_TO_MAKE_A_RUN = ("make one with `tokenmill train ... --run-dir DIR` or `tokenmill profile ... --run-dir DIR`, "

@@ -17,10 +17,7 @@ import torch
 from torch import nn
 
 from tokenmill.config import TrainConfig
-
-
-class PrecisionError(RuntimeError):
-    pass
+from tokenmill.errors import PrecisionError
 
 
 def check_supported(cfg: TrainConfig, device: torch.device) -> None:

@@ -8,12 +8,9 @@ import torch
 
 from tokenmill import config as C
 from tokenmill.data import load_tokenizer_for_data
+from tokenmill.errors import SampleError
 from tokenmill.model import GPT
 from tokenmill.train import checkpoint as ckpt
-
-
-class SampleError(RuntimeError):
-    pass
 
 
 def sample_text(

@@ -28,6 +28,7 @@ from torch.profiler import record_function
 
 from tokenmill import config as C
 from tokenmill.data import build_datasets, build_train_loader, to_device, val_batches
+from tokenmill.errors import TrainingError
 from tokenmill.memory.activation_checkpointing import apply_activation_checkpointing
 from tokenmill.memory.allocator import apply_allocator_settings
 from tokenmill.memory.optimizers import CPUOffloadOptimizer, OptimizerInBackward, build_memory_optimizer
@@ -53,10 +54,6 @@ from tokenmill.train.metrics import MetricsWriter, Progress, ThroughputMeter, re
 from tokenmill.train.optim import build_optimizer, build_scheduler, load_scheduler_state
 from tokenmill.train.precision import apply_precision, apply_tf32, autocast, check_supported, grad_scaler
 from tokenmill.train.timing import PHASES, PhaseTimer
-
-
-class TrainingError(RuntimeError):
-    """A run stopped for a reason the user can act on; the message says what to do."""
 
 
 def resolve_device(name: str) -> torch.device:
