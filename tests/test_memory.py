@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from conftest import tiny_cfg
+from tokenmill import checkpoint as ckpt
 from tokenmill.config import ConfigError
-from tokenmill.train import checkpoint as ckpt
 from tokenmill.train.metrics import read_metrics
-from tokenmill.train.trainer import build_model, train
+from tokenmill.train.trainer import Callbacks, build_model, train
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -25,7 +25,7 @@ def losses(run_dir):
 
 
 def final_weights(run_dir):
-    return ckpt.load_latest(run_dir)[1]["model"]
+    return ckpt.read_latest(run_dir)[1]["model"]
 
 
 def assert_runs_match(a, b, weight_atol=TOL["atol"]):
@@ -112,7 +112,7 @@ def test_memory_optimizers_resume_bit_exact(tmp_path, switch, extra):
     over = {"train.max_steps": 6, "log.every_steps": 1, "checkpoint.every_steps": 3, switch: True, **extra}
     train(tiny_cfg(**over), tmp_path / "full", quiet=True)
     with pytest.raises(KeyboardInterrupt):
-        train(tiny_cfg(**over), tmp_path / "cut", quiet=True, on_step_end=_stop_at(4))
+        train(tiny_cfg(**over), tmp_path / "cut", quiet=True, callbacks=Callbacks(on_step_end=_stop_at(4)))
     train(tiny_cfg(**over), tmp_path / "cut", resume=True, quiet=True)
     assert losses(tmp_path / "cut") == losses(tmp_path / "full")
 
@@ -126,13 +126,13 @@ def test_optimizer_offload_same_training(tmp_path, impl):
     train(tiny_cfg(**common, **{"memory.optimizer_offload": True}), tmp_path / "off", quiet=True)
     assert_runs_match(tmp_path / "ref", tmp_path / "off")
     # its checkpoints hold an ordinary AdamW state dict: resumable without the switch
-    state = ckpt.load_latest(tmp_path / "off")[1]["optimizer"]
+    state = ckpt.read_latest(tmp_path / "off")[1]["optimizer"]
     assert set(state) == {"state", "param_groups"} and len(state["state"]) > 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the real offload moves state off it")
 def test_optimizer_offload_keeps_state_off_gpu():
-    from tokenmill.memory.optimizers import CPUOffloadOptimizer
+    from tokenmill.optim.memory import CPUOffloadOptimizer
 
     cfg = tiny_cfg(**{"train.device": "cuda"})
     model = build_model(cfg, 64, torch.device("cuda"))
@@ -158,7 +158,7 @@ def test_8bit_adamw_without_torchao_names_the_install(tmp_path, monkeypatch):
         return real_import(name, *a, **k)
 
     monkeypatch.setattr(builtins, "__import__", no_torchao)
-    from tokenmill.memory.optimizers import MemoryOptionError
+    from tokenmill.optim.memory import MemoryOptionError
 
     with pytest.raises(MemoryOptionError, match="pip install torchao"):
         train(tiny_cfg(**{"train.max_steps": 1, "memory.optimizer_8bit": True}), tmp_path, quiet=True)
@@ -178,7 +178,7 @@ def test_8bit_adamw_trains_close(tmp_path):
 
 def test_expandable_segments_sets_env_before_cuda(monkeypatch):
     from tokenmill.config import MemoryConfig
-    from tokenmill.memory.allocator import apply_allocator_settings
+    from tokenmill.train.device import apply_allocator_settings
 
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
@@ -193,7 +193,7 @@ def test_expandable_segments_sets_env_before_cuda(monkeypatch):
 
 def test_expandable_segments_after_cuda_init_warns_or_applies(monkeypatch):
     from tokenmill.config import MemoryConfig
-    from tokenmill.memory import allocator
+    from tokenmill.train import device as allocator
 
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
@@ -222,7 +222,7 @@ def test_offload_gradients_same_training(tmp_path, accum):
 
 def test_offload_gradients_frees_device_grads_in_backward():
     """After backward no parameter holds a gradient: each went to its CPU buffer in its hook."""
-    from tokenmill.memory.optimizers import CPUOffloadOptimizer
+    from tokenmill.optim.memory import CPUOffloadOptimizer
 
     cfg = tiny_cfg(**{"memory.optimizer_offload": True, "memory.offload_gradients": True})
     model = build_model(cfg, 64, torch.device("cpu"))

@@ -115,7 +115,7 @@ def test_rank0_writes_global_metrics(two_rank_runs):
 
 
 def test_fsdp_dcp_checkpoint_resumes_in_other_layouts(two_rank_runs, ref, tmp_path):
-    from tokenmill.parallel.checkpointing import list_all
+    from tokenmill.checkpoint import list_checkpoints as list_all
     from tokenmill.train.trainer import train
 
     fsdp = two_rank_runs / "fsdp_zero3"
@@ -188,7 +188,7 @@ def test_tensor_and_pipeline_parallel_match_single_process(mp2_runs, name, tmp_p
     # the final sharded checkpoint, read whole in one process, holds the single-process run's weights
     import torch
 
-    from tokenmill.train.sample import load_checkpoint_model
+    from tokenmill.checkpoint import load_model as load_checkpoint_model
 
     got, _, path = load_checkpoint_model(run)
     want, _, _ = load_checkpoint_model(tmp_path / "ref")
@@ -295,7 +295,7 @@ def test_strided_shard_counts_as_a_shard_in_the_grad_norm():
     is False in newer torch, yet each rank holds a different part."""
     from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-    from tokenmill.parallel.grad_norm import _is_shard
+    from tokenmill.optim.grad_norm import _is_shard
 
     assert _is_shard(Shard(0)) and not _is_shard(Replicate()) and not _is_shard(Partial())
     try:
@@ -322,7 +322,7 @@ def _worker(spec_path: str) -> None:
     import torch.distributed as dist
 
     from tokenmill.parallel.world import init_process_group
-    from tokenmill.train.trainer import train
+    from tokenmill.train.trainer import Callbacks, train
 
     init_process_group("gloo", torch.device("cpu"))
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
@@ -338,7 +338,7 @@ def _worker(spec_path: str) -> None:
                 if step == kill_at and dist.get_rank() == 1 and not restarted:
                     os._exit(1)
 
-            train(tiny_cfg(**job["cfg"]), job["run_dir"], resume=job.get("resume", False), on_step_end=fault,
+            train(tiny_cfg(**job["cfg"]), job["run_dir"], resume=job.get("resume", False), callbacks=Callbacks(on_step_end=fault),
                   quiet=True)
     finally:
         dist.destroy_process_group()

@@ -4,12 +4,13 @@ import pytest
 import torch
 
 from conftest import tiny_cfg
+from tokenmill import checkpoint as ckpt
 from tokenmill.data.loader import StreamBatchSampler
-from tokenmill.parallel import checkpointing as pckpt
+from tokenmill.errors import TrainingError
 from tokenmill.parallel.world import World
-from tokenmill.train import checkpoint as ckpt
 from tokenmill.train.metrics import read_metrics
-from tokenmill.train.trainer import TrainingError, _check_same_model, build_model, train
+from tokenmill.train.resume import check_same_model
+from tokenmill.train.trainer import Callbacks, build_model, train
 
 
 class Crash(RuntimeError):
@@ -28,34 +29,25 @@ def test_resume_without_checkpoint_restarts_metrics(tmp_path):
     """A restart before the first checkpoint trains from step 0 again: no duplicated metric rows."""
     over = {"train.max_steps": 4, "log.every_steps": 1}
     with pytest.raises(Crash):
-        train(tiny_cfg(**over), tmp_path, quiet=True, on_step_end=crash_at(3))
+        train(tiny_cfg(**over), tmp_path, quiet=True, callbacks=Callbacks(on_step_end=crash_at(3)))
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
-    assert pckpt.list_all(tmp_path) == []
+    assert ckpt.list_checkpoints(tmp_path) == []
     train(tiny_cfg(**over), tmp_path, resume=True, quiet=True)
     assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [1, 2, 3, 4]
 
 
-def test_resume_with_another_global_batch_continues_the_stream(tmp_path, monkeypatch, capsys):
+def test_resume_with_another_global_batch_continues_the_stream(tmp_path, capsys):
     """Saved with grad_accum 2 (global batch 8, as 2 data-parallel ranks of 4), resumed with grad_accum
     1 (global batch 4): the data goes on at sample 3 x 8 = 24, neither replayed nor skipped."""
-    import tokenmill.train.trainer as T
-
     over = {"train.max_steps": 5, "checkpoint.every_steps": 3, "log.every_steps": 1}
     with pytest.raises(Crash):
-        train(tiny_cfg(**over, **{"train.grad_accum_steps": 2}), tmp_path, quiet=True, on_step_end=crash_at(4))
-    _, state = ckpt.load_latest(tmp_path)
+        train(tiny_cfg(**over, **{"train.grad_accum_steps": 2}), tmp_path, quiet=True, callbacks=Callbacks(on_step_end=crash_at(4)))
+    _, state = ckpt.read_latest(tmp_path)
     assert state["data_position"] == {"step": 3, "global_samples": 24, "global_batch": 8}
 
     loaders = []
-    real = T.build_train_loader
-
-    def spy(*a, **k):
-        loaders.append(real(*a, **k))
-        return loaders[-1]
-
-    monkeypatch.setattr(T, "build_train_loader", spy)
     capsys.readouterr()
-    train(tiny_cfg(**over), tmp_path, resume=True)
+    train(tiny_cfg(**over), tmp_path, resume=True, callbacks=Callbacks(on_train_start=lambda t: loaders.append(t.loader)))
     assert "global batch changed from 8 to 4 samples per step" in capsys.readouterr().out
     (loader,) = loaders
     uninterrupted = [i for b in StreamBatchSampler(4, 2, 0, 5) for i in b]
@@ -63,26 +55,26 @@ def test_resume_with_another_global_batch_continues_the_stream(tmp_path, monkeyp
     assert resumed == uninterrupted[24:32]  # steps 3 and 4 at 4 samples each
     x, _ = next(iter(loader))
     assert torch.equal(x, torch.stack([loader.dataset[i][0] for i in uninterrupted[24:28]]))
-    _, state = ckpt.load_latest(tmp_path)  # the final checkpoint counts the true samples
+    _, state = ckpt.read_latest(tmp_path)  # the final checkpoint counts the true samples
     assert state["data_position"] == {"step": 5, "global_samples": 32, "global_batch": 4}
 
 
 def test_checkpoint_data_position_counts_the_data_parallel_degree(tmp_path):
     """A 2-rank data-parallel job's checkpoint records its whole global batch (world stubbed in one
     process: rank 0 of dp 2 writes the single file)."""
-    from tokenmill.train.optim import build_optimizer, build_scheduler
+    from tokenmill.optim import build_optimizer, build_scheduler
 
     cfg = tiny_cfg(**{"train.max_steps": 5})
     model = build_model(cfg, 64, torch.device("cpu"))
-    optimizer = build_optimizer(model, cfg.optim)
+    optimizer = build_optimizer(model, cfg)
     world = World(dp_replicate=2)
-    pckpt.save_checkpoint(tmp_path, 3, model, optimizer, build_scheduler(optimizer, cfg.optim, 5), None, cfg, world)
-    _, state = ckpt.load_latest(tmp_path)
+    ckpt.save_checkpoint(tmp_path, 3, model, optimizer, build_scheduler(optimizer, cfg.optim, 5), None, cfg, world)
+    _, state = ckpt.read_latest(tmp_path)
     assert state["data_position"] == {"step": 3, "global_samples": 24, "global_batch": 8}
-    assert pckpt.saved_global_samples(state) == 24
+    assert ckpt.saved_global_samples(state) == 24
     # an older checkpoint (global_samples without the data-parallel degree): step x current batch
-    assert pckpt.saved_global_samples({"data_position": {"step": 3, "global_samples": 12}}) is None
-    assert pckpt.saved_global_samples({}) is None
+    assert ckpt.saved_global_samples({"data_position": {"step": 3, "global_samples": 12}}) is None
+    assert ckpt.saved_global_samples({}) is None
 
 
 def test_stream_sampler_starts_at_a_given_sample():
@@ -94,7 +86,7 @@ def test_stream_sampler_starts_at_a_given_sample():
 def test_changed_model_switch_message_names_the_fix():
     cfg = tiny_cfg(**{"model.fused_qkv": False})
     with pytest.raises(TrainingError) as e:
-        _check_same_model({"model": {"fused_qkv": True}}, cfg)
+        check_same_model({"model": {"fused_qkv": True}}, cfg)
     msg = str(e.value)
     assert "model.fused_qkv: checkpoint True vs now False" in msg
     assert "--model.fused_qkv true" in msg  # resume with the checkpoint's value

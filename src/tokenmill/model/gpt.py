@@ -112,7 +112,7 @@ class GPT(nn.Module):
         Returns ``(logits, loss)``: logits (B, T, vocab_size) in the compute dtype; loss = mean
         cross-entropy over all B*T positions, computed on fp32 logits (None without targets).
         With ``model.loss_impl='chunked'`` and targets, the head and loss run chunk by chunk
-        (:mod:`tokenmill.memory.chunked_loss`) and the logits are not returned: ``(None, loss)``.
+        (:mod:`tokenmill.model.loss`) and the logits are not returned: ``(None, loss)``.
 
         A pipeline stage (:mod:`tokenmill.parallel.pipeline`) is a GPT with the parts of other stages
         removed: without ``wte`` it takes the previous stage's hidden states (B, T, C) instead of token
@@ -139,7 +139,7 @@ class GPT(nn.Module):
         """The head (and the loss when ``targets`` is given) on the final normalised hidden states."""
         B, T = x.shape[:2]
         if targets is not None and self.cfg.loss_impl == "chunked":
-            from tokenmill.memory.chunked_loss import chunked_cross_entropy
+            from tokenmill.model.loss import chunked_cross_entropy
 
             loss = chunked_cross_entropy(x.reshape(B * T, -1), self.lm_head.weight, targets.reshape(B * T),
                                          self.vocab_size, self.cfg.loss_chunk_size)

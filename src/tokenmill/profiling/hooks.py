@@ -8,9 +8,6 @@ regions; they never touch tensors.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable
-
 from torch import nn
 from torch.profiler import record_function
 
@@ -39,25 +36,3 @@ def _bracket(module: nn.Module, name: str) -> list:
             open_regions.pop().__exit__(None, None, None)
 
     return [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
-
-
-@contextlib.contextmanager
-def on_model_built(callback: Callable[[nn.Module], None]):
-    """While active, ``callback(model)`` runs on the model the trainer builds.
-
-    The trainer exposes no model hook, so this wraps ``tokenmill.train.trainer.build_model`` for the
-    duration of the block and restores it afterwards; the model itself is returned unchanged."""
-    from tokenmill.train import trainer
-
-    original = trainer.build_model
-
-    def build_model(*args, **kwargs):
-        model = original(*args, **kwargs)
-        callback(model)
-        return model
-
-    trainer.build_model = build_model
-    try:
-        yield
-    finally:
-        trainer.build_model = original

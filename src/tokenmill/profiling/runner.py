@@ -69,7 +69,8 @@ def prepare_config(cfg: C.Config, opts: ProfileOptions, given: set[str]) -> C.Co
 def run_profile(cfg: C.Config, run_dir: str | Path, opts: ProfileOptions, quiet: bool = False) -> dict[str, Any]:
     """Train ``cfg`` under the profiler into ``run_dir``; returns the ``profile.json`` content."""
     from tokenmill.profiling import report
-    from tokenmill.train.trainer import resolve_device, train
+    from tokenmill.train.device import resolve_device
+    from tokenmill.train.trainer import Callbacks, train
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise C.ConfigError("tokenmill profile runs in one process; start it without torchrun.")
@@ -122,8 +123,7 @@ def run_profile(cfg: C.Config, run_dir: str | Path, opts: ProfileOptions, quiet:
                     state["alloc_before"] = memory.allocator_counters()
                 prof.step()
 
-            with hooks.on_model_built(built):
-                train(cfg, run_dir, on_step_end=on_step_end, quiet=quiet)
+            train(cfg, run_dir, quiet=quiet, callbacks=Callbacks(on_model_built=built, on_step_end=on_step_end))
     finally:
         if cuda:
             memory.stop_memory_history()

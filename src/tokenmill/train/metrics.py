@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from tokenmill.train.timing import PHASES, PhaseTimer
+
 
 class MetricsWriter:
     def __init__(self, run_dir: Path, tensorboard: bool, enabled: bool = True):
@@ -58,10 +60,20 @@ def plain(value: Any) -> Any:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of ``metrics.jsonl``; a line that does not parse (torn by a killed process, or damaged)
+    is skipped."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
 
 
 class Progress:
@@ -135,3 +147,104 @@ class ThroughputMeter:
             "tokens_per_sec_windows": self.windows,
             "step_time_ms": 1000 * statistics.median(self.step_times),
         }
+
+
+class StepMetrics:
+    """Everything measured per step, and the log record built from it at log steps.
+
+    Owns the throughput window (:class:`ThroughputMeter`), the phase timer (:class:`PhaseTimer`) and the
+    per-step losses not yet read back from the device (read with one synchronisation at log steps).
+    :meth:`restart_window` starts a new window for both the meter and the timer, so the phases cover
+    exactly the steps of ``step_ms`` (no warm-up, evaluation or checkpoint steps).
+    """
+
+    def __init__(self, device: torch.device, tokens_per_step: int, warmup_steps: int, start_step: int,
+                 flops_per_token: float, peak_flops: float | None):
+        self.meter = ThroughputMeter(tokens_per_step, warmup_steps, start_step)
+        self.timer = PhaseTimer(device)
+        self.pending: list[torch.Tensor] = []
+        self.tokens_per_step = tokens_per_step
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+
+    @property
+    def timing_from(self) -> int:
+        """The first step counted in steady-state throughput."""
+        return self.meter.timing_from
+
+    def phase(self, name: str):
+        return self.timer.phase(name)
+
+    def add_host(self, phase: str, seconds: float) -> None:
+        self.timer.add_host(phase, seconds)
+
+    def step_done(self, loss: torch.Tensor) -> None:
+        self.pending.append(loss)
+        self.meter.step_done()
+        self.timer.step_done()
+
+    def take_losses(self) -> list[torch.Tensor]:
+        """The per-step loss tensors since the last call (cleared)."""
+        out, self.pending = self.pending, []
+        return out
+
+    def restart_window(self, completed_steps: int) -> None:
+        """Call after a device synchronisation with no untimed work pending."""
+        self.meter.mark(completed_steps)
+        self.timer.reset()
+
+    def mfu(self, tokens_per_sec: float | None) -> float | None:
+        if not tokens_per_sec or not self.peak_flops:
+            return None
+        return self.flops_per_token * tokens_per_sec / self.peak_flops
+
+    def record(self, step: int, loss: float, lr: Any, grad_norm: Any, memory: dict[str, float]) -> dict[str, Any]:
+        """The log record of log step ``step``; call after the device synchronisation."""
+        tps = self.meter.close_window()
+        phases, nsteps = self.timer.collect()  # the steps of the meter's window (same resets)
+        rec = {
+            "step": step,
+            "loss": loss,
+            "lr": as_float(lr),  # a tensor under some optimizers (torchao's AdamW8bit)
+            "grad_norm": as_float(grad_norm),
+            "tokens_per_sec": tps,
+            "mfu": self.mfu(tps),
+            **{f"{p}_ms": 1000 * phases.get(p, 0.0) / max(1, nsteps) for p in PHASES},
+            **memory,
+        }
+        if tps:
+            step_ms = 1000 * self.tokens_per_step / tps
+            rec["step_ms"] = step_ms
+            other = step_ms - sum(rec[f"{p}_ms"] for p in PHASES)
+            # phases are timed inside the step-time window: only clock noise makes ``other`` negative,
+            # so up to 1% of the step is rounded to 0; more stays visible
+            rec["other_ms"] = 0.0 if -0.01 * step_ms < other < 0.0 else other
+        return rec
+
+    def summary(self) -> dict[str, Any]:
+        out = self.meter.summary()
+        out["mfu"] = self.mfu(out["tokens_per_sec"])
+        return out
+
+
+def as_float(x: Any) -> float | None:
+    """A number, tensor or DTensor (FSDP norms) as a float; None stays None."""
+    if x is None:
+        return None
+    if hasattr(x, "full_tensor"):
+        x = x.full_tensor()
+    return float(x)
+
+
+def format_record(rec: dict[str, Any]) -> str:
+    """One log line for the console."""
+    s = f"step {rec['step']:>6} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e}"
+    if rec.get("tokens_per_sec"):
+        s += f" | {rec['tokens_per_sec']:,.0f} tok/s"
+    if rec.get("mfu"):
+        s += f" | MFU {100 * rec['mfu']:.1f}%"
+    if rec.get("peak_alloc_mb"):
+        s += f" | peak {rec['peak_alloc_mb']:,.0f} MB"
+    if rec.get("data_ms") is not None:
+        s += f" | data {rec['data_ms']:.1f} ms"
+    return s

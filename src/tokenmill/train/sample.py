@@ -6,11 +6,11 @@ from pathlib import Path
 
 import torch
 
+from tokenmill import checkpoint
 from tokenmill import config as C
 from tokenmill.data import load_tokenizer_for_data
 from tokenmill.errors import SampleError
 from tokenmill.model import GPT
-from tokenmill.train import checkpoint as ckpt
 
 
 def sample_text(
@@ -34,35 +34,9 @@ def sample_text(
     return tok.decode(out[0].tolist())
 
 
-def load_checkpoint_model(run_dir: str | Path) -> tuple[GPT, C.Config, Path]:
-    """The model of a run directory's newest checkpoint, on the CPU, with the run's config and the
-    checkpoint's path. Single files and sharded (DCP) folders of FSDP, TP and PP runs alike: a DCP
-    checkpoint is read whole in this one process."""
-    from tokenmill.parallel.checkpointing import list_all, load_model_weights
-
-    found = list_all(run_dir)
-    if not found:
-        raise SampleError(f"no checkpoint in {Path(run_dir) / 'checkpoints'}; train first (tokenmill train --run-dir {run_dir}).")
-    path = found[-1][1]
-    if path.is_dir():
-        state = torch.load(path / "extra.pt", map_location="cpu", weights_only=True)
-    else:
-        state = ckpt.load_checkpoint(path, map_location="cpu")
-    cfg = C.from_dict(state["config"])
-    vocab = cfg.model.vocab_size
-    if vocab is None:
-        from tokenmill.data import ensure_embedded_corpus
-
-        data_dir = Path(cfg.data.path) if cfg.data.path else ensure_embedded_corpus(cfg.data)
-        vocab = load_tokenizer_for_data(data_dir).vocab_size
-    model = GPT(cfg.model, vocab)
-    model.load_state_dict(load_model_weights(path, model) if path.is_dir() else state["model"])
-    return model, cfg, path
-
-
 def load_run(run_dir: str | Path, device: str = "cpu") -> tuple[GPT, C.Config, Path]:
-    """The model of a run directory's latest checkpoint, with the run's config and data folder."""
-    model, cfg, _ = load_checkpoint_model(run_dir)
+    """The model of a run directory's newest good checkpoint, with the run's config and data folder."""
+    model, cfg, _ = checkpoint.load_model(run_dir)
     if cfg.data.source == "synthetic":
         raise SampleError(f"{run_dir} was trained on synthetic tokens: there is no tokenizer to sample text with.")
     from tokenmill.data import ensure_embedded_corpus

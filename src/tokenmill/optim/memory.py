@@ -1,5 +1,5 @@
-"""Optimizer-side memory switches: the one place where ``memory.optimizer_in_backward``,
-``memory.optimizer_offload`` (with ``memory.offload_gradients``) and ``memory.optimizer_8bit`` are applied (:func:`build_memory_optimizer`).
+"""Optimizers that save device memory: ``memory.optimizer_in_backward``, ``memory.optimizer_offload`` (with
+``memory.offload_gradients``) and ``memory.optimizer_8bit``, chosen in :func:`tokenmill.optim.build_optimizer`.
 
 Each returns an object that the training loop drives like any optimizer (``step``, ``zero_grad``,
 ``param_groups`` for the learning-rate schedule, ``state_dict``), so the loop does not change.
@@ -7,18 +7,14 @@ Each returns an object that the training loop drives like any optimizer (``step`
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
 
-from tokenmill.config import Config, OptimConfig
+from tokenmill.config import OptimConfig
 from tokenmill.errors import MemoryOptionError
-from tokenmill.train.optim import _IMPL_KWARGS, param_groups
-
-
-def _adamw(params, cfg: OptimConfig, **kw) -> torch.optim.AdamW:
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kw)
+from tokenmill.optim.adamw import adamw, param_groups
 
 
 class OptimizerInBackward(torch.optim.Optimizer):
@@ -33,7 +29,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self.optimizers: list[torch.optim.AdamW] = []
         for group in param_groups(model, cfg):
             for p in group["params"]:
-                opt = _adamw([p], cfg, weight_decay=group["weight_decay"], **_IMPL_KWARGS[cfg.impl])
+                opt = adamw([p], cfg, weight_decay=group["weight_decay"])
                 self.optimizers.append(opt)
                 p.register_post_accumulate_grad_hook(self._make_hook(opt))
         super().__init__([p for o in self.optimizers for p in o.param_groups[0]["params"]], {"lr": cfg.lr})
@@ -102,8 +98,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 self.grad_bufs.append(torch.empty_like(m, pin_memory=pin))
                 self.got_grad.append(False)
             master_groups.append({"params": masters, "weight_decay": group["weight_decay"]})
-        kw = dict(_IMPL_KWARGS[cfg.impl])
-        self.cpu = _adamw(master_groups, cfg, **kw)
+        self.cpu = adamw(master_groups, cfg)
         super().__init__([m for _, m in self.pairs], {"lr": cfg.lr})
         self.param_groups = self.cpu.param_groups
         self.state = self.cpu.state
@@ -177,20 +172,3 @@ def build_adamw_8bit(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimize
             "`pip install torchao`, or drop --memory.optimizer_8bit (the plain AdamW)."
         ) from None
     return AdamW8bit(param_groups(model, cfg), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-
-
-def build_memory_optimizer(model: nn.Module, cfg: Config, distributed: bool) -> Optional[torch.optim.Optimizer]:
-    """The optimizer chosen by a memory switch, or None when none is on (use the plain AdamW)."""
-    mem = cfg.memory
-    if distributed and (mem.optimizer_in_backward or mem.optimizer_offload):
-        raise MemoryOptionError(
-            "memory.optimizer_in_backward / memory.optimizer_offload are single-process switches; for several "
-            "GPUs shard instead (parallel.dp_shard, parallel.fsdp_cpu_offload, parallel.zero1)."
-        )
-    if mem.optimizer_in_backward:
-        return OptimizerInBackward(model, cfg.optim)
-    if mem.optimizer_offload:
-        return CPUOffloadOptimizer(model, cfg.optim, offload_grads=mem.offload_gradients)
-    if mem.optimizer_8bit:
-        return build_adamw_8bit(model, cfg.optim)
-    return None

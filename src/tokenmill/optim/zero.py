@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from tokenmill.config import OptimConfig
+from tokenmill.optim.adamw import adamw_kwargs, param_groups
 from tokenmill.parallel.world import World
-from tokenmill.train.optim import _IMPL_KWARGS, param_groups
 
 
 def build_zero1_optimizer(model: nn.Module, cfg: OptimConfig, world: World) -> torch.optim.Optimizer:
@@ -23,10 +23,7 @@ def build_zero1_optimizer(model: nn.Module, cfg: OptimConfig, world: World) -> t
         param_groups(model, cfg),
         optimizer_class=torch.optim.AdamW,
         process_group=world.mesh.get_group("dp_replicate"),
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        eps=cfg.eps,
-        **_IMPL_KWARGS[cfg.impl],
+        **adamw_kwargs(cfg),
     )
 
 
@@ -36,5 +33,4 @@ def consolidated_state_dict(optimizer: torch.optim.Optimizer, world: World) -> d
 
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         optimizer.consolidate_state_dict(to=0)
-        return optimizer.state_dict() if world.is_rank0 else None
     return optimizer.state_dict() if world.is_rank0 else None

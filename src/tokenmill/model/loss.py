@@ -1,6 +1,6 @@
 """Linear head + cross-entropy in chunks of tokens: the (tokens x vocab) logits never exist at once.
 
-Used by :class:`~tokenmill.model.gpt.GPT` when ``model.loss_impl='chunked'``. For each chunk of
+The model's own loss, used by :class:`~tokenmill.model.gpt.GPT` when ``model.loss_impl='chunked'``. For each chunk of
 ``chunk_size`` tokens the forward pass computes the logits, their log-sum-exp and the loss, and at
 once the gradient of the summed loss with respect to the logits (``softmax - one_hot``), which it
 turns into the chunk's gradient for the hidden states and adds into the head-weight gradient; then

@@ -1,0 +1,234 @@
+"""Checkpoints under every layout, behind one API used by every command (train, sample, export, eval).
+
+- Single process, DDP and ZeRO-1: rank 0 writes one ``step_XXXXXXXX.pt`` file (``files``; ZeRO-1 first
+  gathers the optimizer state to rank 0).
+- FSDP / TP / PP (sharded parameters): a DCP folder ``step_XXXXXXXX.dcp/`` (``dcp``).
+
+:func:`load_latest` and :func:`load_model` try the newest checkpoint first; one that is damaged,
+truncated or refused (it would run code) is reported with its path and the next older one is tried.
+Nothing is ever deleted on load. Every read lands on the CPU and runs no code.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Optional
+
+from tokenmill import config as C
+from tokenmill.checkpoint import dcp
+from tokenmill.checkpoint.files import (
+    DCP_NAME,
+    FILE_NAME,
+    TMP_NAME,
+    atomic_torch_save,
+    checkpoint_dir,
+    clean_state_dict,
+    dcp_path,
+    file_path,
+    read_file,
+    rng_state,
+    set_rng_state,
+)
+from tokenmill.errors import CheckpointError, ConfigError, ParallelError
+from tokenmill.optim import consolidated_state_dict
+from tokenmill.parallel import World, unwrap
+from tokenmill.parallel.world import barrier
+
+__all__ = [
+    "checkpoint_dir", "clean_stale_tmp", "data_position", "global_batch", "list_checkpoints", "load_latest",
+    "load_model", "read_latest", "read_state", "save_checkpoint", "saved_global_samples", "set_rng_state",
+]
+
+
+def _warn(msg: str) -> None:
+    print(f"tokenmill: warning: {msg}", file=sys.stderr, flush=True)
+
+
+def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """Every checkpoint of ``run_dir`` (single files and complete DCP folders), oldest first."""
+    d = checkpoint_dir(run_dir)
+    if not d.is_dir():
+        return []
+    found = []
+    for p in d.iterdir():
+        m = FILE_NAME.match(p.name) or DCP_NAME.match(p.name)
+        if m and (p.is_file() or (p / "extra.pt").exists()):
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def clean_stale_tmp(run_dir: str | Path) -> list[Path]:
+    """Remove temporary files left by a save that was killed (never a real checkpoint); returns them."""
+    d = checkpoint_dir(run_dir)
+    gone = []
+    if d.is_dir():
+        for p in d.iterdir():
+            if TMP_NAME.match(p.name):
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+                gone.append(p)
+    return gone
+
+
+def global_batch(cfg: C.Config, world: World) -> int:
+    """Samples of the global data stream consumed per optimizer step (micro-batch x accumulation x
+    data-parallel degree)."""
+    return cfg.train.batch_size * cfg.train.grad_accum_steps * world.dp_size
+
+
+def data_position(step: int, global_samples: int | None, cfg: C.Config, world: World) -> dict[str, int]:
+    """Where the global data stream stands after ``step`` steps: ``global_samples`` consumed (default:
+    every step at the current global batch), and the global batch of the run that saved it.
+    ``global_batch`` marks the entry as complete (older checkpoints stored ``global_samples`` without
+    the data-parallel degree; :func:`saved_global_samples` ignores those)."""
+    g = global_batch(cfg, world)
+    samples = step * g if global_samples is None else global_samples
+    return {"step": step, "global_samples": samples, "global_batch": g}
+
+
+def saved_global_samples(extra: dict[str, Any]) -> int | None:
+    """The number of global samples a checkpoint had consumed, or None for a checkpoint that did not
+    record it reliably (resume then starts at ``step`` x the current global batch)."""
+    pos = extra.get("data_position") or {}
+    if "global_batch" not in pos or "global_samples" not in pos:
+        return None
+    return int(pos["global_samples"])
+
+
+def _extra(model, scheduler, scaler, cfg, world: World, step, global_samples=None) -> dict[str, Any]:
+    return {
+        "scheduler": scheduler.state_dict(),
+        "scaler": scaler.state_dict() if scaler is not None else {},
+        "step": step,
+        "data_position": data_position(step, global_samples, cfg, world),
+        "rng": rng_state(world.device),
+        "config": cfg.to_dict(),
+        "vocab_size": getattr(unwrap(model), "vocab_size", None),
+    }
+
+
+def save_checkpoint(run_dir, step, model, optimizer, scheduler, scaler, cfg, world: World,
+                    global_samples: int | None = None) -> Path:
+    """Save step ``step`` (a collective under torchrun: every rank must call it), then keep the newest
+    ``checkpoint.keep_last``. ``global_samples``: samples of the global data stream consumed so far
+    (default ``step`` x the current global batch; a resumed run whose global batch changed passes the
+    true count)."""
+    if world.sharded:
+        path = dcp.save_dcp(dcp_path(run_dir, step), model, optimizer, world)
+        if world.is_rank0:
+            atomic_torch_save(_extra(model, scheduler, scaler, cfg, world, step, global_samples), path / "extra.pt")
+    else:
+        path = file_path(run_dir, step)
+        optim_sd = consolidated_state_dict(optimizer, world)
+        if world.is_rank0:
+            state = _extra(model, scheduler, scaler, cfg, world, step, global_samples)
+            state["model"] = clean_state_dict(unwrap(model).state_dict())
+            state["optimizer"] = optim_sd
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_torch_save(state, path)
+    if world.is_rank0:
+        for _, old in list_checkpoints(run_dir)[: -cfg.checkpoint.keep_last]:
+            shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)
+    barrier(world)
+    return path
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    """A checkpoint's state without loading weights into a model: the whole file for a single file
+    (model weights included), ``extra.pt`` (step, config, scheduler, ...) for a DCP folder."""
+    if path.is_dir():
+        dcp.read_metadata(path)  # refuse a folder whose metadata would run code before reading anything
+        return read_file(path / "extra.pt")
+    return read_file(path)
+
+
+def read_latest(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """``(path, state)`` of the newest checkpoint that reads (see :func:`read_state`), or None when there
+    is none; damaged or refused ones are reported and skipped."""
+    for _, path in reversed(list_checkpoints(run_dir)):
+        try:
+            return path, read_state(path)
+        except CheckpointError as e:
+            _warn(f"{e} Trying the previous checkpoint (nothing is deleted).")
+    return None
+
+
+def load_latest(run_dir, model, optimizer, world: World,
+                check: Optional[Callable[[dict], None]] = None) -> tuple[Path, dict[str, Any]] | None:
+    """Load the newest good checkpoint into ``model`` and ``optimizer`` (already parallelised) and return
+    ``(path, state)`` with the scheduler/scaler/RNG/step/config entries; None when there is none.
+
+    ``check(state)`` runs before any weight is loaded (e.g. refuse a different model shape) and its
+    errors propagate. A damaged or refused checkpoint is reported and the next older one is tried; when
+    none loads, :class:`CheckpointError` lists them all."""
+    found = list_checkpoints(run_dir)
+    problems = []
+    for _, path in reversed(found):
+        try:
+            state = read_state(path)
+            if check is not None:
+                check(state)
+            if path.is_dir():
+                dcp.load_dcp(path, model, optimizer)
+            else:
+                if world.sharded:
+                    raise ParallelError(
+                        f"{path} is a single-file checkpoint; resuming it with sharded parameters (FSDP, TP or PP) "
+                        "is not supported. Resume it with one process or DDP (parallel.dp_shard=1, tp=1, pp=1)."
+                    )
+                unwrap(model).load_state_dict(state["model"])
+                optimizer.load_state_dict(state["optimizer"])
+            return path, state
+        except CheckpointError as e:
+            problems.append(str(e))
+            if world.is_rank0:
+                _warn(f"{e} Trying the previous checkpoint (nothing is deleted).")
+    if problems:
+        raise CheckpointError(f"no checkpoint of {run_dir} could be loaded: " + " | ".join(problems))
+    return None
+
+
+def load_model(run_dir: str | Path, checkpoint: str | Path | None = None):
+    """The model of a run directory's newest good checkpoint (or of ``checkpoint``), on the CPU, with the
+    run's config and the checkpoint's path: ``(GPT, Config, Path)``. Single files and sharded (DCP)
+    folders of FSDP, TP and PP runs alike (a DCP checkpoint is read whole in this one process)."""
+    from tokenmill.model import GPT
+
+    run_dir = Path(run_dir)
+    if checkpoint is not None:
+        candidates = [Path(checkpoint)]
+        if not candidates[0].exists():
+            raise CheckpointError(f"checkpoint {checkpoint} does not exist; `ls {checkpoint_dir(run_dir)}` lists them.")
+    else:
+        candidates = [p for _, p in reversed(list_checkpoints(run_dir))]
+        if not candidates:
+            raise CheckpointError(f"no checkpoint in {checkpoint_dir(run_dir)}; train first "
+                                  f"(tokenmill train --run-dir {run_dir}).")
+    problems = []
+    for path in candidates:
+        try:
+            state = read_state(path)
+            cfg = C.from_dict(state["config"])
+            vocab = state.get("vocab_size") or cfg.model.vocab_size or _data_vocab(cfg)
+            model = GPT(cfg.model, vocab)
+            weights = dcp.load_model_weights(path, model) if path.is_dir() else state["model"]
+            model.load_state_dict(weights)
+            return model, cfg, path
+        except (CheckpointError, ConfigError) as e:
+            problems.append(str(e))
+            if len(candidates) > 1:
+                _warn(f"{e} Trying the previous checkpoint (nothing is deleted).")
+        except (KeyError, RuntimeError, TypeError) as e:
+            problems.append(f"checkpoint {path} does not match its config ({str(e).splitlines()[0][:200]})")
+    raise CheckpointError("no checkpoint could be loaded: " + " | ".join(problems))
+
+
+def _data_vocab(cfg: C.Config) -> int:
+    """The vocabulary of the run's data (checkpoints written before the vocabulary was recorded)."""
+    from tokenmill.data import ensure_embedded_corpus, load_tokenizer_for_data
+
+    data_dir = Path(cfg.data.path) if cfg.data.path else ensure_embedded_corpus(cfg.data)
+    return load_tokenizer_for_data(data_dir).vocab_size
+

@@ -1,0 +1,172 @@
+"""Sharded checkpoints (FSDP / TP / PP): ``torch.distributed.checkpoint`` (DCP), read safely.
+
+A folder ``step_XXXXXXXX.dcp/`` in which each rank saves its own shards in parallel, plus ``extra.pt``
+(rank 0: scheduler, scaler, step, data position, RNG, config). The folder is written under a
+temporary name and renamed once every rank has finished, so a crash never leaves a half-written
+checkpoint under a real name. Model and optimizer state are keyed by parameter name
+(``get_state_dict``/``set_state_dict``), so a DCP checkpoint loads under any world size and layout.
+
+**Reading runs no code.** DCP reads its ``.metadata`` file with a plain ``pickle.load`` and the
+non-tensor entries (learning rates, betas) with ``torch.load(weights_only=False)``: a crafted
+folder could run code on the machine that opens it. :class:`SafeReader` unpickles the metadata with
+an allow-list of DCP's own metadata classes, and :class:`SafePlanner` reads non-tensor entries with
+``weights_only=True``; anything else is refused with :class:`~tokenmill.errors.CheckpointError`.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import pickle
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from tokenmill.checkpoint.files import fsync_dir
+from tokenmill.errors import CheckpointError
+from tokenmill.parallel.world import World, barrier
+
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_ALLOWED = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "slice"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles only DCP metadata: its own dataclasses and enums, torch sizes, dtypes and layouts."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module in _METADATA_MODULES:
+            obj = getattr(__import__(module, fromlist=[name]), name, None)
+            if isinstance(obj, type) and (hasattr(obj, "__dataclass_fields__") or issubclass(obj, enum.Enum)):
+                return obj
+        raise pickle.UnpicklingError(f"'{module}.{name}' is not allowed in checkpoint metadata")
+
+
+def read_metadata(path: Path):
+    """The DCP metadata of checkpoint folder ``path``, unpickled with the allow-list."""
+    meta = path / ".metadata"
+    try:
+        with open(meta, "rb") as f:
+            return _MetadataUnpickler(f).load()
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(
+            f"refused to load {meta}: {e}; it could run code. Only load checkpoints you trust."
+        ) from None
+    except (OSError, EOFError, ValueError, AttributeError, ImportError, IndexError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {meta} is damaged or missing ({str(e).splitlines()[0][:200]}).") from None
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file-system reader with the metadata read by :func:`read_metadata` (no arbitrary unpickling)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        metadata = read_metadata(Path(self.path))
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = getattr(self, "load_id", None)
+        return metadata
+
+
+class SafePlanner(DefaultLoadPlanner):
+    """DCP's load planner with non-tensor entries read by ``torch.load(weights_only=True)``."""
+
+    def load_bytes(self, read_item, value) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise CheckpointError(
+                f"refused a checkpoint entry '{read_item.dest_index.fqn}': it holds objects other than plain "
+                f"data ({str(e).splitlines()[0][:160]}). Only load checkpoints you trust."
+            ) from None
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._traverse import set_element
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def _load(state: dict, path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafePlanner())
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a damaged or foreign folder: name it
+        raise CheckpointError(f"checkpoint {path} could not be read ({str(e).splitlines()[0][:200]}).") from None
+
+
+def save_dcp(final: Path, model, optimizer, world: World) -> Path:
+    """Write model and optimizer shards of every rank into ``final`` (via a temporary folder)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    d = final.parent
+    tmp = d / f".{final.name}.tmp"
+    if world.is_rank0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier(world)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp))
+    barrier(world)
+    if world.is_rank0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        fsync_dir(d)
+    barrier(world)
+    return final
+
+
+def load_dcp(path: Path, model, optimizer) -> None:
+    """Load DCP checkpoint ``path`` into ``model`` and ``optimizer`` (already parallelised; any layout)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from tokenmill.errors import ParallelError
+
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        raise ParallelError(f"{path} is a sharded (DCP) checkpoint; resume it without parallel.zero1.")
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
+    state = {"model": model_sd, "optimizer": optim_sd}
+    _load(state, path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=_options())
+
+
+def load_model_weights(path: Path, model) -> dict[str, torch.Tensor]:
+    """The model weights of DCP checkpoint ``path``, read whole in one process (no process group),
+    as a state dict for ``model`` (a plain GPT of the run's shape): for sampling and export."""
+    state = {"model": model.state_dict()}
+    _load(state, path)
+    return state["model"]
+
+
+def _options():
+    """Optimizer state keyed by parameter name, hyperparameters included (``param_groups.<name>.lr``):
+    so a checkpoint loads into any grouping of the parameters (tensor parallelism splits the groups
+    by mesh, see ``optim/adamw.py``)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)

@@ -1,0 +1,131 @@
+"""Single files: atomic writes, safe reads, names, RNG state.
+
+A checkpoint file is one ``torch.save`` of plain tensors and Python containers, written to a
+temporary name, fsync'ed and renamed into place (``os.replace`` is atomic), so a crash mid-save
+never leaves a half-written file under a real name. Reads use ``weights_only=True`` (nothing is
+unpickled but tensors and primitive containers) and always load to the CPU: the caller moves what
+belongs on the device (the RNG state must stay a CPU tensor; optimizer state follows its parameters).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tokenmill.errors import CheckpointError
+
+FILE_NAME = re.compile(r"^step_(\d{8})\.pt$")
+DCP_NAME = re.compile(r"^step_(\d{8})\.dcp$")
+TMP_NAME = re.compile(r"^\.step_\d{8}\.(pt|dcp)\.tmp(-\d+)?$")
+_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "module.")
+
+
+def checkpoint_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def file_path(run_dir: str | Path, step: int) -> Path:
+    return checkpoint_dir(run_dir) / f"step_{step:08d}.pt"
+
+
+def dcp_path(run_dir: str | Path, step: int) -> Path:
+    return checkpoint_dir(run_dir) / f"step_{step:08d}.dcp"
+
+
+def clean_state_dict(sd: dict[str, Any]) -> dict[str, Any]:
+    """Drop wrapper prefixes (compile, activation checkpointing, DDP) from parameter names."""
+    out = {}
+    for k, v in sd.items():
+        for p in _PREFIXES:
+            k = k.replace(p, "")
+        out[k] = v
+    return out
+
+
+def fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - e.g. Windows
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def os_error_message(e: OSError, path: Path, what: str) -> str:
+    """``<what> <path>: <reason>; <what to do>`` for an operating-system error."""
+    fix = {
+        errno.ENOSPC: "free disk space (or lower checkpoint.keep_last) and resume with --resume",
+        errno.EDQUOT: "free disk space (quota exceeded) and resume with --resume",
+        errno.EACCES: "make the folder writable, or choose another --run-dir",
+        errno.EPERM: "make the folder writable, or choose another --run-dir",
+        errno.EROFS: "the file system is read-only: choose another --run-dir",
+        errno.ENOTDIR: "a file stands where a folder is needed: move it away, or choose another --run-dir",
+        errno.EEXIST: "a file stands where a folder is needed: move it away, or choose another --run-dir",
+    }.get(e.errno, "check the path and the disk, then resume with --resume")
+    return f"{what} {path}: {e.strerror or e}; {fix}."
+
+
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    """``torch.save`` to a temporary file, fsync, rename into place: ``path`` is either the old file or
+    the complete new one. A full disk or a refused write raises :class:`CheckpointError` naming the
+    path and the fix; nothing under a real name is touched."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        raise CheckpointError(os_error_message(e, path, "could not write checkpoint")) from None
+    except RuntimeError as e:  # torch's zip writer reports a full disk as "unexpected pos ..."
+        raise CheckpointError(
+            f"could not write checkpoint {path}: {e}; the disk may be full: free space and resume with --resume."
+        ) from None
+    finally:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+    fsync_dir(path.parent)
+
+
+def read_file(path: str | Path) -> dict[str, Any]:
+    """A checkpoint file's content, on the CPU, data only; :class:`CheckpointError` names the file and
+    what is wrong with it (damaged, empty, or holding objects other than tensors and containers)."""
+    path = Path(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(
+            f"refused to load {path}: it holds objects other than tensors and plain containers, which could "
+            f"run code ({str(e).splitlines()[0][:200]}). Only load checkpoints you trust."
+        ) from None
+    except (OSError, RuntimeError, EOFError, ValueError, KeyError, AttributeError, ImportError) as e:
+        raise CheckpointError(f"checkpoint {path} is damaged or not a checkpoint ({str(e).splitlines()[0][:200]}).") \
+            from None
+    if not isinstance(state, dict) or "step" not in state:
+        raise CheckpointError(f"checkpoint {path} is not a tokenmill checkpoint (no 'step' entry).")
+    return state
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    """Restore the RNG state saved by :func:`rng_state` (CPU byte tensors, as saved)."""
+    torch.set_rng_state(state["torch"].cpu())
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)

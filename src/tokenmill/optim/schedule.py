@@ -1,0 +1,40 @@
+"""The learning-rate schedule: linear warm-up, then constant or cosine decay to ``optim.min_lr``.
+
+Applied switches: ``optim.schedule``, ``optim.warmup_steps``, ``optim.min_lr``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tokenmill.config import OptimConfig
+
+
+def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
+    """Learning rate for 0-based optimizer step ``step``: linear warm-up, then constant or cosine."""
+    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    span = max(1, max_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_steps: int):
+    base = cfg.lr if cfg.lr > 0 else 1.0
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, cfg, max_steps) / base)
+
+
+def load_scheduler_state(scheduler, state: dict) -> None:
+    """``scheduler.load_state_dict`` that also takes the state of a run whose optimizer grouped the
+    parameters differently (tensor parallelism splits the groups, see :func:`param_groups`): every group
+    follows the same schedule, so the per-group lists are the first entry repeated."""
+    n = len(scheduler.optimizer.param_groups)
+    state = dict(state)
+    for key in ("base_lrs", "_last_lr", "lr_lambdas"):
+        if isinstance(state.get(key), list) and len(state[key]) != n:
+            state[key] = state[key][:1] * n
+    scheduler.load_state_dict(state)

@@ -1,0 +1,79 @@
+"""From a config to a ready model: :func:`build_model` builds the GPT and :func:`parallelize` applies every
+model-level switch, in one fixed order:
+
+1. ``apply_pipeline_split`` (``parallel.pp``): each rank keeps its own stage's blocks first, so every
+   later step touches only the modules this rank holds.
+2. ``apply_precision`` (``train.precision='bf16'``): cast before any sharding, so TP and FSDP shard the
+   bf16 parameters (casting DTensors or FSDP's sharded parameters afterwards would break their views).
+3. ``apply_tensor_parallel`` (``parallel.tp``): split the blocks' matrices into DTensors before anything
+   wraps the blocks, so the checkpoint wrappers and compiled graphs see the parallel modules.
+4. ``apply_activation_checkpointing`` (``memory.activation_checkpointing``): wrap blocks before compiling,
+   so the recomputation is traced into the compiled graph.
+5. ``apply_compile`` (``compile.*``): compile the blocks (or the model) before data parallelism, so FSDP's
+   per-block communication hooks stay outside the compiled graphs (torchtitan's order).
+6. ``apply_data_parallel`` (``parallel.dp_replicate``/``dp_shard``): DDP or FSDP2 last, over the final
+   modules (FSDP composes with TP's DTensors into 2-D sharding).
+
+The pipeline schedule (:class:`~tokenmill.parallel.pipeline.Pipeline`) runs the split model; the
+trainer builds it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+from tokenmill import config as C
+from tokenmill.model import GPT
+from tokenmill.parallel import World, apply_data_parallel
+from tokenmill.parallel.pipeline import apply_pipeline_split
+from tokenmill.parallel.tensor_parallel import apply_tensor_parallel
+from tokenmill.train.precision import apply_precision
+
+
+def build_model(cfg: C.Config, vocab_size: int, device: torch.device, world: Optional[World] = None) -> nn.Module:
+    """The GPT with every model-level switch applied, on ``device`` (this rank's pipeline stage and
+    shards under ``world``); initialised from ``train.seed``, identically on every rank."""
+    torch.manual_seed(cfg.train.seed)
+    with torch.device(device):
+        model = GPT(cfg.model, vocab_size)
+    return parallelize(model, cfg, world or World(device=device))
+
+
+def parallelize(model: nn.Module, cfg: C.Config, world: World) -> nn.Module:
+    """Apply the switches in the order of the module docstring; returns the model to train."""
+    apply_pipeline_split(model, world)
+    apply_precision(model, cfg.train)
+    apply_tensor_parallel(model, world)
+    apply_activation_checkpointing(model, cfg.memory.activation_checkpointing)
+    apply_compile(model, cfg.compile)
+    return apply_data_parallel(model, world, cfg.parallel)
+
+
+def apply_activation_checkpointing(model: nn.Module, every_n: int) -> nn.Module:
+    """``memory.activation_checkpointing``: wrap blocks 0, n, 2n, ... so that their activations are
+    recomputed in backward instead of stored (non-reentrant ``torch.utils.checkpoint``; 0 = off). The
+    wrapper strips its prefix from state dicts, so checkpoints keep the plain parameter names."""
+    if every_n <= 0:
+        return model
+    for i, block in model.present_blocks():
+        if i % every_n == 0:
+            model.blocks[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    return model
+
+
+def apply_compile(model: nn.Module, cfg: C.CompileConfig) -> nn.Module:
+    """``compile.*``: torch.compile in place (``nn.Module.compile``), so parameter names and checkpoints
+    never carry ``_orig_mod.`` prefixes; ``compile.scope='block'`` compiles each block separately."""
+    if not cfg.enabled:
+        return model
+    kwargs = {"mode": cfg.mode, "fullgraph": cfg.fullgraph, "dynamic": cfg.dynamic}
+    if cfg.scope == "block":
+        for _, block in model.present_blocks():
+            block.compile(**kwargs)
+    else:
+        model.compile(**kwargs)
+    return model

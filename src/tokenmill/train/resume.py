@@ -1,0 +1,84 @@
+"""Resuming a run: load the newest good checkpoint, check the model is the same, and drop the metric
+lines of steps that will be trained again."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from tokenmill import checkpoint
+from tokenmill import config as C
+from tokenmill.errors import TrainingError
+from tokenmill.optim import load_scheduler_state
+from tokenmill.parallel.world import World, barrier
+from tokenmill.train.metrics import read_metrics
+
+SHAPE_FIELDS = {
+    "vocab_size", "vocab_pad_multiple", "block_size", "n_layer", "n_head", "n_embd",
+    "bias", "qkv_bias", "tie_embeddings", "fused_qkv",
+}
+
+
+def resume(run_dir: Path, model, optimizer, scheduler, scaler, cfg: C.Config, world: World,
+           quiet: bool) -> tuple[int, Any, Optional[int]]:
+    """Load the newest good checkpoint (any layout); returns (start step, RNG state to restore, global
+    samples consumed: where the data stream goes on, None when the checkpoint did not record it)."""
+    found = checkpoint.load_latest(run_dir, model, optimizer, world,
+                                   check=lambda saved: check_same_model(saved.get("config", {}), cfg))
+    if found is None:  # e.g. a torchrun restart before the first checkpoint: start over, cleanly
+        if world.is_rank0:
+            clean_metrics(run_dir, 0)
+        barrier(world)
+        return 0, None, None
+    path, state = found
+    load_scheduler_state(scheduler, state["scheduler"])
+    if scaler is not None and state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
+    start_step = int(state["step"])
+    start_sample = checkpoint.saved_global_samples(state)
+    if world.is_rank0:
+        clean_metrics(run_dir, start_step)
+        if not quiet:
+            print(f"tokenmill: resumed from {path} at step {start_step}")
+            old = (state.get("data_position") or {}).get("global_batch")
+            new = checkpoint.global_batch(cfg, world)
+            if start_sample is not None and old != new:
+                print(f"tokenmill: the global batch changed from {old} to {new} samples per step; the data "
+                      f"stream continues at sample {start_sample} (nothing replayed or skipped)")
+    barrier(world)
+    return start_step, state["rng"], start_sample
+
+
+def clean_metrics(run_dir: Path, upto_step: int) -> None:
+    """On resume, drop metric lines of steps after the checkpoint (they will be trained again) and
+    lines torn by a killed process."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return
+    rows = [r for r in read_metrics(run_dir) if r.get("step", 0) <= upto_step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.replace(path)
+
+
+def check_same_model(saved: dict[str, Any], cfg: C.Config) -> None:
+    """Refuse to resume into a model whose shape differs from the checkpoint's, naming the flags to use."""
+    saved_model = saved.get("model", {})
+    now = dataclasses.asdict(cfg.model)
+    diff = [k for k in now if k in saved_model and saved_model[k] != now[k] and k in SHAPE_FIELDS]
+    if diff:
+        pairs = ", ".join(f"model.{k}: checkpoint {saved_model[k]!r} vs now {now[k]!r}" for k in diff)
+        keep = " ".join(f"--model.{k} {cli_value(saved_model[k])}" for k in diff)
+        hint = (f"The model's shape switches cannot change on resume: resume with the checkpoint's values "
+                f"({keep}), or start a new run.")
+        if {"fused_qkv", "tie_embeddings"} & set(diff):
+            hint += (" Tensor parallelism needs --model.fused_qkv false and pipeline parallelism "
+                     "--model.tie_embeddings false; to use them later, train from the start with those.")
+        raise TrainingError(f"cannot resume: the model differs from the checkpoint's ({pairs}). {hint}")
+
+
+def cli_value(v: Any) -> str:
+    """A config value as written on the command line (``true``, ``64``)."""
+    return str(v).lower() if isinstance(v, bool) else str(v)
