@@ -7,6 +7,7 @@ allocator warm-up) and time spent in evaluation/checkpointing are excluded.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import statistics
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from tokenmill.train.timing import PHASES, PhaseTimer
 
@@ -166,6 +168,20 @@ class StepMetrics:
         self.tokens_per_step = tokens_per_step
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
+        self.started = time.perf_counter()
+        self.warmup_s: float | None = None
+        self.outside_s: dict[str, float] = {"eval": 0.0, "checkpoint": 0.0, "log": 0.0}
+        self.outside_n: dict[str, int] = {"eval": 0, "checkpoint": 0, "log": 0}
+
+    @contextlib.contextmanager
+    def outside(self, name: str):
+        """Time work outside the training steps (``eval``, ``checkpoint``, ``log``): wall seconds and
+        count for the summary, and a profiler region of that name."""
+        t0 = time.perf_counter()
+        with record_function(name):
+            yield
+        self.outside_s[name] += time.perf_counter() - t0
+        self.outside_n[name] += 1
 
     @property
     def timing_from(self) -> int:
@@ -190,6 +206,8 @@ class StepMetrics:
 
     def restart_window(self, completed_steps: int) -> None:
         """Call after a device synchronisation with no untimed work pending."""
+        if completed_steps == self.timing_from and self.warmup_s is None:
+            self.warmup_s = time.perf_counter() - self.started
         self.meter.mark(completed_steps)
         self.timer.reset()
 
@@ -222,8 +240,15 @@ class StepMetrics:
         return rec
 
     def summary(self) -> dict[str, Any]:
+        """Steady-state throughput and MFU, and where the rest of the wall time went: ``wall_s`` (since
+        set-up), ``warmup_s`` (until the first timed step), ``eval_s``/``evals``, ``checkpoint_s``/
+        ``checkpoints``, ``log_s``/``logs``."""
         out = self.meter.summary()
         out["mfu"] = self.mfu(out["tokens_per_sec"])
+        out["wall_s"] = time.perf_counter() - self.started
+        out["warmup_s"] = self.warmup_s
+        for name, plural in (("eval", "evals"), ("checkpoint", "checkpoints"), ("log", "logs")):
+            out[f"{name}_s"], out[plural] = self.outside_s[name], self.outside_n[name]
         return out
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -232,12 +233,13 @@ class Trainer:
                 if self.cb.on_step_end:
                     self.cb.on_step_end(done)
                 if is_log:
-                    sync(device)
-                    losses = self._check_losses(done)
-                    rec = m.record(done, losses[-1], lr, grad_norm, memory_stats(device))
-                    self.writer.write(rec)
-                    self.last["loss"] = losses[-1]
-                    self.progress.log(format_record(rec))
+                    with m.outside("log"):
+                        sync(device)
+                        losses = self._check_losses(done)
+                        rec = m.record(done, losses[-1], lr, grad_norm, memory_stats(device))
+                        self.writer.write(rec)
+                        self.last["loss"] = losses[-1]
+                        self.progress.log(format_record(rec))
                 did_work = False
                 if self.val and every_eval and done % every_eval == 0 and done != t.max_steps:
                     self._eval_and_log(done)
@@ -266,8 +268,9 @@ class Trainer:
 
     def _save(self, done: int) -> None:
         samples = self.start_sample + (done - self.start_step) * self.global_batch
-        checkpoint.save_checkpoint(self.run_dir, done, self.model, self.optimizer, self.scheduler, self.scaler,
-                                   self.cfg, self.world, samples)
+        with self.metrics.outside("checkpoint"):
+            checkpoint.save_checkpoint(self.run_dir, done, self.model, self.optimizer, self.scheduler,
+                                       self.scaler, self.cfg, self.world, samples)
 
     def _check_losses(self, done: int) -> list[float]:
         """The per-step losses of the whole global batch since the last call (one all-reduce, one sync);
@@ -285,8 +288,10 @@ class Trainer:
         return losses
 
     def _eval_and_log(self, step: int) -> None:
-        v = self.evaluate()
-        self.writer.write({"step": step, "val_loss": v})
+        t0 = time.perf_counter()
+        with self.metrics.outside("eval"):
+            v = self.evaluate()
+        self.writer.write({"step": step, "val_loss": v, "eval_ms": 1000 * (time.perf_counter() - t0)})
         self.progress.log(f"step {step:>6} | val_loss {v:.4f}")
         self.last["val_loss"] = v
 
@@ -304,6 +309,9 @@ class Trainer:
             **memory_stats(device),
             **self.info,
             "peak_flops": self.peak,
+            "threads": {"intra_op": torch.get_num_threads(), "inter_op": torch.get_num_interop_threads(),
+                        "cpu_count": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+                        "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1"))},
         }
         if rank0:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
