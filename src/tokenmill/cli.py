@@ -13,39 +13,10 @@ from pathlib import Path
 
 from tokenmill import __version__
 from tokenmill import config as C
+from tokenmill.args import add_config_args, config_from_args, parse_config_args
 from tokenmill.errors import ConfigError, TokenmillError
 
-
-def add_config_args(p: argparse.ArgumentParser) -> None:
-    """--preset / --config / --run-dir / --resume and one --section.field option per config field."""
-    p.add_argument("--preset", help=f"start from a shipped preset: {', '.join(C.preset_names())}")
-    p.add_argument("--config", action="append", default=[], metavar="FILE.toml",
-                   help="TOML config file(s), applied after the preset, in order")
-    p.add_argument("--run-dir", help="run directory; None: runs/<preset>-<date-time>")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --run-dir")
-    for sname, scls in C.sections().items():
-        g = p.add_argument_group(f"[{sname}] {scls.__doc__.strip()}")
-        for key, (_tp, default, doc) in C.field_specs().items():
-            if key.startswith(sname + "."):
-                # SUPPRESS: an option not given stays out of the namespace (and out of argparse's own
-                # "(default: ...)" suffix; the config default is named in the help instead).
-                g.add_argument(f"--{key}", dest=f"cfg:{key}", metavar="VALUE", default=argparse.SUPPRESS,
-                               help=f"{doc} (default: {default!r})".replace("%", "%%"))
-
-
-def config_from_args(args: argparse.Namespace) -> C.Config:
-    overrides = {k[4:]: v for k, v in vars(args).items() if k.startswith("cfg:") and v is not None}
-    return C.resolve(args.preset, args.config, overrides)
-
-
-def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
-    args, extra = parser.parse_known_args(argv)
-    if extra:
-        bad = extra[0].split("=")[0]
-        if bad.startswith("--") and "." in bad:
-            raise ConfigError(f"unknown config key '{bad[2:]}'.{C._closest(bad[2:], list(C.field_specs()))}")
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    return args
+__all__ = ["add_config_args", "build_parser", "config_from_args", "main"]
 
 
 CONFIG_COMMANDS = {"train", "config", "profile"}
@@ -154,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         sub = argv[0] if argv else None
-        args = _parse(parser, argv) if sub in CONFIG_COMMANDS else parser.parse_args(argv)
+        args = parse_config_args(parser, argv) if sub in CONFIG_COMMANDS else parser.parse_args(argv)
         return args.func(args) or 0
     except ConfigError as e:
         print(f"tokenmill: config error: {e}", file=sys.stderr)
