@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.model import GPT, Block, adapt_state_dict, flops_per_token, math_mode, peak_flops
+from tokenmill.model.flops import flop_params
 from tokenmill.model.layers import GELU, LayerNorm
 
 ATOL, RTOL = 1e-5, 1e-4  # fp32 CPU tolerance for "the same math"
@@ -231,6 +232,9 @@ def test_gpt2_124m_parameter_count_and_flops():
     n = m.num_params(exclude_position=True)
     assert n == 124_439_808 - 1024 * 768
     assert m.num_params(exclude_embeddings=True) == 85_056_000
+    # tied and unpadded, the matmul parameters (tokenmill.model.flops.flop_params) are these too;
+    # the hand-derived FLOPs checks (tied, untied, padded, gpt2-xl) are in test_flops.py
+    assert flop_params(m.cfg, 50257) == n == flop_params(padded.cfg, 50257)
     f = flops_per_token(m.cfg, n, 1024)
     assert f == 6 * n + 12 * 12 * 12 * 64 * 1024
     assert abs(f - 855e6) / 855e6 < 0.001  # ~855 MFLOP per token
@@ -329,3 +333,141 @@ def test_traces_as_one_graph(kw):
     idx, tgt = batch()
     compiled(idx, tgt)[1].backward()
     assert m.wte.weight.grad is not None
+
+
+# ----------------------------------------------------------------------------------------------
+# Seed-faithful switches: model.fp32_islands and model.loss_over_padded_vocab
+
+PURE_BF16_KW = dict(norm="manual", gelu="manual", attention="manual", tie_embeddings=False, vocab_pad_multiple=64)
+
+
+def _saved_dtypes(model: GPT, idx: torch.Tensor, tgt: torch.Tensor) -> tuple[torch.Tensor, list[torch.dtype]]:
+    """Loss (backward done) and the dtypes of every tensor autograd saved for backward."""
+    saved: list[torch.dtype] = []
+
+    def pack(t):
+        saved.append(t.dtype)
+        return t
+
+    model.zero_grad(set_to_none=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _, loss = model(idx, tgt)
+    loss.backward()
+    return loss.detach(), saved
+
+
+def test_fp32_islands_is_a_no_op_in_fp32():
+    ref = perturb(build(fp32_islands=True, **PURE_BF16_KW))
+    other = build(fp32_islands=False, **PURE_BF16_KW)
+    other.load_state_dict(ref.state_dict())
+    idx, tgt = batch()
+    _, l1, g1 = loss_and_grads(ref, idx, tgt)
+    _, l2, g2 = loss_and_grads(other, idx, tgt)
+    assert torch.equal(l1, l2) and all(torch.equal(g1[n], g2[n]) for n in g1)
+
+
+@pytest.mark.parametrize("islands", [True, False])
+def test_pure_bf16_with_and_without_fp32_islands_keeps_the_math(islands):
+    """Pure bf16 weights (the seed's rungs 5+): without islands the hand-written LayerNorm, the softmax
+    and the loss run in bf16 and autograd keeps no fp32 tensor at all; with them, fp32 copies are kept.
+    Either way the loss stays within 0.05 of the fp32 model's and every gradient within 5% (relative
+    L2 norm; measured ~2% on this model: bf16 has 8 mantissa bits)."""
+    ref = perturb(build(**PURE_BF16_KW))
+    idx, tgt = batch()
+    _, loss32, g32 = loss_and_grads(ref, idx, tgt)
+    m = build(fp32_islands=islands, **PURE_BF16_KW)
+    m.load_state_dict(ref.state_dict())
+    m.to(torch.bfloat16)
+    loss, saved = _saved_dtypes(m, idx, tgt)
+    assert loss.dtype == (torch.float32 if islands else torch.bfloat16)
+    n_fp32 = sum(d == torch.float32 for d in saved)
+    assert (n_fp32 > 0) if islands else (n_fp32 == 0), saved
+    torch.testing.assert_close(loss.float(), loss32, atol=0.05, rtol=0)
+    for name, p in m.named_parameters():
+        ref_g = g32[name]
+        if ref_g.norm() > 0:
+            rel = ((p.grad.float() - ref_g).norm() / ref_g.norm()).item()
+            assert rel < 0.05, (name, rel)
+
+
+def _loss_over_all_columns(model: GPT, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+    """Reference form of the seed's padding rung: mean(logsumexp(all padded logits) - target logit),
+    the padded head output captured by a hook, written out without F.cross_entropy."""
+    out = {}
+    h = model.lm_head.register_forward_hook(lambda mod, inp, o: out.__setitem__("full", o))
+    model(idx)
+    h.remove()
+    z = out["full"].float().reshape(-1, model.padded_vocab)
+    return (torch.logsumexp(z, -1) - z.gather(1, tgt.reshape(-1, 1)).squeeze(1)).mean()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_loss_over_padded_vocab_matches_the_seed_form(tied):
+    """With the switch the loss is the cross-entropy over all 64 padded columns (the reference form
+    above, 1e-5) and the padded head rows get gradients; by default they are sliced off, so the
+    padded loss is larger by mean(log(sum_all exp z / sum_real exp z)) > 0."""
+    idx, tgt = batch()
+    ref = perturb(build(vocab_pad_multiple=64, tie_embeddings=tied, loss_over_padded_vocab=True))
+    default = build(vocab_pad_multiple=64, tie_embeddings=tied)
+    default.load_state_dict(ref.state_dict())
+    logits, loss, grads = loss_and_grads(ref, idx, tgt)
+    assert logits.shape[-1] == V  # the returned logits stay the true vocabulary
+    ref.zero_grad(set_to_none=True)
+    expected = _loss_over_all_columns(ref, idx, tgt)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), atol=ATOL, rtol=RTOL)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, atol=ATOL, rtol=RTOL, msg=name)
+    head = "wte.weight" if tied else "lm_head.weight"  # named_parameters lists a tied matrix once
+    assert grads[head][V:].abs().sum() > 0  # padded rows are trained (towards -inf)
+    _, sliced, g_default = loss_and_grads(default, idx, tgt)
+    assert g_default[head][V:].abs().sum() == 0
+    assert loss > sliced + 1e-3
+
+
+def test_loss_over_padded_vocab_chunked_matches_full():
+    idx, tgt = batch()
+    full = perturb(build(vocab_pad_multiple=64, loss_over_padded_vocab=True))
+    chunked = build(vocab_pad_multiple=64, loss_over_padded_vocab=True, loss_impl="chunked", loss_chunk_size=7)
+    chunked.load_state_dict(full.state_dict())
+    _, l1, g1 = loss_and_grads(full, idx, tgt)
+    chunked.zero_grad(set_to_none=True)
+    _, l2 = chunked(idx, tgt)
+    l2.backward()
+    torch.testing.assert_close(l2.detach(), l1, atol=ATOL, rtol=RTOL)
+    for name, p in chunked.named_parameters():
+        torch.testing.assert_close(p.grad, g1[name], atol=ATOL, rtol=RTOL, msg=name)
+
+
+def test_loss_over_padded_vocab_without_padding_is_a_no_op():
+    idx, tgt = batch()
+    a = perturb(build())
+    b = build(loss_over_padded_vocab=True)
+    b.load_state_dict(a.state_dict())
+    assert torch.equal(a(idx, tgt)[1], b(idx, tgt)[1])
+
+
+def test_compiling_the_trunk_leaves_head_and_loss_outside():
+    """``model.trunk = torch.compile(model.trunk)`` (compile.loss_outside): one graph without the head
+    or the loss, and the same loss and gradients as eager."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    idx, tgt = batch()
+    ref = perturb(build(vocab_pad_multiple=64))
+    _, l1, g1 = loss_and_grads(ref, idx, tgt)
+    m = build(vocab_pad_multiple=64)
+    m.load_state_dict(ref.state_dict())
+    m.trunk = torch.compile(m.trunk, backend=backend, fullgraph=True)
+    _, l2, g2 = loss_and_grads(m, idx, tgt)
+    assert len(graphs) == 1
+    code = graphs[0].code
+    assert "ln_f" in code and "lm_head" not in code and "cross_entropy" not in code
+    torch.testing.assert_close(l2, l1, atol=ATOL, rtol=RTOL)
+    for n in g1:
+        torch.testing.assert_close(g2[n], g1[n], atol=ATOL, rtol=RTOL, msg=n)
+    assert m.state_dict().keys() == ref.state_dict().keys()  # no _orig_mod. prefixes

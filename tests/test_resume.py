@@ -25,14 +25,20 @@ def crash_at(step):
     return hook
 
 
-def test_resume_without_checkpoint_restarts_metrics(tmp_path):
-    """A restart before the first checkpoint trains from step 0 again: no duplicated metric rows."""
+def test_restart_without_checkpoint_restarts_metrics(tmp_path, monkeypatch):
+    """A torchrun restart before the first checkpoint trains from step 0 again: no duplicated metric rows.
+    A user's --resume with nothing to resume is an error instead, and writes nothing."""
     over = {"train.max_steps": 4, "log.every_steps": 1}
     with pytest.raises(Crash):
         train(tiny_cfg(**over), tmp_path, quiet=True, callbacks=Callbacks(on_step_end=crash_at(3)))
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
     assert ckpt.list_checkpoints(tmp_path) == []
-    train(tiny_cfg(**over), tmp_path, resume=True, quiet=True)
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    with pytest.raises(TrainingError, match="has no checkpoint to resume from"):
+        train(tiny_cfg(**over), tmp_path, resume=True, quiet=True)
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # what torchrun sets in a restarted worker
+    train(tiny_cfg(**over), tmp_path, quiet=True)
     assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [1, 2, 3, 4]
 
 

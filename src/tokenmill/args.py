@@ -27,10 +27,11 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
                                help=f"{doc} (default: {default!r})".replace("%", "%%"))
 
 
-def config_from_args(args: argparse.Namespace) -> C.Config:
-    """The config of ``--preset``, ``--config`` files and ``--section.field`` overrides, in that order."""
+def config_from_args(args: argparse.Namespace, base_files: tuple[str, ...] = ()) -> C.Config:
+    """The config of ``--preset``, ``base_files`` (a resumed run's own config.toml), ``--config`` files and
+    ``--section.field`` overrides, in that order (later wins)."""
     overrides = {k[4:]: v for k, v in vars(args).items() if k.startswith("cfg:") and v is not None}
-    return C.resolve(args.preset, args.config, overrides)
+    return C.resolve(args.preset, [*base_files, *args.config], overrides)
 
 
 def parse_config_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:

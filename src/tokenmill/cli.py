@@ -7,6 +7,7 @@ listed with its documentation by ``tokenmill train --help``.
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 import time
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 from tokenmill import __version__
 from tokenmill import config as C
 from tokenmill.args import add_config_args, config_from_args, parse_config_args
-from tokenmill.errors import ConfigError, TokenmillError
+from tokenmill.errors import ConfigError, SampleError, TokenmillError, TrainingError, describe_os_error
 
 __all__ = ["add_config_args", "build_parser", "config_from_args", "main"]
 
@@ -29,20 +30,44 @@ def default_run_dir(args: argparse.Namespace) -> Path:
 def cmd_train(args: argparse.Namespace) -> int:
     from tokenmill.train.trainer import train
 
-    cfg = config_from_args(args)
-    if args.resume and not args.run_dir:
-        raise ConfigError("--resume needs --run-dir (the run to continue).")
-    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args)
+    if args.resume:  # the run's own config.toml, then --config files and flags on top
+        if not args.run_dir:
+            raise ConfigError("--resume needs --run-dir (the run to continue).")
+        run_dir = Path(args.run_dir)
+        if not run_dir.is_dir():
+            raise TrainingError(f"--resume: there is no run directory {run_dir}.{_closest_dir(run_dir)} Check "
+                                "--run-dir, or start a new run without --resume.")
+        saved = run_dir / "config.toml"
+        cfg = config_from_args(args, (str(saved),) if saved.is_file() else ())
+    else:
+        cfg = config_from_args(args)
+        run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args)
     train(cfg, run_dir, resume=args.resume)
     return 0
 
 
+def _closest_dir(path: Path) -> str:
+    parent = path.parent if path.parent.is_dir() else None
+    names = [p.name for p in parent.iterdir() if p.is_dir()] if parent else []
+    match = difflib.get_close_matches(path.name, names, n=1, cutoff=0.6)
+    return f" Did you mean {parent / match[0]}?" if match else ""
+
+
 def cmd_sample(args: argparse.Namespace) -> int:
+    from tokenmill.train.device import resolve_device
     from tokenmill.train.sample import load_run, sample_text
 
-    model, cfg, data_dir = load_run(args.run_dir, args.device)
+    if args.max_new_tokens < 0 or args.temperature < 0 or args.top_k < 0:
+        raise SampleError("--max-new-tokens, --temperature and --top-k must be >= 0 "
+                          f"(got {args.max_new_tokens}, {args.temperature}, {args.top_k}).")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise SampleError("--prompt is not valid UTF-8 text; pass the prompt in UTF-8.") from None
+    device = resolve_device(args.device, "--device")
+    model, cfg, data_dir = load_run(args.run_dir, str(device), args.checkpoint)
     text = sample_text(model, data_dir, args.prompt, args.max_new_tokens, args.temperature,
-                       args.top_k or None, device=args.device, seed=args.seed)
+                       args.top_k or None, device=device, seed=args.seed)
     print(text)
     return 0
 
@@ -62,7 +87,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from tokenmill.data.prepare import run_prepare
+    from tokenmill.data.prepare_cli import run_prepare
 
     run_prepare(args)
     return 0
@@ -78,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(p)
     p.set_defaults(func=cmd_train)
 
-    from tokenmill.data.prepare import add_prepare_args
+    from tokenmill.data.prepare_cli import add_prepare_args
 
     p = sub.add_parser("prepare", help="tokenize text into a token folder", allow_abbrev=False)
     add_prepare_args(p)
@@ -91,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=200, help="0 = no top-k filtering")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, mps or auto")
+    p.add_argument("--checkpoint", help="a checkpoint file or folder of the run (default: the newest good one)")
     p.set_defaults(func=cmd_sample)
 
     p = sub.add_parser("config", help="print a resolved config as TOML, or the field reference", allow_abbrev=False)
@@ -132,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except TokenmillError as e:
         print(f"tokenmill: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # disk full, permission denied, read-only file system, a file where a folder goes
+        print(f"tokenmill: error: {describe_os_error(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("tokenmill: interrupted", file=sys.stderr)

@@ -7,6 +7,8 @@ specific subclass; its message names what went wrong, the file or key, and what 
 
 from __future__ import annotations
 
+import errno
+
 
 class TokenmillError(Exception):
     """Base of every user-facing tokenmill error; the message says what to do."""
@@ -54,3 +56,31 @@ class DoctorError(TokenmillError, RuntimeError):
 
 class SizingError(TokenmillError, RuntimeError):
     """A max-batch / max-model search that cannot run."""
+
+
+_OS_FIXES = {
+    errno.ENOSPC: "free disk space, then run the command again (a run continues with --resume)",
+    errno.EDQUOT: "free disk space (quota exceeded), then run the command again",
+    errno.EFBIG: "the file is over a size limit of this system or its file system; free space or raise the limit",
+    errno.EACCES: "make it readable/writable for you, or choose another path",
+    errno.EPERM: "make it readable/writable for you, or choose another path",
+    errno.EROFS: "the file system is read-only: choose a path on a writable one",
+    errno.ENOTDIR: "a file stands where a folder is needed: move it away, or choose another path",
+    errno.EEXIST: "something already exists there: move it away, or choose another path",
+    errno.EISDIR: "a folder stands where a file is needed: give a file's path",
+    errno.ENOENT: "check the path",
+}
+
+
+def describe_os_error(e: OSError, what: str = "") -> str:
+    """``<what> <path>: <reason>; <what to do>`` for an operating-system error (disk full, permission
+    denied, read-only file system, a file where a folder should be, ...)."""
+    path = e.filename if e.filename is not None else ""
+    head = " ".join(x for x in (what, str(path)) if x)
+    fix = _OS_FIXES.get(e.errno, "check the path and the disk")
+    return f"{head}: {e.strerror or e}; {fix}." if head else f"{e.strerror or e}; {fix}."
+
+
+class AlreadyTrained(TokenmillError):
+    """On resume: the run already reached ``train.max_steps``. ``train()`` reports it and returns
+    without writing anything (not an error for the user)."""

@@ -9,7 +9,6 @@ belongs on the device (the RNG state must stay a CPU tensor; optimizer state fol
 
 from __future__ import annotations
 
-import errno
 import os
 import pickle
 import re
@@ -18,7 +17,7 @@ from typing import Any
 
 import torch
 
-from tokenmill.errors import CheckpointError
+from tokenmill.errors import CheckpointError, describe_os_error
 
 FILE_NAME = re.compile(r"^step_(\d{8})\.pt$")
 DCP_NAME = re.compile(r"^step_(\d{8})\.dcp$")
@@ -59,20 +58,6 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def os_error_message(e: OSError, path: Path, what: str) -> str:
-    """``<what> <path>: <reason>; <what to do>`` for an operating-system error."""
-    fix = {
-        errno.ENOSPC: "free disk space (or lower checkpoint.keep_last) and resume with --resume",
-        errno.EDQUOT: "free disk space (quota exceeded) and resume with --resume",
-        errno.EACCES: "make the folder writable, or choose another --run-dir",
-        errno.EPERM: "make the folder writable, or choose another --run-dir",
-        errno.EROFS: "the file system is read-only: choose another --run-dir",
-        errno.ENOTDIR: "a file stands where a folder is needed: move it away, or choose another --run-dir",
-        errno.EEXIST: "a file stands where a folder is needed: move it away, or choose another --run-dir",
-    }.get(e.errno, "check the path and the disk, then resume with --resume")
-    return f"{what} {path}: {e.strerror or e}; {fix}."
-
-
 def atomic_torch_save(obj: Any, path: Path) -> None:
     """``torch.save`` to a temporary file, fsync, rename into place: ``path`` is either the old file or
     the complete new one. A full disk or a refused write raises :class:`CheckpointError` naming the
@@ -85,7 +70,8 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
-        raise CheckpointError(os_error_message(e, path, "could not write checkpoint")) from None
+        e.filename = path
+        raise CheckpointError(describe_os_error(e, "could not write checkpoint")) from None
     except RuntimeError as e:  # torch's zip writer reports a full disk as "unexpected pos ..."
         raise CheckpointError(
             f"could not write checkpoint {path}: {e}; the disk may be full: free space and resume with --resume."

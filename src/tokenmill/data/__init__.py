@@ -26,7 +26,8 @@ from .loader import (
     to_device,
     val_batches,
 )
-from .prepare import add_prepare_args, prepare, run_prepare
+from .prepare import prepare
+from .prepare_cli import add_prepare_args, run_prepare, tokenizer_from
 from .tokenizers import get_tokenizer, load_tokenizer_for_data, train_bpe
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "prepare",
     "run_prepare",
     "to_device",
+    "tokenizer_from",
     "train_bpe",
     "val_batches",
 ]

@@ -200,6 +200,18 @@ def burn_cpu(ms: float, salt: int = 0) -> int:
     return x
 
 
+_NP_IDS = {torch.int64: np.int64, torch.int32: np.int32, torch.uint16: np.uint16}
+
+
+def id_dtype(vocab_size: int, narrow: bool) -> torch.dtype:
+    """The dtype token ids travel in from the data loader to the device (``data.narrow_ids``):
+    int64 when not narrow; else uint16 when every id fits (vocab_size <= 65536), else int32. Narrow
+    ids are widened to int64 on the device (:func:`tokenmill.data.loader.to_device`)."""
+    if not narrow:
+        return torch.int64
+    return torch.uint16 if vocab_size <= 2**16 else torch.int32
+
+
 def _index(k) -> int:
     k = int(k)
     if k < 0:
@@ -214,6 +226,7 @@ class WindowDataset(Dataset):
     sampling='random': window start drawn from a hash of (seed, k), uniform over all
     ``len - block_size`` starts. 'sequential': non-overlapping window ``k mod n_windows`` (seed unused).
     ``cpu_work_ms`` > 0 burns that much CPU per sample (GIL held; the tokens are unchanged).
+    ``ids``: the tensors' dtype (int64, or a narrow type from :func:`id_dtype`; same values).
     """
 
     def __init__(
@@ -223,6 +236,7 @@ class WindowDataset(Dataset):
         sampling: str = "random",
         seed: int = 0,
         cpu_work_ms: float = 0.0,
+        ids: torch.dtype = torch.int64,
     ):
         if sampling not in ("random", "sequential"):
             raise ValueError(f"sampling must be 'random' or 'sequential', got {sampling!r}")
@@ -237,6 +251,7 @@ class WindowDataset(Dataset):
         self.token_file, self.block_size, self.sampling = token_file, block_size, sampling
         self.seed, self.cpu_work_ms = seed, cpu_work_ms
         self.vocab_size = token_file.vocab_size
+        self.ids = ids
         self.n_starts = n - block_size  # random starts 0 .. n-block_size-1
         self.n_windows = (n - 1) // block_size  # non-overlapping sequential windows
 
@@ -251,7 +266,7 @@ class WindowDataset(Dataset):
 
     def window(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y) of the window starting at token ``start``."""
-        buf = torch.from_numpy(self.token_file.tokens[start : start + self.block_size + 1].astype(np.int64))
+        buf = torch.from_numpy(self.token_file.tokens[start : start + self.block_size + 1].astype(_NP_IDS[self.ids]))
         return buf[:-1], buf[1:]
 
     def __getitem__(self, k) -> tuple[torch.Tensor, torch.Tensor]:
@@ -262,13 +277,16 @@ class WindowDataset(Dataset):
 
 
 class SyntheticDataset(Dataset):
-    """Uniformly random ids in ``[0, vocab_size)``; ``ds[k]`` a pure function of (seed, k)."""
+    """Uniformly random ids in ``[0, vocab_size)``; ``ds[k]`` a pure function of (seed, k).
+    ``ids``: the tensors' dtype (int64, or a narrow type from :func:`id_dtype`; same values)."""
 
-    def __init__(self, vocab_size: int, block_size: int, seed: int = 0, cpu_work_ms: float = 0.0):
+    def __init__(self, vocab_size: int, block_size: int, seed: int = 0, cpu_work_ms: float = 0.0,
+                 ids: torch.dtype = torch.int64):
         if vocab_size < 1 or block_size < 1:
             raise ValueError(f"need vocab_size >= 1 and block_size >= 1, got {vocab_size}, {block_size}")
         self.vocab_size, self.block_size = vocab_size, block_size
         self.seed, self.cpu_work_ms = seed, cpu_work_ms
+        self.ids = ids
 
     def __len__(self) -> int:
         return STREAM_LENGTH
@@ -278,5 +296,6 @@ class SyntheticDataset(Dataset):
         if self.cpu_work_ms > 0:
             burn_cpu(self.cpu_work_ms, k)
         rng = np.random.Generator(np.random.PCG64(sample_key(self.seed, k)))
-        buf = torch.from_numpy(rng.integers(0, self.vocab_size, size=self.block_size + 1, dtype=np.int64))
+        ids = rng.integers(0, self.vocab_size, size=self.block_size + 1, dtype=np.int64)
+        buf = torch.from_numpy(ids if self.ids == torch.int64 else ids.astype(_NP_IDS[self.ids]))
         return buf[:-1], buf[1:]

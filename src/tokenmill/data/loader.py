@@ -1,15 +1,17 @@
-"""DataLoaders over the global stream, validation batches, and datasets from a DataConfig."""
+"""DataLoaders over the global stream, validation batches, datasets from a DataConfig, and the
+host-to-device step: :func:`to_device` (widens narrow token ids on the device) and
+:class:`DevicePrefetcher` (the next batch copied on a side CUDA stream while this one computes)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .dataset import SyntheticDataset, WindowDataset, global_indices, open_token_data
+from .dataset import SyntheticDataset, WindowDataset, global_indices, id_dtype, open_token_data
 
 
 class StreamBatchSampler(Sampler[list[int]]):
@@ -93,7 +95,8 @@ def build_train_loader(
 def val_batches(
     val_dataset: Dataset, batch_size: int, n_batches: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``n_batches`` fixed validation micro-batches ``(x, y)`` (CPU, int64), the same on every call.
+    """``n_batches`` fixed validation micro-batches ``(x, y)`` (CPU; int64, or the dataset's narrow id
+    type with ``data.narrow_ids``), the same on every call.
 
     For a token dataset: ``batch_size * n_batches`` windows with starts spread evenly over the val file
     (non-overlapping while the file is long enough). Otherwise (synthetic): samples ``0 .. N-1``.
@@ -111,10 +114,83 @@ def val_batches(
     return out
 
 
+def _widen(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int64 else t.to(torch.int64)
+
+
 def to_device(batch, device, non_blocking: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Move ``(x, y)`` to ``device`` (``non_blocking`` overlaps the copy when the batch is pinned)."""
+    """Move ``(x, y)`` to ``device`` (``non_blocking`` overlaps the copy when the batch is pinned) and
+    widen narrow token ids (``data.narrow_ids``: uint16/int32) to int64 there, after the copy, so
+    only the narrow bytes cross the bus."""
     x, y = batch
-    return x.to(device, non_blocking=non_blocking), y.to(device, non_blocking=non_blocking)
+    return _widen(x.to(device, non_blocking=non_blocking)), _widen(y.to(device, non_blocking=non_blocking))
+
+
+class DevicePrefetcher:
+    """Iterator of device batches ``(x, y)`` (int64) over host batches, one batch ahead.
+
+    ``side_stream=True`` on a CUDA device (``data.cuda_prefetch``), double buffering: while the caller
+    computes on batch ``i``, batch ``i+1`` is already being copied (``non_blocking``, so the host batch
+    should be pinned: ``data.pin_memory``) and widened on a side CUDA stream. ``__next__`` makes the
+    current stream wait for that copy, marks the tensors as used by the current stream (so the caching
+    allocator does not hand their memory back to the side stream early), starts the copy of the batch
+    after it and returns. Two device batches exist at a time.
+
+    Otherwise (CPU, MPS, or ``side_stream=False``) each ``__next__`` is a plain :func:`to_device` of the
+    next host batch, with ``non_blocking`` as given: the same batches, in the same order.
+
+    Usage (the trainer)::
+
+        batches = DevicePrefetcher(loader, device, cfg.data.non_blocking, side_stream=cfg.data.cuda_prefetch)
+        x, y = next(batches)  # every micro-step
+
+    Nothing is fetched before the first ``next``.
+    """
+
+    def __init__(self, batches: Iterable, device: torch.device | str, non_blocking: bool = False,
+                 side_stream: bool = True):
+        self.device = torch.device(device)
+        self.host = iter(batches)
+        self.non_blocking = non_blocking
+        self.stream = None
+        if side_stream and self.device.type == "cuda":
+            self.stream = torch.cuda.Stream(device=self.device)
+        self._next: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._started = self._done = False
+
+    @property
+    def uses_side_stream(self) -> bool:
+        """Whether copies run on a side CUDA stream (False: plain copies)."""
+        return self.stream is not None
+
+    def __iter__(self) -> DevicePrefetcher:
+        return self
+
+    def _preload(self) -> None:
+        """Start copying the next host batch on the side stream (or note the end of the data)."""
+        try:
+            batch = next(self.host)
+        except StopIteration:
+            self._next, self._done = None, True
+            return
+        with torch.cuda.stream(self.stream):
+            self._next = to_device(batch, self.device, non_blocking=True)
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.stream is None:
+            return to_device(next(self.host), self.device, self.non_blocking)
+        if not self._started:
+            self._started = True
+            self._preload()
+        if self._done:
+            raise StopIteration
+        current = torch.cuda.current_stream(self.device)
+        current.wait_stream(self.stream)  # this batch's copy (and widening) has finished
+        x, y = self._next
+        x.record_stream(current)
+        y.record_stream(current)
+        self._preload()  # the next batch's copy overlaps the caller's compute on this one
+        return x, y
 
 
 @dataclass
@@ -143,8 +219,9 @@ def build_datasets(
     if data_cfg.source == "synthetic":
         if model_vocab_size is None:
             raise ValueError("synthetic data needs model_vocab_size (model.vocab_size)")
-        train = SyntheticDataset(model_vocab_size, block_size, seed, data_cfg.cpu_work_ms)
-        val = SyntheticDataset(model_vocab_size, block_size, seed + 1_000_003) if with_val else None
+        ids = id_dtype(model_vocab_size, data_cfg.narrow_ids)
+        train = SyntheticDataset(model_vocab_size, block_size, seed, data_cfg.cpu_work_ms, ids)
+        val = SyntheticDataset(model_vocab_size, block_size, seed + 1_000_003, ids=ids) if with_val else None
         return DataSources(train, val, model_vocab_size, None)
     if data_cfg.path is None:
         from .corpus import ensure_embedded_corpus
@@ -153,9 +230,10 @@ def build_datasets(
     else:
         folder = Path(data_cfg.path)
     tf = open_token_data(folder, "train", model_vocab_size, data_cfg.validate)
-    train = WindowDataset(tf, block_size, data_cfg.sampling, seed, data_cfg.cpu_work_ms)
+    ids = id_dtype(tf.vocab_size, data_cfg.narrow_ids)  # the data's ids are < its own vocabulary
+    train = WindowDataset(tf, block_size, data_cfg.sampling, seed, data_cfg.cpu_work_ms, ids)
     val = None
     if with_val:
         vf = open_token_data(folder, "val", model_vocab_size, data_cfg.validate)
-        val = WindowDataset(vf, block_size, "sequential", seed)
+        val = WindowDataset(vf, block_size, "sequential", seed, ids=ids)
     return DataSources(train, val, tf.vocab_size, folder)

@@ -14,7 +14,6 @@ folder with a meta.json is complete.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import json
@@ -42,7 +41,12 @@ from .meta import (
     write_text_atomic,
 )
 from .stdlib import embedded_corpus_files, stdlib_root
-from .tokenizers import NAMES, TOKENIZER_FILE, BpeTokenizer, get_tokenizer, train_bpe
+from .tokenizers import (
+    TOKENIZER_FILE,
+    BpeTokenizer,
+    get_tokenizer,
+    train_bpe,
+)
 
 DEFAULT_GLOB = "**/*.txt"
 CHUNK_BYTES = 1 << 20
@@ -170,6 +174,7 @@ def prepare(
     progress: bool = True,
     glob: str = DEFAULT_GLOB,
     max_files: int | None = None,
+    tokenizer_from: str | None = None,
 ) -> Path:
     """Tokenize ``input`` into the token folder ``out_dir`` and return its path.
 
@@ -179,6 +184,8 @@ def prepare(
       tokenizer.json), 'bytes', 'gpt2', or a tokenizer object (name, vocab_size, eot_id, encode_array).
     workers: tokenizer processes (None: one per CPU, at most one per chunk; 1: in this process).
     max_files: use only the first N files (folders and the embedded corpus).
+    tokenizer_from: where a reused tokenizer came from (see :func:`tokenizer_from`); recorded in
+      meta.json as ``tokenizer.from``.
     """
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}. Fix: e.g. --val-fraction 0.1.")
@@ -200,7 +207,9 @@ def prepare(
     else:
         tok = tokenizer
     dtype = dtype_for_vocab(tok.vocab_size)
-    sep = np.asarray([tok.eot_id] if tok.eot_id is not None else [10], dtype=DTYPES[dtype]).tobytes()
+    # documents end with the end-of-text id; without one, with the ids of a newline
+    sep_ids = [tok.eot_id] if tok.eot_id is not None else (list(tok.encode_array("\n")) or [10])
+    sep = np.asarray(sep_ids, dtype=DTYPES[dtype]).tobytes()
 
     units = [
         (str(p), a, b, i, b == size, dtype)
@@ -263,6 +272,8 @@ def prepare(
     info = {"name": tok.name, "vocab_size": tok.vocab_size, "eot_id": tok.eot_id}
     if tok.name == "bpe":
         info["file"] = TOKENIZER_FILE
+    if tokenizer_from is not None:
+        info["from"] = str(tokenizer_from)
     meta = {
         "format": FORMAT,
         "version": VERSION,
@@ -286,70 +297,3 @@ def _move_tail(train: Path, val: Path, val_fraction: float, itemsize: int) -> No
         tail = f.read()
     val.write_bytes(tail)
     os.truncate(train, (n - n_val) * itemsize)
-
-
-# ----------------------------------------------------------------------------------------------
-# CLI
-
-
-def add_prepare_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Arguments of ``tokenmill prepare [INPUT] --out DIR ...``."""
-    parser.add_argument(
-        "input",
-        nargs="?",
-        default=None,
-        metavar="INPUT",
-        help="a UTF-8 text file or a folder of them; omitted: the embedded corpus (this Python's stdlib "
-        "sources)",
-    )
-    parser.add_argument(
-        "--out", required=True, metavar="DIR", help="output folder (train.bin, val.bin, meta.json)"
-    )
-    parser.add_argument("--tokenizer", choices=NAMES, default="bpe", help="tokenizer (default: bpe)")
-    parser.add_argument(
-        "--vocab-size", type=int, default=4096, metavar="N", help="bpe vocabulary size (default: 4096)"
-    )
-    parser.add_argument(
-        "--val-fraction",
-        type=float,
-        default=0.1,
-        metavar="F",
-        help="share of documents for validation (default: 0.1)",
-    )
-    parser.add_argument(
-        "--workers", type=int, default=None, metavar="N", help="tokenizer processes (default: CPUs)"
-    )
-    parser.add_argument(
-        "--glob", default=DEFAULT_GLOB, metavar="PATTERN", help=f"files of a folder (default: {DEFAULT_GLOB})"
-    )
-    parser.add_argument(
-        "--seed", type=int, default=0, help="seed of the train/val document split (default: 0)"
-    )
-    parser.add_argument("--max-files", type=int, default=None, metavar="N", help="use only the first N files")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return parser
-
-
-def run_prepare(args: argparse.Namespace) -> int:
-    """Run ``prepare`` from parsed arguments, print a summary; DataError propagates. Returns 0."""
-    out = prepare(
-        args.input,
-        args.out,
-        tokenizer=args.tokenizer,
-        vocab_size=args.vocab_size,
-        val_fraction=args.val_fraction,
-        workers=args.workers,
-        seed=args.seed,
-        progress=not args.no_progress,
-        glob=args.glob,
-        max_files=args.max_files,
-    )
-    meta = json.loads((out / META_NAME).read_text())
-    s = meta["splits"]
-    print(
-        f"prepared {out}: train {s['train']['tokens']:,} tokens ({s['train']['documents']} docs), "
-        f"val {s['val']['tokens']:,} tokens ({s['val']['documents']} docs), "
-        f"tokenizer {meta['tokenizer']['name']} "
-        f"({meta['vocab_size']} ids), {meta['dtype']}\nsource: {meta['source']}"
-    )
-    return 0

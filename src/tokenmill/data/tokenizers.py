@@ -9,6 +9,7 @@ is not turned into the special id; only ``prepare`` inserts that id, between doc
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -17,7 +18,7 @@ import numpy as np
 
 from tokenmill.errors import DataError
 
-from .meta import read_meta, tmp_name
+from .meta import read_meta, tmp_name, write_text_atomic
 
 EOT_TEXT = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
@@ -252,3 +253,181 @@ def load_tokenizer_for_data(data_dir: str | Path):
             "Fix: prepare the folder again."
         )
     return get_tokenizer(info["name"], data_dir, info.get("vocab_size"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Hugging Face tokenizer files (for an exported model folder)
+
+HF_TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json")
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """The byte -> character table of byte-level BPE (GPT-2, HF ``ByteLevel``): the 188 printable
+    Latin-1 bytes stand for themselves, the other 68 bytes, in byte order, for U+0100 onwards."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(0x100 + extra)
+            extra += 1
+    return table
+
+
+def _byte_level_tokenizer(vocab: dict[str, int], merges: list[tuple[str, str]], pattern: str | None,
+                          specials: dict[str, int]):
+    """An HF ``tokenizers.Tokenizer``: byte-level BPE over ``vocab``/``merges``, pieces split by the
+    regex ``pattern`` (None: the whole text is one piece), ``specials`` as special added tokens."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = dict(vocab)
+    vocab.update(specials)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=True))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    if pattern is None:
+        tok.pre_tokenizer = byte_level
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False), byte_level]
+        )
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in sorted(specials, key=specials.get)])
+    return tok
+
+
+def _tiktoken_to_hf(enc):
+    """A tiktoken ``Encoding`` as an HF tokenizer giving the same ids: the vocabulary is its ranks
+    (bytes written with :func:`bytes_to_unicode`); each multi-byte token's merge is recovered by
+    running byte-pair merging on its bytes with the lower ranks only, which leaves two parts."""
+    ranks: dict[bytes, int] = enc._mergeable_ranks
+    char = bytes_to_unicode()
+
+    def text(b: bytes) -> str:
+        return "".join(char[x] for x in b)
+
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
+        if len(token) < 2:
+            continue
+        parts = [token[i : i + 1] for i in range(len(token))]
+        while len(parts) > 2:
+            best = None
+            for i in range(len(parts) - 1):
+                r = ranks.get(parts[i] + parts[i + 1])
+                if r is not None and r < rank and (best is None or r < best[0]):
+                    best = (r, i)
+            if best is None:
+                break
+            i = best[1]
+            parts[i : i + 2] = [parts[i] + parts[i + 1]]
+        if len(parts) != 2:
+            raise DataError(f"tiktoken encoding '{enc.name}': token {token!r} has no merge path; cannot convert it.")
+        merges.append((text(parts[0]), text(parts[1])))
+    vocab = {text(t): r for t, r in ranks.items()}
+    return _byte_level_tokenizer(vocab, merges, enc._pat_str, dict(enc._special_tokens))
+
+
+def hf_tokenizer(tok):
+    """A tokenmill tokenizer as an HF ``tokenizers.Tokenizer`` with the same ids for plain text.
+
+    'bpe': its own tokenizer.json; 'bytes': a byte-level model with no merges whose ids are the
+    bytes; 'gpt2' (tiktoken): converted from tiktoken's ranks. Raises :class:`DataError` for others.
+    (A literal ``<|endoftext|>`` in text is one special id for HF, plain text for tokenmill.)
+    """
+    from tokenizers import Tokenizer
+
+    if isinstance(tok, BpeTokenizer):
+        return Tokenizer.from_str(tok._tok.to_str())
+    if isinstance(tok, ByteTokenizer):
+        return _byte_level_tokenizer({c: b for b, c in bytes_to_unicode().items()}, [], None, {})
+    if isinstance(tok, TiktokenTokenizer):
+        return _tiktoken_to_hf(tok._enc)
+    raise DataError(f"tokenizer {getattr(tok, 'name', type(tok).__name__)!r} has no Hugging Face form.")
+
+
+def write_hf_tokenizer(tok, out_dir: str | Path, model_max_length: int | None = None) -> list[str]:
+    """Write ``tok`` as Hugging Face tokenizer files into ``out_dir`` (``tokenizer.json``,
+    ``tokenizer_config.json``, ``special_tokens_map.json``; ``AutoTokenizer.from_pretrained`` loads
+    them) and return their names. The end-of-text token, when there is one, is bos, eos and unk
+    (GPT-2 style). Raises :class:`DataError` when the tokenizer has no HF form."""
+    hft = hf_tokenizer(tok)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    special = {}
+    if tok.eot_id is not None:
+        eot = hft.id_to_token(tok.eot_id)
+        special = {"bos_token": eot, "eos_token": eot, "unk_token": eot}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        **special,
+        **({"model_max_length": model_max_length} if model_max_length else {}),
+    }
+    tmp = tmp_name(out / TOKENIZER_FILE)
+    try:
+        hft.save(str(tmp))
+        os.replace(tmp, out / TOKENIZER_FILE)
+    finally:
+        tmp.unlink(missing_ok=True)
+    write_text_atomic(out / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
+    write_text_atomic(out / "special_tokens_map.json", json.dumps(special, indent=2) + "\n")
+    return list(HF_TOKENIZER_FILES)
+
+
+def write_hf_tokenizer_for_data(data_dir: str | Path, out_dir: str | Path,
+                                model_max_length: int | None = None) -> tuple[list[str], str | None]:
+    """The tokenizer of the prepared folder ``data_dir`` as HF files in ``out_dir`` (see
+    :func:`write_hf_tokenizer`): ``(file names, None)``, or ``([], reason)`` when it cannot be
+    written (the folder or its tokenizer is unavailable, e.g. tiktoken's files are not cached here);
+    an export then goes on without tokenizer files and reports the reason."""
+    try:
+        tok = load_tokenizer_for_data(data_dir)
+        return write_hf_tokenizer(tok, out_dir, model_max_length), None
+    except DataError as e:
+        return [], str(e)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reusing a tokenizer from files (tokenmill prepare --tokenizer-from)
+
+
+def load_hf_tokenizer_file(path: str | Path) -> BpeTokenizer:
+    """A Hugging Face ``tokenizer.json`` (any ``tokenizers`` model) as a tokenmill tokenizer; it is
+    stored as the data folder's tokenizer.json and named 'bpe' in meta.json."""
+    from tokenizers import Tokenizer
+
+    path = Path(path)
+    try:
+        return BpeTokenizer(Tokenizer.from_file(str(path)), path)
+    except Exception as e:  # tokenizers raises its own Exception type for bad JSON
+        raise DataError(
+            f"'{path}' cannot be loaded as a Hugging Face tokenizer.json ({str(e)[:200]}). Fix: pass the "
+            "tokenizer.json of a prepared folder or of a Hugging Face model folder."
+        ) from None
+
+
+def load_vocab_merges(folder: str | Path) -> BpeTokenizer:
+    """GPT-2 style byte-level BPE files (``vocab.json`` + ``merges.txt``, as in a Hugging Face GPT-2
+    folder) as a tokenmill tokenizer; ``<|endoftext|>``, when in the vocabulary, is the end-of-text id."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    folder = Path(folder)
+    try:
+        tok = Tokenizer(models.BPE.from_file(str(folder / "vocab.json"), str(folder / "merges.txt")))
+    except Exception as e:
+        raise DataError(f"'{folder}': vocab.json + merges.txt cannot be loaded as a BPE ({str(e)[:200]}).") from None
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    if tok.token_to_id(EOT_TEXT) is not None:
+        tok.add_special_tokens([AddedToken(EOT_TEXT, special=True, normalized=False)])
+    return BpeTokenizer(tok, None)
+
+
+def is_tiktoken_cache(folder: str | Path, encoding_name: str = "gpt2") -> bool:
+    """True when ``folder`` holds tiktoken's cached BPE files of ``encoding_name`` (files named by the
+    sha1 of their download URL; only 'gpt2' is known here)."""
+    if encoding_name != "gpt2":
+        return False
+    return all((Path(folder) / hashlib.sha1(u.encode()).hexdigest()).is_file() for u in GPT2_URLS)

@@ -1,6 +1,6 @@
 """The GPT model, its FLOPs count and GPU peak throughput (for MFU)."""
 
-from tokenmill.model.flops import PEAK_FLOPS, flops_per_token, math_mode, peak_flops
+from tokenmill.model.flops import PEAK_FLOPS, flop_params, flops_per_token, math_mode, peak_flops
 from tokenmill.model.gpt import GPT, Block, adapt_state_dict
 
-__all__ = ["GPT", "Block", "adapt_state_dict", "flops_per_token", "peak_flops", "math_mode", "PEAK_FLOPS"]
+__all__ = ["GPT", "Block", "adapt_state_dict", "flop_params", "flops_per_token", "peak_flops", "math_mode", "PEAK_FLOPS"]

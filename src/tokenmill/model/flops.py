@@ -3,27 +3,59 @@
 MFU = tokens/s * flops_per_token / peak_flops. The FLOPs count the model's math (forward + backward,
 no recomputation), so activation checkpointing does not raise MFU. Peaks are datasheet DENSE figures
 (the "with sparsity" figures are twice these), per GPU.
+
+The one FLOPs convention of tokenmill (every MFU it reports uses it)::
+
+    flops_per_token = 6 * N + 12 * L * H * Q * T
+
+N (:func:`flop_params`) = the parameters that take part in matmuls: every parameter of the blocks and
+the final LayerNorm, plus the output head's matrix over the true vocabulary, counted ONCE. The token
+and position embeddings are lookups (no matmul) and do not count. So a model with an untied head
+counts exactly the FLOPs of the same shape with a tied head (the head's matmul is done once either
+way), and vocabulary padding adds nothing (the padded columns are not model math, like recomputation).
+Biases and LayerNorm weights (under 0.2% of N for GPT-2) are counted with the matmul weights, as in
+nanoGPT and the PaLM paper's MFU. GPT-2 124M at T=1024: 855.2 MFLOP/token, tied or untied.
 """
 
 from __future__ import annotations
 
 import re
 
+import torch
+
 from tokenmill.config import ModelConfig
 
-__all__ = ["flops_per_token", "PEAK_FLOPS", "peak_flops", "math_mode"]
+__all__ = ["flops_per_token", "flop_params", "PEAK_FLOPS", "peak_flops", "math_mode"]
 
 
-def flops_per_token(cfg: ModelConfig, n_params_no_pos: int, seq_len: int) -> float:
+def flop_params(cfg: ModelConfig, vocab_size: int) -> int:
+    """N of :func:`flops_per_token` for a GPT of shape ``cfg`` over a ``vocab_size`` vocabulary.
+
+    Every parameter except the token and position embeddings (lookups, no matmul), plus the head's
+    ``vocab_size x n_embd`` matrix once, tied or not; padding rows (``model.vocab_pad_multiple``) are
+    not counted. Counted on a ``meta`` model, so it follows the model's layout (biases, norms).
+    """
+    from tokenmill.model.gpt import GPT  # gpt.py does not import this module: no cycle
+
+    with torch.device("meta"):
+        model = GPT(cfg, vocab_size)
+    body = model.num_params(exclude_embeddings=True)  # blocks + ln_f (+ an untied head, padded)
+    if not cfg.tie_embeddings:
+        body -= model.lm_head.weight.numel()  # counted below, without padding
+    return body + vocab_size * cfg.n_embd
+
+
+def flops_per_token(cfg: ModelConfig, n_flop_params: int, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward): ``6*N + 12*L*H*Q*T``.
 
-    N = parameters without the position embeddings (``GPT.num_params(exclude_position=True)``; a tied
-    head counts once): 2 FLOPs per multiply-add forward, twice that backward. The second term is the
-    attention scores and their weighted sum (q@k^T and att@v), L layers, H heads, head dim Q, length
-    T, counted over the full T x T matrix as in the PaLM paper's MFU. GPT-2 124M, T=1024: ~855 MFLOP.
+    ``n_flop_params`` = N, the matmul parameters: :func:`flop_params` (NOT ``GPT.num_params``, which
+    counts the token embedding and, untied, the head again). 2 FLOPs per multiply-add forward, twice
+    that backward. The second term is the attention scores and their weighted sum (q@k^T and att@v),
+    L layers, H heads, head dim Q, length T, counted over the full T x T matrix as in the PaLM paper's
+    MFU. GPT-2 124M, T=1024: 855.2 MFLOP, tied or untied (see the module docstring).
     """
     L, H, Q = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head
-    return 6.0 * n_params_no_pos + 12.0 * L * H * Q * seq_len
+    return 6.0 * n_flop_params + 12.0 * L * H * Q * seq_len
 
 
 # Datasheet dense peaks in FLOP/s. 'bf16'/'fp16': tensor cores with fp32 accumulation; 'tf32': TF32

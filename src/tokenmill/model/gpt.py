@@ -13,7 +13,12 @@ values in their shared parameters (build on the same device: CPU and CUDA genera
 
 Vocabulary padding: the embedding and head matrices have ``padded_vocab`` rows; the head is computed
 on the padded matrix and the logits are the view ``[..., :vocab_size]``, so a padded column is
-never predicted and never touches the loss, and its head row gets no gradient.
+never predicted and never touches the loss, and its head row gets no gradient
+(``model.loss_over_padded_vocab`` reproduces a seed that computes the loss over every padded column).
+
+Precision: ``model.fp32_islands`` (default on) runs the hand-written LayerNorm, the manual softmax and
+the cross-entropy in fp32 for bf16/fp16 weights; off, they run in the model's dtype (applied in one
+place, :func:`tokenmill.model.layers.upcast`).
 """
 
 from __future__ import annotations
@@ -26,9 +31,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tokenmill.config import ModelConfig
-from tokenmill.model.layers import Block, LayerNorm, causal_mask, make_norm
+from tokenmill.errors import SampleError
+from tokenmill.model.layers import NORMS, Block, causal_mask, make_norm, upcast
 
-__all__ = ["GPT", "Block", "adapt_state_dict"]
+__all__ = ["GPT", "Block", "adapt_state_dict", "sample_next_token"]
 
 
 class GPT(nn.Module):
@@ -97,7 +103,7 @@ class GPT(nn.Module):
                     m.weight.normal_(0.0, s)
                 if m.bias is not None:
                     m.bias.zero_()
-            elif isinstance(m, (nn.LayerNorm, LayerNorm)):
+            elif isinstance(m, NORMS):
                 m.weight.fill_(1.0)
                 if m.bias is not None:
                     m.bias.zero_()
@@ -110,7 +116,9 @@ class GPT(nn.Module):
         """idx, targets: (B, T) token ids, T <= block_size.
 
         Returns ``(logits, loss)``: logits (B, T, vocab_size) in the compute dtype; loss = mean
-        cross-entropy over all B*T positions, computed on fp32 logits (None without targets).
+        cross-entropy over all B*T positions, computed on fp32 logits (in the logits' dtype when
+        ``model.fp32_islands`` is off; over the padded columns too with ``model.loss_over_padded_vocab``;
+        None without targets).
         With ``model.loss_impl='chunked'`` and targets, the head and loss run chunk by chunk
         (:mod:`tokenmill.model.loss`) and the logits are not returned: ``(None, loss)``.
 
@@ -119,7 +127,20 @@ class GPT(nn.Module):
         ids; without ``ln_f`` it returns its hidden states; the last stage (``hidden_output``) returns
         the normalised hidden states, to which the schedule's loss function applies :meth:`head_loss`.
         """
-        B, T = idx.shape[:2]
+        x = self.trunk(idx)
+        if self.ln_f is None or self.hidden_output:  # a pipeline stage: its hidden states
+            return x
+        return self.head_loss(x, targets)
+
+    def trunk(self, idx: torch.Tensor) -> torch.Tensor:
+        """Everything before the head: embeddings (or, on a later pipeline stage, the previous stage's
+        hidden states), the blocks and the final LayerNorm (when this model holds it).
+
+        :meth:`forward` calls ``self.trunk``, so compiling only this part (``model.trunk =
+        torch.compile(model.trunk)``) leaves the head and the loss outside the compiled graph, eager,
+        as a seed that compiles the model and computes the loss on its output does.
+        """
+        T = idx.shape[1]
         if T > self.cfg.block_size:
             raise ValueError(f"sequence length {T} exceeds model.block_size {self.cfg.block_size}")
         if self.wte is not None:
@@ -128,12 +149,7 @@ class GPT(nn.Module):
             x = idx
         for block in self.blocks:
             x = block(x)
-        if self.ln_f is None:  # a pipeline stage before the last
-            return x
-        x = self.ln_f(x)
-        if self.hidden_output:  # the last pipeline stage
-            return x
-        return self.head_loss(x, targets)
+        return self.ln_f(x) if self.ln_f is not None else x
 
     def head_loss(self, x: torch.Tensor, targets: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The head (and the loss when ``targets`` is given) on the final normalised hidden states."""
@@ -142,45 +158,92 @@ class GPT(nn.Module):
             from tokenmill.model.loss import chunked_cross_entropy
 
             loss = chunked_cross_entropy(x.reshape(B * T, -1), self.lm_head.weight, targets.reshape(B * T),
-                                         self.vocab_size, self.cfg.loss_chunk_size)
+                                         self._loss_vocab(), self.cfg.loss_chunk_size)
             return None, loss
-        logits = self.lm_head(x)
-        if self.padded_vocab != self.vocab_size:
-            logits = logits[..., : self.vocab_size]  # padded columns are never predicted
+        full = self.lm_head(x)
+        logits = full[..., : self.vocab_size] if self.padded_vocab != self.vocab_size else full
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.float().reshape(B * T, self.vocab_size), targets.reshape(B * T))
+            scored = full if self._loss_vocab() != self.vocab_size else logits  # padded columns never predicted
+            loss = F.cross_entropy(upcast(scored, self.cfg.fp32_islands).reshape(B * T, -1), targets.reshape(B * T))
         return logits, loss
+
+    def _loss_vocab(self) -> int:
+        """Columns of the head the loss is computed over: the true vocabulary, or with
+        ``model.loss_over_padded_vocab`` all ``padded_vocab`` columns (as the seed's padding rung)."""
+        return self.padded_vocab if self.cfg.loss_over_padded_vocab else self.vocab_size
 
     def present_blocks(self) -> list[tuple[int, nn.Module]]:
         """``(index, block)`` of the blocks this model holds (a pipeline stage replaces the blocks of
         other stages by ``nn.Identity``, keeping the indices and so the parameter names)."""
         return [(i, b) for i, b in enumerate(self.blocks) if not isinstance(b, nn.Identity)]
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def generate(
-        self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        num_samples: int = 1,
+        use_cache: bool = True,
+        generator: torch.Generator | None = None,
     ) -> torch.Tensor:
-        """Append ``max_new_tokens`` sampled ids to ``idx`` (B, T) and return (B, T + max_new_tokens).
+        """Append ``max_new_tokens`` sampled ids to the prompts ``idx`` (B, T) and return them all,
+        (B * num_samples, T + max_new_tokens); the samples of prompt b are rows b*num_samples ... .
 
-        The context is cropped to the last ``block_size`` tokens. ``temperature`` <= 0 means greedy
-        (argmax); ``top_k`` keeps only the k most likely ids. The train/eval mode is left as it is:
-        call ``model.eval()`` first for sampling without dropout.
+        Sampling (:func:`sample_next_token`): ``temperature`` <= 0 is greedy (argmax); else the logits
+        are divided by it, ``top_k`` keeps the k most likely ids, ``top_p`` keeps the smallest set of
+        most likely ids whose probability reaches p (nucleus), and one id is drawn (``generator``: the
+        random stream, default torch's global one).
+
+        ``use_cache``: keep each layer's keys and values (a KV cache), so a step runs the model on the
+        new token only: generation is linear in length while the sequence fits in ``block_size``.
+        Beyond it the context is cropped to the last ``block_size`` tokens, whose positions all shift
+        at every step, so each further step runs the whole window (as without the cache). Both paths
+        give the same tokens. Runs under ``torch.inference_mode`` and in eval mode (no dropout); the
+        module's train/eval mode is restored afterwards.
         """
-        for _ in range(max_new_tokens):
-            ctx = idx if idx.size(1) <= self.cfg.block_size else idx[:, -self.cfg.block_size :]
-            logits, _ = self(ctx)
-            logits = logits[:, -1, :].float()
-            if temperature <= 0:
-                nxt = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                nxt = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
-            idx = torch.cat((idx, nxt), dim=1)
+        if idx.dim() != 2 or idx.size(1) < 1:
+            raise SampleError(f"the prompt must be a (batch, length >= 1) tensor of ids, got shape {tuple(idx.shape)}.")
+        if max_new_tokens < 0 or num_samples < 1:
+            raise SampleError(f"max_new_tokens must be >= 0 and num_samples >= 1, got {max_new_tokens} and {num_samples}.")
+        _check_sampling(top_k, top_p)
+        if num_samples > 1:
+            idx = idx.repeat_interleave(num_samples, dim=0)
+        was_training = self.training
+        self.eval()
+        try:
+            bs = self.cfg.block_size
+            cache: _KVCache | None = None
+            for _ in range(max_new_tokens):
+                if use_cache and idx.size(1) <= bs:  # positions are stable: only new tokens run
+                    if cache is None:
+                        cache = _KVCache(self.cfg.n_layer)
+                        logits = self._forward_cached(idx, cache)
+                    else:
+                        logits = self._forward_cached(idx[:, -1:], cache)
+                else:
+                    logits = self(idx[:, -bs:])[0][:, -1, :]
+                nxt = sample_next_token(logits, temperature, top_k, top_p, generator)
+                idx = torch.cat((idx, nxt), dim=1)
+        finally:
+            self.train(was_training)
         return idx
+
+    def _forward_cached(self, idx: torch.Tensor, cache: _KVCache) -> torch.Tensor:
+        """Logits (B, vocab_size) of the last position, running only the new tokens ``idx`` (B, T) at
+        positions ``cache.pos ...`` and attending to the cached keys/values (which it extends)."""
+        T, P = idx.size(1), cache.pos
+        x = self.drop(self.wte(idx) + self.wpe(torch.arange(P, P + T, device=idx.device)))
+        for i, block in self.present_blocks():
+            block = _unwrap(block)
+            x = x + _cached_attention(_unwrap(block.attn), _unwrap(block.ln_1)(x), cache, i, self.cfg.block_size)
+            x = x + _unwrap(block.mlp)(_unwrap(block.ln_2)(x))
+        cache.pos += T
+        logits = self.lm_head(self.ln_f(x[:, -1, :]))
+        return logits[..., : self.vocab_size]
 
     def num_params(self, exclude_embeddings: bool = False, exclude_position: bool = False) -> int:
         """Number of unique parameters (a tied head/embedding matrix counts once; padding rows count).
@@ -202,6 +265,97 @@ def _normal_rows(w: torch.Tensor, rows: int, std: float) -> None:
     """The first ``rows`` rows ~ N(0, std) (the same draws as a ``rows``-row matrix); the rest 0."""
     w[:rows].normal_(0.0, std)
     w[rows:].zero_()
+
+
+# ----------------------------------------------------------------------------------------------
+# Generation: KV cache and sampling
+
+
+class _KVCache:
+    """Per-layer keys and values (B, heads, block_size, head_dim) of the positions seen so far."""
+
+    def __init__(self, n_layer: int):
+        self.k: list[torch.Tensor | None] = [None] * n_layer
+        self.v: list[torch.Tensor | None] = [None] * n_layer
+        self.pos = 0  # positions filled
+
+
+def _unwrap(m: nn.Module) -> nn.Module:
+    """The module inside torch.compile / activation-checkpoint wrappers (their attributes are hidden)."""
+    for attr in ("_orig_mod", "_checkpoint_wrapped_module"):
+        while hasattr(m, attr) and isinstance(getattr(m, attr), nn.Module):
+            m = getattr(m, attr)
+    return m
+
+
+def _cached_attention(attn: nn.Module, x: torch.Tensor, cache: _KVCache, layer: int, block_size: int) -> torch.Tensor:
+    """The output of ``attn`` (a :class:`~tokenmill.model.layers.CausalSelfAttention`, eval mode) for
+    the new positions ``x`` (B, T, C), with the keys/values of earlier positions taken from ``cache``.
+    The same projections and math as its forward; manual attention keeps its fp32 softmax."""
+    B, T, _ = x.shape
+    if attn.fused_qkv:
+        q, k, v = attn.c_attn(x).chunk(3, dim=2)
+    else:
+        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    q, k, v = (t.view(B, T, -1, attn.head_dim).transpose(1, 2) for t in (q, k, v))
+    P = cache.pos
+    if cache.k[layer] is None:
+        shape = (B, k.size(1), block_size, attn.head_dim)
+        cache.k[layer] = k.new_empty(shape)
+        cache.v[layer] = v.new_empty(shape)
+    cache.k[layer][:, :, P : P + T] = k
+    cache.v[layer][:, :, P : P + T] = v
+    k, v = cache.k[layer][:, :, : P + T], cache.v[layer][:, :, : P + T]
+    # new query i sits at position P + i and may see keys 0 .. P + i
+    mask = causal_mask(P + T, q.device)[P:] if T > 1 else None
+    if attn.attention == "manual":
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        if mask is not None:
+            att = att.masked_fill(mask, float("-inf"))
+        soft_in = att.float() if getattr(attn, "fp32_islands", True) else att
+        y = F.softmax(soft_in, dim=-1).to(q.dtype) @ v
+    else:
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else ~mask)
+    y = y.transpose(1, 2).contiguous().view(B, T, -1)
+    return attn.resid_dropout(attn.c_proj(y))
+
+
+def _check_sampling(top_k: int | None, top_p: float | None) -> None:
+    if top_k is not None and top_k < 1:
+        raise SampleError(f"top_k must be >= 1 (or None for no top-k filtering), got {top_k}.")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise SampleError(f"top_p must be in (0, 1] (1 or None: no nucleus filtering), got {top_p}.")
+
+
+def sample_next_token(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """One id per row of ``logits`` (B, V): (B, 1) long.
+
+    ``temperature`` <= 0: the argmax. Otherwise, on fp32 ``logits / temperature``: ``top_k`` keeps the
+    ids whose logit is at least the k-th largest; ``top_p`` then keeps, in order of probability, the
+    ids up to and including the first at which the cumulative probability reaches ``top_p`` (always
+    at least the most likely); one id is drawn from the renormalised rest.
+    """
+    _check_sampling(top_k, top_p)
+    logits = logits.float()
+    if temperature <= 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k).values[:, [-1]]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        probs, order = torch.sort(F.softmax(logits, dim=-1), dim=-1, descending=True)
+        before = probs.cumsum(dim=-1) - probs  # mass of the more likely ids
+        drop = before >= top_p
+        drop[:, 0] = False
+        logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)
 
 
 def adapt_state_dict(state_dict: Mapping[str, torch.Tensor], model: GPT) -> dict[str, torch.Tensor]:

@@ -1,9 +1,9 @@
 """The pieces of a GPT block: LayerNorm, GELU, causal self-attention, MLP and the block itself.
 
 Every switch in :class:`~tokenmill.config.ModelConfig` that changes *how* something is computed (not
-*what*) picks one of two forms here. The two forms of a switch have the same parameters under the
-same names, so their state dicts are interchangeable (fused vs separate q/k/v is the one exception:
-see :func:`tokenmill.model.gpt.adapt_state_dict`).
+*what*) picks one of its forms here (the Triton LayerNorm lives in ``model/kernels``). The forms of a
+switch have the same parameters under the same names, so their state dicts are interchangeable
+(fused vs separate q/k/v is the one exception: see :func:`tokenmill.model.gpt.adapt_state_dict`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tokenmill.config import ModelConfig
+from tokenmill.model.kernels.layernorm import TritonLayerNorm
+
+
+def upcast(x: torch.Tensor, fp32_islands: bool) -> torch.Tensor:
+    """The one place ``model.fp32_islands`` is applied: ``x`` in fp32 for a numerically sensitive op
+    (hand-written LayerNorm, manual softmax, cross-entropy) when islands are on, else ``x`` unchanged
+    (the op then runs in the model's dtype, as a pure-bf16 model without islands does)."""
+    return x.float() if fp32_islands else x
+
 
 # ----------------------------------------------------------------------------------------------
 # Normalisation and activation
@@ -25,12 +34,14 @@ class LayerNorm(nn.Module):
     (``weight``, ``bias``) as ``nn.LayerNorm``, spelled out as separate element-wise ops.
 
     Statistics and the affine map are computed in fp32 and the result cast back to the input dtype,
-    like the native kernel does internally, so pure-bf16 runs keep the same accuracy.
+    like the native kernel does internally, so pure-bf16 runs keep the same accuracy. With
+    ``fp32_islands=False`` (``model.fp32_islands``) every op runs in the input dtype instead.
     """
 
-    def __init__(self, ndim: int, bias: bool = True, eps: float = 1e-5):
+    def __init__(self, ndim: int, bias: bool = True, eps: float = 1e-5, fp32_islands: bool = True):
         super().__init__()
         self.eps = eps
+        self.fp32_islands = fp32_islands
         self.weight = nn.Parameter(torch.ones(ndim))
         if bias:
             self.bias = nn.Parameter(torch.zeros(ndim))
@@ -38,12 +49,13 @@ class LayerNorm(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        up = self.fp32_islands
+        xf = upcast(x, up)
         mean = xf.mean(dim=-1, keepdim=True)
         var = (xf - mean).pow(2).mean(dim=-1, keepdim=True)  # biased variance, as nn.LayerNorm
-        y = (xf - mean) * torch.rsqrt(var + self.eps) * self.weight.float()
+        y = (xf - mean) * torch.rsqrt(var + self.eps) * upcast(self.weight, up)
         if self.bias is not None:
-            y = y + self.bias.float()
+            y = y + upcast(self.bias, up)
         return y.to(x.dtype)
 
 
@@ -55,11 +67,16 @@ class GELU(nn.Module):
         return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3))))
 
 
+NORMS = (nn.LayerNorm, LayerNorm, TritonLayerNorm)  # the module types make_norm can return
+
+
 def make_norm(cfg: ModelConfig) -> nn.Module:
     """The LayerNorm chosen by ``cfg.norm`` (bias per ``cfg.bias``)."""
     if cfg.norm == "native":
         return nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-    return LayerNorm(cfg.n_embd, bias=cfg.bias)
+    if cfg.norm == "triton":
+        return TritonLayerNorm(cfg.n_embd, bias=cfg.bias)
+    return LayerNorm(cfg.n_embd, bias=cfg.bias, fp32_islands=cfg.fp32_islands)
 
 
 def make_gelu(cfg: ModelConfig) -> nn.Module:
@@ -90,7 +107,7 @@ class CausalSelfAttention(nn.Module):
 
     ``model.attention='manual'``: ``softmax(q @ k^T / sqrt(d) + causal mask) @ v`` with dropout on the
     attention weights. The softmax runs in fp32 (cast back to the input dtype), as the fused kernels
-    do internally. The mask is a registered (block_size x block_size) buffer (``causal_mask='buffer'``)
+    do internally, unless ``model.fp32_islands`` is False (then in the input dtype). The mask is a registered (block_size x block_size) buffer (``causal_mask='buffer'``)
     or built for the current length each call (``'on_the_fly'``).
 
     ``model.attention='sdpa'``: ``F.scaled_dot_product_attention(is_causal=True)``; ``sdpa_backend``
@@ -107,6 +124,7 @@ class CausalSelfAttention(nn.Module):
         self.attention = cfg.attention
         self.sdpa_backend = cfg.sdpa_backend
         self.fused_qkv = cfg.fused_qkv
+        self.fp32_islands = cfg.fp32_islands
         if cfg.fused_qkv:
             self.c_attn = nn.Linear(C, 3 * C, bias=cfg.qkv_bias)  # rows: [q; k; v]
         else:
@@ -152,7 +170,7 @@ class CausalSelfAttention(nn.Module):
         else:
             mask = causal_mask(T, q.device)
         att = att.masked_fill(mask, float("-inf"))
-        att = F.softmax(att.float(), dim=-1).to(q.dtype)
+        att = F.softmax(upcast(att, self.fp32_islands), dim=-1).to(q.dtype)
         att = self.attn_dropout(att)
         return att @ v
 

@@ -20,13 +20,19 @@ from tokenmill.errors import MemoryOptionError
 from tokenmill.optim.adamw import adamw, build_adamw, param_groups
 from tokenmill.optim.grad_norm import clip_grad_norm
 from tokenmill.optim.memory import CPUOffloadOptimizer, OptimizerInBackward, build_adamw_8bit
-from tokenmill.optim.schedule import build_scheduler, load_scheduler_state, lr_at
+from tokenmill.optim.schedule import (
+    build_scheduler,
+    hyperparameters,
+    load_scheduler_state,
+    lr_at,
+    reapply_hyperparameters,
+)
 from tokenmill.optim.zero import build_zero1_optimizer, consolidated_state_dict
 from tokenmill.parallel.world import World
 
 __all__ = [
     "adamw", "build_adamw", "build_optimizer", "build_scheduler", "consolidated_state_dict",
-    "load_scheduler_state", "lr_at", "optimizer_step", "param_groups",
+    "hyperparameters", "load_scheduler_state", "lr_at", "optimizer_step", "param_groups", "reapply_hyperparameters",
 ]
 
 

@@ -38,3 +38,31 @@ def load_scheduler_state(scheduler, state: dict) -> None:
         if isinstance(state.get(key), list) and len(state[key]) != n:
             state[key] = state[key][:1] * n
     scheduler.load_state_dict(state)
+
+
+def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Each parameter group's settings (everything but the parameters), as built from the current config."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def reapply_hyperparameters(optimizer: torch.optim.Optimizer, scheduler, built: list[dict], cfg: OptimConfig,
+                            max_steps: int) -> None:
+    """After a checkpoint was loaded: the current config's settings win over the saved ones (learning rate
+    and schedule, weight decay, betas, eps), so what a user passes on resume takes effect; the step count
+    and the optimizer moments stay as loaded."""
+    groups = optimizer.param_groups
+    if len(built) == len(groups):
+        for g, b in zip(groups, built):
+            for k in ("weight_decay", "betas", "eps"):
+                if k in b:
+                    g[k] = b[k]
+    base = cfg.lr if cfg.lr > 0 else 1.0
+    scheduler.base_lrs = [base] * len(groups)
+    lr = lr_at(scheduler.last_epoch, cfg, max_steps)
+    for g in groups:
+        g["initial_lr"] = base
+        if isinstance(g["lr"], torch.Tensor):
+            g["lr"].fill_(lr)
+        else:
+            g["lr"] = lr
+    scheduler._last_lr = [lr] * len(groups)

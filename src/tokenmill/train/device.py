@@ -47,15 +47,21 @@ def apply_allocator_settings(cfg: MemoryConfig) -> bool:
     return False
 
 
-def resolve_device(name: str) -> torch.device:
-    """``train.device``: 'auto' = cuda, else mps, else cpu; an unavailable device is a clear error."""
+def resolve_device(name: str, option: str = "--train.device") -> torch.device:
+    """``name``: 'auto' = cuda, else mps, else cpu; an unknown or unavailable device is a clear error
+    naming ``option``."""
     mps = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise TrainingError("train.device='cuda' but no CUDA GPU is visible; use --train.device auto or cpu.")
-    if name == "mps" and not mps:
-        raise TrainingError("train.device='mps' but MPS is not available; use --train.device auto or cpu.")
+    kind, _, index = name.partition(":")
+    if kind not in ("cpu", "cuda", "mps") or (index and not index.isdigit()):
+        raise TrainingError(f"{option} {name!r} is not a device; use auto, cpu, cuda or mps.")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise TrainingError(f"{option} {name}: no CUDA GPU is visible; use {option} auto or cpu.")
+    if kind == "cuda" and index and int(index) >= torch.cuda.device_count():
+        raise TrainingError(f"{option} {name}: this machine has {torch.cuda.device_count()} CUDA device(s).")
+    if kind == "mps" and not mps:
+        raise TrainingError(f"{option} mps: MPS is not available; use {option} auto or cpu.")
     return torch.device(name)
 
 

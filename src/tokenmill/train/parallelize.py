@@ -43,6 +43,12 @@ def build_model(cfg: C.Config, vocab_size: int, device: torch.device, world: Opt
     return parallelize(model, cfg, world or World(device=device))
 
 
+def count_params(cfg: C.ModelConfig, vocab_size: int) -> int:
+    """Parameters of the whole model (every stage and shard), counted on ``meta`` (nothing allocated)."""
+    with torch.device("meta"):
+        return GPT(cfg, vocab_size).num_params()
+
+
 def parallelize(model: nn.Module, cfg: C.Config, world: World) -> nn.Module:
     """Apply the switches in the order of the module docstring; returns the model to train."""
     apply_pipeline_split(model, world)
@@ -67,11 +73,14 @@ def apply_activation_checkpointing(model: nn.Module, every_n: int) -> nn.Module:
 
 def apply_compile(model: nn.Module, cfg: C.CompileConfig) -> nn.Module:
     """``compile.*``: torch.compile in place (``nn.Module.compile``), so parameter names and checkpoints
-    never carry ``_orig_mod.`` prefixes; ``compile.scope='block'`` compiles each block separately."""
+    never carry ``_orig_mod.`` prefixes; ``compile.scope='block'`` compiles each block separately;
+    ``compile.loss_outside`` compiles the trunk and leaves the head and the loss eager."""
     if not cfg.enabled:
         return model
     kwargs = {"mode": cfg.mode, "fullgraph": cfg.fullgraph, "dynamic": cfg.dynamic}
-    if cfg.scope == "block":
+    if cfg.loss_outside:  # the seed's form: compile up to the final LayerNorm, head and loss run eagerly
+        model.trunk = torch.compile(model.trunk, **kwargs)
+    elif cfg.scope == "block":
         for _, block in model.present_blocks():
             block.compile(**kwargs)
     else:

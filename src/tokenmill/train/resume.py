@@ -10,8 +10,8 @@ from typing import Any, Optional
 
 from tokenmill import checkpoint
 from tokenmill import config as C
-from tokenmill.errors import TrainingError
-from tokenmill.optim import load_scheduler_state
+from tokenmill.errors import AlreadyTrained, TrainingError
+from tokenmill.optim import hyperparameters, load_scheduler_state, reapply_hyperparameters
 from tokenmill.parallel.world import World, barrier
 from tokenmill.train.metrics import read_metrics
 
@@ -24,9 +24,21 @@ SHAPE_FIELDS = {
 def resume(run_dir: Path, model, optimizer, scheduler, scaler, cfg: C.Config, world: World,
            quiet: bool) -> tuple[int, Any, Optional[int]]:
     """Load the newest good checkpoint (any layout); returns (start step, RNG state to restore, global
-    samples consumed: where the data stream goes on, None when the checkpoint did not record it)."""
-    found = checkpoint.load_latest(run_dir, model, optimizer, world,
-                                   check=lambda saved: check_same_model(saved.get("config", {}), cfg))
+    samples consumed: where the data stream goes on, None when the checkpoint did not record it).
+
+    The current config's optimizer settings win over the saved ones (see
+    :func:`~tokenmill.optim.reapply_hyperparameters`). A run already at ``train.max_steps`` raises
+    :class:`AlreadyTrained` before anything is written."""
+    built = hyperparameters(optimizer)
+
+    def check(saved: dict) -> None:
+        check_same_model(saved.get("config", {}), cfg)
+        if int(saved["step"]) >= cfg.train.max_steps:
+            raise AlreadyTrained(f"{run_dir} is already at step {int(saved['step'])} (train.max_steps is "
+                                 f"{cfg.train.max_steps}): nothing to train, nothing was written. Raise "
+                                 "--train.max_steps to train further.")
+
+    found = checkpoint.load_latest(run_dir, model, optimizer, world, check=check)
     if found is None:  # e.g. a torchrun restart before the first checkpoint: start over, cleanly
         if world.is_rank0:
             clean_metrics(run_dir, 0)
@@ -34,6 +46,7 @@ def resume(run_dir: Path, model, optimizer, scheduler, scaler, cfg: C.Config, wo
         return 0, None, None
     path, state = found
     load_scheduler_state(scheduler, state["scheduler"])
+    reapply_hyperparameters(optimizer, scheduler, built, cfg.optim, cfg.train.max_steps)
     if scaler is not None and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
     start_step = int(state["step"])

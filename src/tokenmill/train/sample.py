@@ -34,12 +34,13 @@ def sample_text(
     return tok.decode(out[0].tolist())
 
 
-def load_run(run_dir: str | Path, device: str = "cpu") -> tuple[GPT, C.Config, Path]:
-    """The model of a run directory's newest good checkpoint, with the run's config and data folder."""
-    model, cfg, _ = checkpoint.load_model(run_dir)
+def load_run(run_dir: str | Path, device: str = "cpu", checkpoint_path: str | Path | None = None
+             ) -> tuple[GPT, C.Config, Path]:
+    """The model of a run directory's newest good checkpoint (or ``checkpoint_path``), with the run's
+    config and the folder its tokenizer loads from (the run's own copy when it has one)."""
+    from tokenmill.train.run_dir import tokenizer_dir
+
+    model, cfg, _ = checkpoint.load_model(run_dir, checkpoint_path)
     if cfg.data.source == "synthetic":
         raise SampleError(f"{run_dir} was trained on synthetic tokens: there is no tokenizer to sample text with.")
-    from tokenmill.data import ensure_embedded_corpus
-
-    data_dir = Path(cfg.data.path) if cfg.data.path else ensure_embedded_corpus(cfg.data)
-    return model.to(device), cfg, data_dir
+    return model.to(device), cfg, tokenizer_dir(Path(run_dir), cfg)

@@ -31,8 +31,9 @@ from torch.profiler import record_function
 from tokenmill import checkpoint
 from tokenmill import config as C
 from tokenmill.data import build_datasets, build_train_loader, to_device, val_batches
-from tokenmill.errors import TrainingError
-from tokenmill.model import GPT, flops_per_token, math_mode, peak_flops
+from tokenmill.data.loader import DevicePrefetcher
+from tokenmill.errors import AlreadyTrained, TrainingError
+from tokenmill.model import flop_params, flops_per_token, math_mode, peak_flops
 from tokenmill.optim import build_optimizer, build_scheduler, optimizer_step
 from tokenmill.parallel import World, grad_sync, init_world, is_elastic_restart, shutdown, unwrap
 from tokenmill.parallel.pipeline import Pipeline
@@ -40,9 +41,10 @@ from tokenmill.parallel.world import global_mean, rank0_first
 from tokenmill.train.advice import nan_message, oom_message
 from tokenmill.train.device import apply_allocator_settings, device_info, memory_stats, resolve_device, sync
 from tokenmill.train.metrics import MetricsWriter, Progress, StepMetrics, format_record
-from tokenmill.train.parallelize import build_model
+from tokenmill.train.parallelize import build_model, count_params
 from tokenmill.train.precision import apply_tf32, autocast, check_supported, grad_scaler
 from tokenmill.train.resume import resume
+from tokenmill.train.run_dir import in_use_message, locked, open_run_dir, recorded_config, save_tokenizer
 
 
 @dataclass
@@ -74,13 +76,6 @@ def seed_dropout(seed: int, dp_rank: int, start_step: int = 0) -> None:
         torch.manual_seed(seed + dp_rank + _RESUME_SEED_STRIDE * start_step)
 
 
-def model_size(cfg: C.Config, vocab_size: int) -> tuple[int, int]:
-    """(parameters, parameters without position embeddings) of the whole model, counted on ``meta``."""
-    with torch.device("meta"):
-        model = GPT(cfg.model, vocab_size)
-    return model.num_params(), model.num_params(exclude_position=True)
-
-
 def train(cfg: C.Config, run_dir: str | Path, resume: bool = False, quiet: bool = False,
           callbacks: Optional[Callbacks] = None) -> dict[str, Any]:
     """Train ``cfg`` into ``run_dir``; returns the run summary (also written as summary.json).
@@ -92,8 +87,16 @@ def train(cfg: C.Config, run_dir: str | Path, resume: bool = False, quiet: bool 
     apply_allocator_settings(cfg.memory)  # before anything initialises CUDA
     world = init_world(cfg.parallel, resolve_device(cfg.train.device))
     try:
-        trainer = Trainer(cfg, Path(run_dir), world, resume or is_elastic_restart(), quiet, callbacks or Callbacks())
-        return trainer.fit()
+        run_dir = open_run_dir(Path(run_dir))
+        with locked(run_dir, enabled=world.is_rank0) as holder:  # rank 0 locks; every rank learns if it did
+            if global_mean(torch.tensor(float(holder is not None), device=world.device), world).item() > 0:
+                raise TrainingError(in_use_message(run_dir, holder))
+            trainer = Trainer(cfg, run_dir, world, resume, quiet, callbacks or Callbacks())
+            return trainer.fit()
+    except AlreadyTrained as e:
+        if world.is_rank0 and not quiet:
+            print(f"tokenmill: {e}")
+        return {"already_trained": True, "message": str(e)}
     finally:
         shutdown(world)
 
@@ -105,12 +108,18 @@ class Trainer:
                  callbacks: Callbacks):
         self.cfg, self.run_dir, self.world, self.quiet, self.cb = cfg, run_dir, world, quiet, callbacks
         t, device, rank0 = cfg.train, world.device, world.is_rank0
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if not resume_run and checkpoint.list_checkpoints(run_dir):
+        if rank0:
+            checkpoint.clean_stale_tmp(run_dir)  # left by a save that was killed: never a real checkpoint
+        has_checkpoints = bool(checkpoint.list_checkpoints(run_dir))
+        if not resume_run and has_checkpoints and not is_elastic_restart():
             raise TrainingError(
                 f"run directory {run_dir} already holds checkpoints; pass --resume to continue that run, "
                 "or choose another --run-dir."
             )
+        if resume_run and not has_checkpoints:
+            raise TrainingError(f"--resume: {run_dir} has no checkpoint to resume from; check the --run-dir, "
+                                "or start the run without --resume.")
+        resume_run = resume_run or is_elastic_restart()  # a restarted worker goes on from the newest checkpoint
         check_supported(t, device)
         apply_tf32(t, device)
         with rank0_first(world):  # rank 0 prepares and caches the embedded corpus first
@@ -120,8 +129,8 @@ class Trainer:
         self.model = build_model(cfg, vocab_size, device, world)
         if self.cb.on_model_built:
             self.cb.on_model_built(self.model)
-        self.n_params, n_flop_params = model_size(cfg, vocab_size)
-        self.fpt = flops_per_token(cfg.model, n_flop_params, cfg.model.block_size)
+        self.n_params = count_params(cfg.model, vocab_size)
+        self.fpt = flops_per_token(cfg.model, flop_params(cfg.model, vocab_size), cfg.model.block_size)
         self.pipeline = Pipeline(self.model, world, cfg.parallel, t.grad_accum_steps) if world.pp > 1 else None
         self.optimizer = build_optimizer(self.model, cfg, world)
         if self.cb.on_optimizer_built:
@@ -132,11 +141,11 @@ class Trainer:
 
         self.start_step, rng, start_sample = 0, None, None
         if resume_run:
-            checkpoint.clean_stale_tmp(run_dir)
             self.start_step, rng, start_sample = resume(run_dir, self.model, self.optimizer, self.scheduler,
                                                         self.scaler, cfg, world, quiet)
         if rank0:
-            C.save(cfg, run_dir / "config.toml")
+            C.save(recorded_config(cfg), run_dir / "config.toml")
+            save_tokenizer(run_dir, self.data.data_dir)
 
         # global batch = micro-batch x accumulation x data-parallel degree; every rank reads its slice
         self.global_batch = checkpoint.global_batch(cfg, world)
@@ -150,7 +159,9 @@ class Trainer:
                                     t.max_steps, world.dp_rank, world.dp_size, device.type, self.start_sample)
         self.val = (val_batches(self.data.val, t.batch_size, t.eval_batches)
                     if (self.data.val is not None and t.eval_batches) else [])
-        self.batches = iter(loader)  # may draw from the global RNG (worker seeds): restore the RNG after it
+        self.prefetched = cfg.data.cuda_prefetch and device.type == "cuda"  # batches arrive on the device
+        self.batches = (DevicePrefetcher(loader, device, cfg.data.non_blocking) if self.prefetched
+                        else iter(loader))  # may draw from the global RNG (worker seeds): restore the RNG after
         if rng is not None:
             checkpoint.set_rng_state(rng, device)
         seed_dropout(t.seed, world.dp_rank, self.start_step)
@@ -172,8 +183,8 @@ class Trainer:
             with record_function("data"):
                 batch = next(self.batches)
             m.add_host("data", time.perf_counter() - t0)
-            with m.phase("h2d"):
-                x, y = to_device(batch, device, self.cfg.data.non_blocking)
+            with m.phase("h2d"):  # with data.cuda_prefetch the copy ran on a side stream, one batch ahead
+                x, y = batch if self.prefetched else to_device(batch, device, self.cfg.data.non_blocking)
             with grad_sync(self.model, enabled=micro == t.grad_accum_steps - 1):  # no_sync until the last
                 if self.pipeline is not None:  # forwards and backwards interleaved by the schedule
                     with m.phase("forward"), autocast(t, device):

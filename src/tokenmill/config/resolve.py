@@ -1,0 +1,323 @@
+"""Config resolution: coercing and checking values (types and the declared ranges, in one place:
+:func:`validate`), flattening TOML sections, presets, layering sources, and writing TOML."""
+
+from __future__ import annotations
+
+import difflib
+import math
+import sys
+import typing
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+import tomli_w
+
+from tokenmill.config.schema import Config, describe_range, field_ranges, field_specs, sections
+from tokenmill.errors import ConfigError
+
+
+def _closest(name: str, options: list[str]) -> str:
+    m = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    if not m:
+        # compare the last component too: 'train.batchsize' -> 'train.batch_size'
+        tail = {o.split(".")[-1]: o for o in options}
+        m2 = difflib.get_close_matches(name.split(".")[-1], list(tail), n=1, cutoff=0.5)
+        m = [tail[m2[0]]] if m2 else []
+    return f" Did you mean '{m[0]}'?" if m else ""
+
+
+def _coerce(key: str, tp: Any, value: Any, from_string: bool) -> Any:
+    """Convert/validate one value for a field annotated ``tp``."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is typing.Union and type(None) in args:
+        if value is None or (from_string and str(value).lower() in ("none", "null", "")):
+            return None
+        inner = [a for a in args if a is not type(None)][0]
+        return _coerce(key, inner, value, from_string)
+    if origin is Literal:
+        choices = list(args)
+        if value in choices:
+            return value
+        if from_string or isinstance(value, str):
+            for c in choices:
+                if str(c) == str(value):
+                    return c
+        hint = _closest(str(value), [str(c) for c in choices])
+        raise ConfigError(f"{key}: {value!r} is not one of {choices}.{hint}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            v = value.lower()
+            if v in ("1", "true", "yes", "on"):
+                return True
+            if v in ("0", "false", "no", "off"):
+                return False
+        raise ConfigError(f"{key}: expected true or false, got {value!r}.")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}.")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected an integer, got {value!r}.")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected a number, got {value!r}.")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected a number, got {value!r}.")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if from_string:
+            return str(value)
+        raise ConfigError(f"{key}: expected a string, got {value!r}.")
+    raise ConfigError(f"{key}: unsupported field type {tp!r}")  # pragma: no cover
+
+
+def apply_overrides(cfg: Config, overrides: dict[str, Any], from_string: bool = False, origin: str = "") -> Config:
+    """Apply flat ``{'section.field': value}`` overrides in place (validated) and return ``cfg``."""
+    specs = field_specs()
+    where = f" (in {origin})" if origin else ""
+    for key, value in overrides.items():
+        if key not in specs:
+            raise ConfigError(f"unknown config key '{key}'{where}.{_closest(key, list(specs))}")
+        tp = specs[key][0]
+        section, name = key.split(".", 1)
+        setattr(getattr(cfg, section), name, _coerce(key, tp, value, from_string))
+    return cfg
+
+
+def flatten(tree: dict[str, Any], origin: str = "") -> dict[str, Any]:
+    """``{'train': {'max_steps': 3}}`` -> ``{'train.max_steps': 3}``; errors name bad sections."""
+    flat = {}
+    names = list(sections())
+    for sname, body in tree.items():
+        if not isinstance(body, dict):
+            raise ConfigError(
+                f"top-level key '{sname}' in {origin or 'config'} must be a [section] table; "
+                f"sections are {names}.{_closest(sname, names)}"
+            )
+        if sname not in names:
+            raise ConfigError(f"unknown config section '[{sname}]' in {origin or 'config'}.{_closest(sname, names)}")
+        for k, v in body.items():
+            flat[f"{sname}.{k}"] = v
+    return flat
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file '{p}' does not exist.")
+    try:
+        with open(p, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file '{p}' is not valid TOML: {e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file '{p}' is not UTF-8 text; save it as UTF-8 TOML.") from None
+
+
+def preset_names() -> list[str]:
+    return sorted(p.name[:-5] for p in resources.files("tokenmill.presets").iterdir() if p.name.endswith(".toml"))
+
+
+def load_preset(name: str) -> dict[str, Any]:
+    names = preset_names()
+    if name not in names:
+        raise ConfigError(f"unknown preset '{name}'; presets are {names}.{_closest(name, names)}")
+    with resources.files("tokenmill.presets").joinpath(f"{name}.toml").open("rb") as f:
+        return tomllib.load(f)
+
+
+def check_ranges(cfg: Config) -> None:
+    """Every numeric field against the range declared where it is defined (one place for all of them);
+    floats must also be finite."""
+    bounds = field_ranges()
+    for key, (_tp, _default, _doc) in field_specs().items():
+        section, name = key.split(".", 1)
+        v = getattr(getattr(cfg, section), name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ConfigError(f"{key} must be a finite number, got {v}.")
+        r = bounds[key]
+        ok = all((("ge" not in r) or v >= r["ge"], ("gt" not in r) or v > r["gt"],
+                  ("le" not in r) or v <= r["le"], ("lt" not in r) or v < r["lt"]))
+        if not ok:
+            raise ConfigError(f"{key} must be {describe_range(r)}, got {v}.")
+
+
+def validate(cfg: Config) -> Config:
+    """Declared ranges (:func:`check_ranges`), then cross-field checks that single fields cannot express."""
+    check_ranges(cfg)
+    m = cfg.model
+    if m.n_embd % m.n_head:
+        raise ConfigError(
+            f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head}); "
+            f"try model.n_head={_divisor_near(m.n_embd, m.n_head)}."
+        )
+    if cfg.data.source == "synthetic" and m.vocab_size is None:
+        raise ConfigError("data.source='synthetic' needs model.vocab_size (e.g. --model.vocab_size 50257).")
+    if cfg.compile.loss_outside and cfg.compile.scope != "model":
+        raise ConfigError("compile.loss_outside compiles the model without its head and loss; it needs "
+                          "compile.scope='model' (per-block compilation leaves the loss outside anyway).")
+    _validate_memory_and_parallel(cfg)
+    return cfg
+
+
+def _validate_memory_and_parallel(cfg: Config) -> None:
+    mem, p = cfg.memory, cfg.parallel
+    if mem.optimizer_in_backward:
+        if cfg.train.grad_accum_steps != 1:
+            raise ConfigError(
+                "memory.optimizer_in_backward steps each parameter as soon as its gradient is ready, so it cannot "
+                f"accumulate gradients: set train.grad_accum_steps=1 (now {cfg.train.grad_accum_steps})."
+            )
+        if cfg.optim.grad_clip > 0:
+            raise ConfigError(
+                "memory.optimizer_in_backward cannot clip the global gradient norm (the norm needs every "
+                "gradient before the first update): set --optim.grad_clip 0."
+            )
+        if cfg.train.precision == "fp16-autocast":
+            raise ConfigError("memory.optimizer_in_backward does not work with fp16 GradScaler; use bf16-autocast.")
+    if mem.optimizer_offload and cfg.train.precision == "fp16-autocast":
+        raise ConfigError("memory.optimizer_offload does not work with the fp16 GradScaler; use bf16-autocast.")
+    if mem.offload_gradients and not mem.optimizer_offload:
+        raise ConfigError("memory.offload_gradients moves gradients to the CPU optimizer of memory.optimizer_offload: "
+                          "add --memory.optimizer_offload true.")
+    chosen = [k for k in ("optimizer_in_backward", "optimizer_offload", "optimizer_8bit") if getattr(mem, k)]
+    if len(chosen) > 1:
+        raise ConfigError(f"choose one of memory.{', memory.'.join(chosen)}.")
+    for k in ("dp_replicate", "dp_shard"):
+        v = getattr(p, k)
+        if v == 0 or v < -1:
+            raise ConfigError(f"parallel.{k} must be >= 1 or -1 (the rest), got {v}.")
+    if p.dp_replicate == -1 and p.dp_shard == -1:
+        raise ConfigError("only one of parallel.dp_replicate and parallel.dp_shard may be -1.")
+    if p.zero1 and p.dp_shard != 1:
+        raise ConfigError("parallel.zero1 shards optimizer state over DDP; with dp_shard > 1 FSDP already does.")
+    _validate_model_parallel(cfg)
+
+
+def _validate_model_parallel(cfg: Config) -> None:
+    """Tensor and pipeline parallelism: shapes that split evenly, and switches that compose."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if p.tp > 1:
+        if m.fused_qkv:
+            raise ConfigError(
+                "parallel.tp > 1 splits q, k and v by heads, which the fused [q; k; v] matrix cannot do "
+                "evenly: add --model.fused_qkv false (same math, three matrices)."
+            )
+        if m.n_head % p.tp:
+            raise ConfigError(f"model.n_head ({m.n_head}) must be divisible by parallel.tp ({p.tp}).")
+    if p.tp > 1 or p.pp > 1:
+        if p.zero1:
+            raise ConfigError("parallel.zero1 works with DDP only; with parallel.tp/pp shard with parallel.dp_shard.")
+        if cfg.memory.optimizer_8bit:
+            raise ConfigError("memory.optimizer_8bit is not supported with parallel.tp/pp.")
+    if p.pp > 1:
+        if m.tie_embeddings:
+            raise ConfigError(
+                "parallel.pp > 1 puts the token embedding on the first stage and the head on the last, so they "
+                "cannot share one matrix: add --model.tie_embeddings false."
+            )
+        if m.n_layer < p.pp:
+            raise ConfigError(f"model.n_layer ({m.n_layer}) must be >= parallel.pp ({p.pp}): one block per stage.")
+        n_mb = p.pp_microbatches or p.pp
+        if t.batch_size % n_mb:
+            raise ConfigError(
+                f"train.batch_size ({t.batch_size}) must be divisible by the pipeline micro-batches ({n_mb}, "
+                "parallel.pp_microbatches or the pp degree)."
+            )
+        if p.pp_schedule == "1f1b" and n_mb < p.pp:
+            raise ConfigError(
+                f"the 1F1B schedule needs at least as many micro-batches as stages: parallel.pp_microbatches "
+                f"({n_mb}) < parallel.pp ({p.pp})."
+            )
+        if t.precision == "fp16-autocast":
+            raise ConfigError("parallel.pp > 1 does not support the fp16 GradScaler; use --train.precision bf16-autocast.")
+
+
+def _divisor_near(n: int, k: int) -> int:
+    divs = [d for d in range(1, n + 1) if n % d == 0]
+    return min(divs, key=lambda d: abs(d - k))
+
+
+def resolve(
+    preset: Optional[str] = None,
+    config_files: Optional[list[str]] = None,
+    overrides: Optional[dict[str, Any]] = None,
+    overrides_from_string: bool = True,
+) -> Config:
+    """defaults < preset < config files (in order) < overrides."""
+    cfg = Config()
+    if preset:
+        apply_overrides(cfg, flatten(load_preset(preset), f"preset '{preset}'"), origin=f"preset '{preset}'")
+    for path in config_files or []:
+        apply_overrides(cfg, flatten(load_toml(path), str(path)), origin=str(path))
+    if overrides:
+        apply_overrides(cfg, overrides, from_string=overrides_from_string, origin="command line")
+    return validate(cfg)
+
+
+def to_toml(cfg: Config) -> str:
+    """Serialise to TOML. None values are omitted (TOML has no null); every Optional field defaults
+    to None, so reading the file back gives the same config."""
+    tree = {}
+    for sname, body in cfg.to_dict().items():
+        tree[sname] = {k: v for k, v in body.items() if v is not None}
+    return tomli_w.dumps(tree)
+
+
+def save(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text("# tokenmill resolved config: feed back with --config to reproduce this run\n" + to_toml(cfg))
+
+
+def from_dict(tree: dict[str, Any]) -> Config:
+    return validate(apply_overrides(Config(), flatten(tree)))
+
+
+def reference_markdown() -> str:
+    """The config reference as Markdown tables, one per section (used by README and `tokenmill config`)."""
+    out = []
+    specs, ranges = field_specs(), field_ranges()
+    for sname, scls in sections().items():
+        out.append(f"### `[{sname}]` — {scls.__doc__.strip()}\n\n| field | default | valid | meaning |\n|---|---|---|---|")
+        for key, (_tp, default, doc) in specs.items():
+            if key.startswith(sname + "."):
+                valid = describe_range(ranges[key]) or _choices(_tp)
+                out.append(f"| `{key}` | `{default!r}` | {valid} | {doc.replace('|', '/')} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def _choices(tp: Any) -> str:
+    """The choices of a Literal field (``'a' / 'b'``), 'true / false' for a bool, else empty."""
+    if tp is bool:
+        return "true / false"
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) is Literal:
+        return " / ".join(f"`{a}`" for a in args)
+    if args and typing.get_origin(args[0]) is Literal:
+        return _choices(args[0])
+    return ""

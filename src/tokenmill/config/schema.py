@@ -1,0 +1,394 @@
+"""The config's sections: one dataclass per section, one field per switch, each with its doc and, for
+numbers, its valid range. Only definitions and introspection live here; resolution is in ``resolve``."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+
+def F(default: Any, doc: str, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
+      lt: float | None = None, **kw: Any) -> Any:
+    """A config field with its documentation and, for numbers, its valid range (``ge`` >=, ``gt`` >,
+    ``le`` <=, ``lt`` <), checked for every field in one place (:func:`tokenmill.config.validate`)."""
+    bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
+    meta = {"doc": doc, "range": bounds}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta, **kw)
+    return field(default=default, metadata=meta, **kw)
+
+
+@dataclass
+class ModelConfig:
+    """The GPT model. Baseline and optimised forms differ only by these fields."""
+
+    vocab_size: Optional[int] = F(
+        None, "Vocabulary size. None: taken from the data's metadata. Must be >= the data's vocabulary.",
+        ge=1,
+    )
+    vocab_pad_multiple: int = F(
+        1,
+        "Pad the embedding/output vocabulary up to a multiple of this (64 for tensor cores; 1 = no padding). "
+        "The head is computed on the padded matrix and the padded columns are sliced off the logits, so "
+        "they are never predicted and do not change the loss.",
+        ge=1,
+    )
+    block_size: int = F(1024, "Context length in tokens (sequence length of every training window).", ge=1)
+    n_layer: int = F(12, "Number of transformer blocks.", ge=1)
+    n_head: int = F(12, "Number of attention heads.", ge=1)
+    n_embd: int = F(768, "Embedding (model) width; must be divisible by n_head.", ge=1)
+    dropout: float = F(0.0, "Dropout probability on embeddings, attention weights and residual branches.", ge=0, lt=1)
+    bias: bool = F(True, "Bias in Linear layers (other than q/k/v) and LayerNorms.")
+    qkv_bias: bool = F(True, "Bias in the query/key/value projections.")
+    tie_embeddings: bool = F(True, "Share the token-embedding matrix with the output head (GPT-2 style).")
+    attention: Literal["manual", "sdpa"] = F(
+        "sdpa",
+        "Attention kernel: 'manual' = explicit q@k^T, causal mask, softmax, @v; 'sdpa' = "
+        "torch.nn.functional.scaled_dot_product_attention (flash / memory-efficient / cuDNN kernels).",
+    )
+    sdpa_backend: Literal["auto", "flash", "efficient", "cudnn", "math"] = F(
+        "auto", "Force one SDPA backend (attention='sdpa' only); 'auto' lets PyTorch pick."
+    )
+    causal_mask: Literal["buffer", "on_the_fly"] = F(
+        "on_the_fly",
+        "Manual attention only: 'buffer' keeps a (block_size x block_size) triu mask as a registered "
+        "buffer; 'on_the_fly' builds it for the current length each forward.",
+    )
+    fused_qkv: bool = F(True, "One fused Linear for q, k, v instead of three separate ones.")
+    norm: Literal["native", "manual", "triton"] = F(
+        "native",
+        "LayerNorm: 'native' = nn.LayerNorm (fused kernel); 'manual' = hand-written mean/var module; "
+        "'triton' = tokenmill's fused Triton forward and backward kernels (model/kernels; needs the triton "
+        "package and a CUDA GPU). All three: same parameters, same math.",
+    )
+    gelu: Literal["native", "manual"] = F(
+        "native", "tanh-GELU: 'native' = nn.GELU(approximate='tanh'); 'manual' = hand-written formula."
+    )
+    init_std: float = F(
+        0.02, "GPT-2 initialisation: std of Linear/Embedding weights; residual projections get std/sqrt(2*n_layer).",
+        gt=0,
+    )
+    loss_impl: Literal["full", "chunked"] = F(
+        "full",
+        "'full' = head over all tokens, then cross-entropy on the (B*T, vocab) logits; 'chunked' = head + "
+        "cross-entropy over model.loss_chunk_size tokens at a time, gradients computed chunk by chunk, so "
+        "the full logits are never materialised (training returns no logits). Same loss and gradients.",
+    )
+    loss_chunk_size: int = F(1024, "Tokens per chunk for model.loss_impl='chunked'.", ge=1)
+    fp32_islands: bool = F(
+        True,
+        "Compute the numerically sensitive ops in fp32 when the model runs in bf16/fp16 weights: the "
+        "hand-written LayerNorm (model.norm='manual'), the manual attention's softmax and the "
+        "cross-entropy (on fp32 logits). False = everything in the model's dtype, as the LLM-training-speed "
+        "README's pure-bf16 rungs run (less memory and traffic, less accurate loss). No effect in fp32 or "
+        "under autocast, nor on the native/triton LayerNorm and SDPA kernels (fp32 statistics inside) or "
+        "the chunked loss (fp32 chunks).",
+    )
+    loss_over_padded_vocab: bool = F(
+        False,
+        "With vocabulary padding: compute the cross-entropy over all padded_vocab columns, as the "
+        "LLM-training-speed README's vocab-padding rung does (its padded columns then join the softmax "
+        "and are trained towards -inf). False (correct): the padded columns are sliced off first and "
+        "never touch the loss.",
+    )
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from and how they reach the device."""
+
+    source: Literal["tokens", "synthetic"] = F(
+        "tokens",
+        "'tokens' = a prepared token folder (data.path, or the embedded corpus when path is unset); "
+        "'synthetic' = uniformly random token ids (pure throughput runs; vocab from model.vocab_size).",
+    )
+    path: Optional[str] = F(
+        None,
+        "A folder written by `tokenmill prepare` (meta.json + train.bin + val.bin). None: the embedded "
+        "corpus (this Python's standard-library sources), prepared on first use and cached.",
+    )
+    tokenizer: Literal["gpt2", "bytes", "bpe"] = F(
+        "bpe",
+        "Tokenizer used when the embedded corpus is prepared on first use: 'gpt2' (tiktoken), 'bytes' "
+        "(256 ids), 'bpe' (byte-level BPE trained on the corpus with HF tokenizers).",
+    )
+    bpe_vocab_size: int = F(4096, "Vocabulary size of the 'bpe' tokenizer trained for the embedded corpus.", ge=257)
+    cache_dir: Optional[str] = F(
+        None, "Where the embedded corpus is prepared and cached. None: $TOKENMILL_CACHE or ~/.cache/tokenmill."
+    )
+    sampling: Literal["random", "sequential"] = F(
+        "random",
+        "'random' = windows at random offsets; 'sequential' = non-overlapping windows in file order, "
+        "wrapping around. Both are a pure function of (seed, global sample index).",
+    )
+    validate: Literal["full", "quick"] = F(
+        "full",
+        "'full' scans every token id against the vocabulary before training; 'quick' checks only "
+        "metadata, dtype and file sizes.",
+    )
+    num_workers: int = F(0, "DataLoader worker processes (0 = load in the training process).", ge=0)
+    pin_memory: bool = F(False, "Page-locked host batches (faster, asynchronous host-to-device copies).")
+    non_blocking: bool = F(False, "Host-to-device copies with non_blocking=True (overlap with compute when pinned).")
+    persistent_workers: bool = F(True, "Keep DataLoader workers alive between epochs/evals (num_workers > 0).")
+    prefetch_factor: int = F(2, "Batches prefetched per worker (num_workers > 0).", ge=1)
+    cpu_work_ms: float = F(
+        0.0,
+        "Synthetic CPU workload per sample, in milliseconds (holds the GIL, like text augmentation). "
+        "Reproduces the book's data-bound case; the tokens are unchanged.",
+        ge=0,
+    )
+    narrow_ids: bool = F(
+        False,
+        "Send token ids to the device in a narrow type, uint16 when the vocabulary fits (<= 65536 ids) "
+        "else int32, and widen them to int64 there: 4x (2x) fewer bytes per host-to-device copy and in "
+        "pinned host memory. The same ids.",
+    )
+    cuda_prefetch: bool = F(
+        False,
+        "Double-buffered prefetch on CUDA: the next batch is copied (and widened) on a side CUDA stream "
+        "while the current one computes (tokenmill.data.loader.DevicePrefetcher; pair with data.pin_memory). "
+        "No effect off CUDA (plain copies). The same batches in the same order.",
+    )
+
+
+@dataclass
+class TrainConfig:
+    """The training loop."""
+
+    max_steps: int = F(1000, "Optimizer steps to train.", ge=0)
+    batch_size: int = F(8, "Per-device micro-batch size (sequences).", ge=1)
+    grad_accum_steps: int = F(
+        1, "Micro-batches accumulated per optimizer step; the update equals one batch k times larger.",
+        ge=1,
+    )
+    seed: int = F(1337, "Seed for initialisation, dropout and the global data stream.", ge=0)
+    device: Literal["auto", "cpu", "cuda", "mps"] = F("auto", "Device; 'auto' = cuda, else mps, else cpu.")
+    precision: Literal["fp32", "bf16-autocast", "bf16", "fp16-autocast"] = F(
+        "fp32",
+        "'fp32'; 'bf16-autocast' = bf16 compute with fp32 weights; 'bf16' = whole model and optimizer "
+        "state cast to bf16 (pure bf16, no autocast); 'fp16-autocast' = fp16 autocast with GradScaler.",
+    )
+    tf32: bool = F(False, "Allow TF32 tensor-core matmuls for fp32 math (set_float32_matmul_precision('high')).")
+    eval_every_steps: int = F(0, "Evaluate the validation loss every N steps (0 = only at the end).", ge=0)
+    eval_batches: int = F(10, "Validation micro-batches per evaluation (0 = no evaluation).", ge=0)
+    sample_at_end: bool = F(False, "Print a text sample at the end of training.")
+    sample_tokens: int = F(200, "Tokens generated for the end-of-training sample.", ge=0)
+    sample_prompt: str = F("\n", "Prompt for the end-of-training sample.")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and the learning-rate schedule."""
+
+    lr: float = F(6e-4, "Peak learning rate.", ge=0)
+    min_lr: float = F(6e-5, "Final learning rate of the cosine schedule.", ge=0)
+    schedule: Literal["cosine", "constant"] = F("cosine", "'cosine' = linear warm-up then cosine decay to min_lr; 'constant'.")
+    warmup_steps: int = F(100, "Linear warm-up steps (0 = none).", ge=0)
+    weight_decay: float = F(0.1, "AdamW weight decay.", ge=0)
+    decay_groups: bool = F(
+        True, "GPT-2 style groups: weight decay on matrices (>= 2-D, embeddings included) only, never on "
+        "biases or norm weights; False = decay every parameter."
+    )
+    beta1: float = F(0.9, "AdamW beta1.", ge=0, lt=1)
+    beta2: float = F(0.95, "AdamW beta2.", ge=0, lt=1)
+    eps: float = F(1e-8, "AdamW epsilon.", gt=0)
+    grad_clip: float = F(1.0, "Clip the global gradient norm to this (0 = no clipping).", ge=0)
+    impl: Literal["for-loop", "foreach", "fused"] = F(
+        "foreach",
+        "AdamW implementation: 'for-loop' (one parameter at a time, least temporary memory), 'foreach' "
+        "(multi-tensor), 'fused' (single fused kernel; CUDA and CPU in recent PyTorch).",
+    )
+
+
+@dataclass
+class CompileConfig:
+    """torch.compile."""
+
+    enabled: bool = F(False, "Compile the model with torch.compile.")
+    scope: Literal["model", "block"] = F("model", "'model' = one compiled graph; 'block' = compile each block.")
+    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = F(
+        "default", "torch.compile mode ('reduce-overhead' uses CUDA graphs)."
+    )
+    fullgraph: bool = F(False, "Require a single graph (error on graph breaks).")
+    dynamic: bool = F(False, "Compile for dynamic shapes (False = specialise on the fixed training shapes).")
+    loss_outside: bool = F(
+        False,
+        "Compile the model up to its final LayerNorm only and run the head and the cross-entropy eagerly on "
+        "its output, as the LLM-training-speed seed's compile rung does (torch.compile(model), loss outside "
+        "the graph); needs compile.scope='model'. False: the loss is compiled with the model.",
+    )
+
+
+@dataclass
+class MemoryConfig:
+    """Memory-saving switches."""
+
+    activation_checkpointing: int = F(
+        0, "Recompute activations in backward for every n-th block (0 = off, 1 = every block).",
+        ge=0,
+    )
+    optimizer_in_backward: bool = F(
+        False,
+        "Step the optimizer inside backward, one parameter at a time as soon as its gradient is ready "
+        "(register_post_accumulate_grad_hook), so the full set of gradients never exists at once. Needs "
+        "train.grad_accum_steps=1, optim.grad_clip=0, no fp16 GradScaler and a single process.",
+    )
+    optimizer_offload: bool = F(
+        False,
+        "Keep fp32 master weights and AdamW state in (pinned) CPU memory and run the optimizer step on the "
+        "CPU; gradients are copied down and updated weights copied back each step (ZeRO-Offload style, "
+        "single process). On a CPU run it changes nothing but adds copies.",
+    )
+    offload_gradients: bool = F(
+        False,
+        "With memory.optimizer_offload: move each gradient to its CPU buffer inside backward, as soon as "
+        "it is complete (post-accumulate-grad hook), and free it on the device, so the full set of "
+        "gradients never exists there; accumulation sums on the CPU and clipping runs on the CPU.",
+    )
+    optimizer_8bit: bool = F(
+        False,
+        "8-bit AdamW state (torchao.optim.AdamW8bit; needs `pip install torchao`). Approximate: "
+        "block-wise quantised moments.",
+    )
+    expandable_segments: bool = F(
+        False,
+        "CUDA caching allocator with expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, "
+        "set before CUDA initialises): less fragmentation, lower reserved memory.",
+    )
+
+
+@dataclass
+class ParallelConfig:
+    """Multi-process training (launch with torchrun). The degrees multiply to the world size."""
+
+    dp_replicate: int = F(
+        -1,
+        "Data-parallel replicas: DDP, or the replicate dimension of HSDP when dp_shard > 1. "
+        "-1 = the rest of the world size.",
+        ge=-1,
+    )
+    dp_shard: int = F(1, "FSDP2 (fully_shard) sharding degree; 1 = no sharding. -1 = the rest of the world size.", ge=-1)
+    tp: int = F(
+        1,
+        "Tensor-parallel degree: each block's q/k/v and MLP-up projections are split by columns, the output "
+        "projections by rows (DTensor parallelize_module); needs model.fused_qkv=false and n_head divisible by tp.",
+        ge=1,
+    )
+    pp: int = F(
+        1,
+        "Pipeline-parallel degree: the blocks are cut into pp consecutive stages, one per rank group "
+        "(torch.distributed.pipelining); needs model.tie_embeddings=false.",
+        ge=1,
+    )
+    pp_schedule: Literal["gpipe", "1f1b"] = F(
+        "1f1b",
+        "Pipeline schedule: 'gpipe' = all forwards, then all backwards; '1f1b' = alternate one forward and one "
+        "backward (fewer micro-batches' activations alive at once).",
+    )
+    pp_microbatches: int = F(
+        0, "Pipeline micro-batches per train.batch_size batch (must divide it); 0 = the pp degree.",
+        ge=0,
+    )
+    backend: Literal["auto", "nccl", "gloo"] = F("auto", "Process-group backend; 'auto' = nccl on CUDA, gloo on CPU.")
+    ddp_bucket_mb: float = F(25.0, "DDP gradient bucket size in MB (bucket_cap_mb).", gt=0)
+    ddp_grad_as_bucket_view: bool = F(
+        False, "DDP gradient_as_bucket_view: gradients are views into the all-reduce buckets (saves one copy)."
+    )
+    zero1: bool = F(
+        False,
+        "ZeRO-1: shard the optimizer state over data-parallel ranks (ZeroRedundancyOptimizer over DDP); "
+        "not with dp_shard > 1 (FSDP already shards it).",
+    )
+    fsdp_reshard_after_forward: bool = F(
+        True,
+        "FSDP: free the gathered parameters after forward and gather again in backward (ZeRO-3); "
+        "False keeps them until backward (ZeRO-2-like: more memory, one all-gather less).",
+    )
+    fsdp_mixed_precision: Literal["none", "bf16"] = F(
+        "none", "FSDP mixed precision: 'bf16' = bf16 parameters for compute, fp32 gradient reduction."
+    )
+    fsdp_cpu_offload: bool = F(
+        False, "FSDP: keep sharded parameters, gradients and optimizer step on the CPU (CPUOffloadPolicy)."
+    )
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints (atomic: temp file + rename)."""
+
+    every_steps: int = F(0, "Save a checkpoint every N steps (0 = only at the end).", ge=0)
+    keep_last: int = F(2, "Keep the newest K checkpoints; older ones are deleted.", ge=1)
+    save_final: bool = F(True, "Save a checkpoint when training ends.")
+
+
+@dataclass
+class LogConfig:
+    """Logging and metrics."""
+
+    every_steps: int = F(10, "Log metrics every N steps (device synchronisation happens only here).", ge=1)
+    timing_warmup_steps: int = F(
+        3, "Steps excluded from steady-state tokens/s (warm-up, compilation, allocator growth).",
+        ge=0,
+    )
+    progress: Literal["auto", "bar", "plain"] = F(
+        "auto", "'bar' = tqdm progress bar with ETA; 'plain' = log lines; 'auto' = bar on a terminal."
+    )
+    tensorboard: bool = F(True, "Write TensorBoard scalars to RUN_DIR/tensorboard when tensorboard is installed.")
+
+
+@dataclass
+class Config:
+    """A whole run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {s.name: dataclasses.asdict(getattr(self, s.name)) for s in dataclasses.fields(self)}
+
+
+# ----------------------------------------------------------------------------------------------
+# Introspection
+
+
+def sections() -> dict[str, type]:
+    """Section name -> its dataclass, in config order."""
+    hints = typing.get_type_hints(Config)
+    return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
+
+
+def field_specs() -> dict[str, tuple[type, Any, str]]:
+    """'section.field' -> (type annotation, default, doc) for every config field."""
+    out = {}
+    for sname, scls in sections().items():
+        hints = typing.get_type_hints(scls)
+        for f in dataclasses.fields(scls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            out[f"{sname}.{f.name}"] = (hints[f.name], default, f.metadata.get("doc", ""))
+    return out
+
+
+def field_ranges() -> dict[str, dict[str, float]]:
+    """'section.field' -> its declared valid range (``{'ge': 1}``; empty when unbounded)."""
+    out = {}
+    for sname, scls in sections().items():
+        for f in dataclasses.fields(scls):
+            out[f"{sname}.{f.name}"] = dict(f.metadata.get("range", {}))
+    return out
+
+
+_SYMBOL = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+
+
+def describe_range(bounds: dict[str, float]) -> str:
+    """``{'ge': 0, 'lt': 1}`` -> '>= 0 and < 1'."""
+    return " and ".join(f"{_SYMBOL[k]} {v:g}" for k, v in bounds.items())

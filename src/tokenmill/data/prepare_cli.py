@@ -1,0 +1,195 @@
+"""``tokenmill prepare`` on the command line: its options, reusing an existing tokenizer
+(``--tokenizer-from``), and the run (above ``prepare`` and the embedded corpus, which it may use)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from tokenmill.errors import DataError
+
+from .meta import META_NAME
+from .prepare import DEFAULT_GLOB, prepare
+from .tokenizers import (
+    NAMES,
+    TOKENIZER_FILE,
+    TiktokenTokenizer,
+    get_tokenizer,
+    is_tiktoken_cache,
+    load_hf_tokenizer_file,
+    load_tokenizer_for_data,
+    load_vocab_merges,
+)
+
+# ----------------------------------------------------------------------------------------------
+# Reusing a tokenizer
+
+
+def _run_data_folder(run_dir: Path) -> Path:
+    """The prepared data folder a run directory's ``config.toml`` trained on."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+
+    from .corpus import ensure_embedded_corpus
+
+    cfg_path = run_dir / "config.toml"
+    try:
+        data = tomllib.loads(cfg_path.read_text(encoding="utf-8")).get("data", {})
+    except (OSError, ValueError) as e:
+        raise DataError(f"'{cfg_path}' cannot be read as TOML ({e}).") from None
+    if data.get("source") == "synthetic":
+        raise DataError(
+            f"run '{run_dir}' trained on synthetic tokens (data.source = 'synthetic'): it has no tokenizer to "
+            "reuse. Fix: pass the data folder or tokenizer.json to reuse instead."
+        )
+    if data.get("path"):
+        path = Path(data["path"]).expanduser()
+        if not path.is_absolute() and not path.exists() and (run_dir / path).exists():
+            path = run_dir / path  # a path relative to the run directory
+        if not path.exists():
+            raise DataError(
+                f"run '{run_dir}' trained on data.path = '{data['path']}', which does not exist here. Fix: pass "
+                "that data folder (or its tokenizer.json) to --tokenizer-from directly."
+            )
+        return path
+    # the embedded corpus: its prepared folder in the cache (prepared again, identically, if gone)
+    from types import SimpleNamespace
+
+    dc = SimpleNamespace(tokenizer=data.get("tokenizer", "bpe"), bpe_vocab_size=data.get("bpe_vocab_size", 4096),
+                         cache_dir=data.get("cache_dir"))
+    return ensure_embedded_corpus(dc)
+
+
+def tokenizer_from(source: str | Path):
+    """The tokenizer to reuse from ``source``, for preparing new text with the same vocabulary:
+
+    * a prepared data folder (``meta.json``): its tokenizer ('bpe', 'bytes' or 'gpt2');
+    * a run directory (``config.toml``): the tokenizer of the data it trained on (``data.path``, or
+      the embedded corpus with its ``data.tokenizer``);
+    * a ``tokenizer.json`` file, or a folder holding one (a Hugging Face model folder), or a folder
+      with GPT-2's ``vocab.json`` + ``merges.txt``: stored as the new folder's tokenizer.json;
+    * a tiktoken cache folder holding GPT-2's BPE files (then TIKTOKEN_CACHE_DIR is set to it for
+      this process), or the name ``gpt2`` (tiktoken's GPT-2 BPE, from $TIKTOKEN_CACHE_DIR).
+    """
+    if str(source) == "gpt2":
+        return get_tokenizer("gpt2")
+    path = Path(source).expanduser()
+    if path.is_file():
+        if path.name == "config.toml":
+            return load_tokenizer_for_data(_run_data_folder(path.parent))
+        return load_hf_tokenizer_file(path)
+    if path.is_dir():
+        if (path / META_NAME).is_file():
+            return load_tokenizer_for_data(path)
+        if (path / "config.toml").is_file():
+            return load_tokenizer_for_data(_run_data_folder(path))
+        if (path / TOKENIZER_FILE).is_file():
+            return load_hf_tokenizer_file(path / TOKENIZER_FILE)
+        if (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
+            return load_vocab_merges(path)
+        if is_tiktoken_cache(path):
+            os.environ["TIKTOKEN_CACHE_DIR"] = str(path.resolve())  # inherited by the tokenizer workers
+            return TiktokenTokenizer("gpt2")
+        raise DataError(
+            f"--tokenizer-from '{path}': the folder holds no tokenizer: expected a prepared data folder "
+            "(meta.json), a run directory (config.toml), a tokenizer.json, GPT-2's vocab.json + merges.txt, "
+            "or a tiktoken cache with GPT-2's BPE files."
+        )
+    raise DataError(
+        f"--tokenizer-from '{source}' does not exist. Fix: pass a prepared data folder, a run directory, a "
+        "tokenizer.json, or 'gpt2' (tiktoken)."
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+
+
+def add_prepare_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Arguments of ``tokenmill prepare [INPUT] --out DIR ...``."""
+    parser.add_argument(
+        "input",
+        nargs="?",
+        default=None,
+        metavar="INPUT",
+        help="a UTF-8 text file or a folder of them; omitted: the embedded corpus (this Python's stdlib "
+        "sources)",
+    )
+    parser.add_argument(
+        "--out", required=True, metavar="DIR", help="output folder (train.bin, val.bin, meta.json)"
+    )
+    parser.add_argument("--tokenizer", choices=NAMES, default=None, help="tokenizer (default: bpe)")
+    parser.add_argument(
+        "--vocab-size", type=int, default=None, metavar="N", help="bpe vocabulary size (default: 4096)"
+    )
+    parser.add_argument(
+        "--tokenizer-from",
+        default=None,
+        metavar="DATA_OR_RUN",
+        help="reuse an existing tokenizer instead of --tokenizer (same vocabulary, e.g. to fine-tune): a "
+        "prepared data folder, a run directory (the data it trained on), a tokenizer.json (or a folder "
+        "with one, or with GPT-2's vocab.json + merges.txt), a tiktoken cache folder with GPT-2's BPE "
+        "files, or 'gpt2' (default: none)",
+    )
+    parser.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.1,
+        metavar="F",
+        help="share of documents for validation (default: 0.1)",
+    )
+    parser.add_argument(
+        "--workers", type=int, default=None, metavar="N", help="tokenizer processes (default: CPUs)"
+    )
+    parser.add_argument(
+        "--glob", default=DEFAULT_GLOB, metavar="PATTERN", help=f"files of a folder (default: {DEFAULT_GLOB})"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the train/val document split (default: 0)"
+    )
+    parser.add_argument("--max-files", type=int, default=None, metavar="N", help="use only the first N files")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def run_prepare(args: argparse.Namespace) -> int:
+    """Run ``prepare`` from parsed arguments, print a summary; DataError propagates. Returns 0."""
+    source = getattr(args, "tokenizer_from", None)
+    if source is not None:
+        given = [f for f, v in (("--tokenizer", args.tokenizer), ("--vocab-size", args.vocab_size)) if v is not None]
+        if given:
+            raise DataError(
+                f"--tokenizer-from reuses an existing tokenizer, so {' and '.join(given)} cannot be given with "
+                "it. Fix: drop one of them."
+            )
+        tokenizer = tokenizer_from(source)
+    else:
+        tokenizer = args.tokenizer if args.tokenizer is not None else "bpe"
+    out = prepare(
+        args.input,
+        args.out,
+        tokenizer=tokenizer,
+        vocab_size=args.vocab_size if args.vocab_size is not None else 4096,
+        val_fraction=args.val_fraction,
+        workers=args.workers,
+        seed=args.seed,
+        progress=not args.no_progress,
+        glob=args.glob,
+        max_files=args.max_files,
+        tokenizer_from=source,
+    )
+    meta = json.loads((out / META_NAME).read_text())
+    s = meta["splits"]
+    print(
+        f"prepared {out}: train {s['train']['tokens']:,} tokens ({s['train']['documents']} docs), "
+        f"val {s['val']['tokens']:,} tokens ({s['val']['documents']} docs), "
+        f"tokenizer {meta['tokenizer']['name']} "
+        f"({meta['vocab_size']} ids), {meta['dtype']}\nsource: {meta['source']}"
+        + (f"\ntokenizer from: {source}" if source is not None else "")
+    )
+    return 0

@@ -1,0 +1,106 @@
+"""The run directory: created safely, locked while a run writes to it, and self-contained.
+
+- **Locked**: one ``tokenmill train`` at a time writes to a run directory; a second one stops with an
+  error naming the first (``fcntl.flock`` on ``RUN/.lock``: the lock goes with the process, so a killed
+  run never leaves it held).
+- **Self-contained**: ``config.toml`` records the data folder as an absolute path, and the tokenizer
+  (``meta.json`` and its files) is copied into ``RUN/tokenizer/``, so ``sample`` and ``--resume`` work
+  from any directory and after the data folder has moved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import shutil
+from pathlib import Path
+from typing import Optional
+
+from tokenmill import config as C
+from tokenmill.errors import TrainingError
+
+LOCK_NAME = ".lock"
+TOKENIZER_DIR = "tokenizer"
+
+
+def open_run_dir(run_dir: Path) -> Path:
+    """Create ``run_dir`` (and its parents) or check the existing one is a folder."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise TrainingError(f"run directory {run_dir} exists and is not a folder; choose another --run-dir.")
+    run_dir.mkdir(parents=True, exist_ok=True)  # OS errors (permission, read-only) are reported by the CLI
+    return run_dir
+
+
+@contextlib.contextmanager
+def locked(run_dir: Path, enabled: bool = True):
+    """Hold the run directory's lock for the duration; yields None when held, else the pid of the process
+    that holds it (nothing is held then). Rank 0 of a job takes it; other ranks pass ``enabled=False``."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows: no advisory locks
+        enabled = False
+    if not enabled:
+        yield None
+        return
+    fd = os.open(run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            return
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        try:
+            yield None
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def in_use_message(run_dir: Path, holder: str | None) -> str:
+    who = f"pid {holder}" if holder else "see rank 0"
+    return (f"run directory {run_dir} is in use by another tokenmill process ({who}); wait for it to finish, "
+            "or choose another --run-dir.")
+
+
+def recorded_config(cfg: C.Config) -> C.Config:
+    """The config as the run directory records it: the data folder as an absolute path."""
+    out = copy.deepcopy(cfg)
+    if out.data.path:
+        out.data.path = str(Path(out.data.path).expanduser().resolve())
+    if out.data.cache_dir:
+        out.data.cache_dir = str(Path(out.data.cache_dir).expanduser().resolve())
+    return out
+
+
+def save_tokenizer(run_dir: Path, data_dir: Optional[Path]) -> None:
+    """Copy the data folder's ``meta.json`` and tokenizer files into ``RUN/tokenizer/`` (once)."""
+    if data_dir is None:
+        return
+    dst = run_dir / TOKENIZER_DIR
+    if (dst / "meta.json").is_file():
+        return
+    tmp = run_dir / f".{TOKENIZER_DIR}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    for p in Path(data_dir).iterdir():
+        if p.is_file() and p.suffix == ".json":  # meta.json, tokenizer.json, tokenizer_config.json, ...
+            shutil.copy2(p, tmp / p.name)
+    shutil.rmtree(dst, ignore_errors=True)
+    os.replace(tmp, dst)
+
+
+def tokenizer_dir(run_dir: Path, cfg: C.Config) -> Path:
+    """Where a run's tokenizer can be loaded from: its own copy, else the recorded data folder (older
+    runs), else the embedded corpus."""
+    own = run_dir / TOKENIZER_DIR
+    if (own / "meta.json").is_file():
+        return own
+    if cfg.data.path:
+        return Path(cfg.data.path)
+    from tokenmill.data import ensure_embedded_corpus
+
+    return ensure_embedded_corpus(cfg.data)
