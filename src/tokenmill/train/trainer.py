@@ -263,6 +263,8 @@ class Trainer:
                 if is_log or did_work or done == m.timing_from:
                     if done == m.timing_from:
                         sync(device)
+                        if device.type == "cuda":  # steady-state peaks: no compile/autotune workspaces
+                            torch.cuda.reset_peak_memory_stats(device)
                     m.restart_window(done)  # phases cover the window: no warm-up, eval or checkpoint steps
         except torch.OutOfMemoryError as e:
             raise TrainingError(oom_message(cfg, device, e)) from None
