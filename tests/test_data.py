@@ -474,6 +474,7 @@ def test_datasets_pickle_without_the_tokens(prepared):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_pinned_loader_on_cuda():
     ds = SyntheticDataset(100, 16, seed=0)

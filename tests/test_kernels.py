@@ -126,6 +126,7 @@ def test_cli_reports_the_error_without_a_traceback(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or not K.triton_available(), reason="needs a CUDA GPU and triton")
 def test_on_cuda_matches_native_bf16():
     ref, tri = _ref_and_triton(768, True, torch.bfloat16, "cuda")

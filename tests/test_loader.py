@@ -113,6 +113,7 @@ def test_prefetcher_fetches_nothing_before_the_first_next():
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_prefetcher_on_cuda_side_stream_same_batches_in_order():
     cfg = data_cfg(source="synthetic", narrow_ids=True)

@@ -130,6 +130,7 @@ def test_optimizer_offload_same_training(tmp_path, impl):
     assert set(state) == {"state", "param_groups"} and len(state["state"]) > 0
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the real offload moves state off it")
 def test_optimizer_offload_keeps_state_off_gpu():
     from tokenmill.optim.memory import CPUOffloadOptimizer

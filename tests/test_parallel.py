@@ -73,6 +73,8 @@ LAYOUTS = {
     "fsdp_zero2": {"parallel.dp_shard": 2, "parallel.fsdp_reshard_after_forward": False,
                    "train.grad_accum_steps": 2},
     "fsdp_bf16": {"parallel.dp_shard": 2, "parallel.fsdp_mixed_precision": "bf16"},
+    # the book's FSDP accumulation: reduce-scatter after every micro-batch (parallel.sync_every_microbatch)
+    "fsdp_sync_each": {"parallel.dp_shard": 2, "train.grad_accum_steps": 2, "parallel.sync_every_microbatch": True},
 }
 
 
@@ -97,10 +99,23 @@ def test_layouts_match_single_process(two_rank_runs, ref, tmp_path):
     ref_accum = single(tmp_path, "ref_accum", **{"train.grad_accum_steps": 2})
     for name in ("ddp", "zero1", "fsdp_zero3"):
         assert_same_losses(losses(two_rank_runs / name), ref, what=name)
-    for name in ("ddp_accum", "fsdp_zero2"):
+    for name in ("ddp_accum", "fsdp_zero2", "fsdp_sync_each"):
         assert_same_losses(losses(two_rank_runs / name), ref_accum, what=name)
     # bf16 parameters for compute (fp32 reduction): close, not equal
     assert_same_losses(losses(two_rank_runs / "fsdp_bf16"), ref, rel=2e-2, what="fsdp_bf16")
+
+
+def test_one_process_fsdp_under_torchrun(tmp_path, ref):
+    """``--parallel.dp_shard -1`` under a one-process torchrun shards over a 1-rank mesh (the FSDP path on
+    one GPU): layout 'fsdp', DCP checkpoints, and the single-process losses (the same global batch 8)."""
+    from tokenmill.checkpoint import list_checkpoints
+
+    over = common(**{"train.batch_size": 8, "checkpoint.every_steps": 3})
+    launch(tmp_path, [{"cfg": {**over, "parallel.dp_shard": -1, "parallel.dp_replicate": 1}, "run_dir": str(tmp_path / "fsdp1")}], nproc=1)
+    summary = json.loads((tmp_path / "fsdp1" / "summary.json").read_text())
+    assert (summary["layout"], summary["world_size"]) == ("fsdp", 1)
+    assert [p.name for _, p in list_checkpoints(tmp_path / "fsdp1")][-1] == f"step_{STEPS:08d}.dcp"
+    assert_same_losses(losses(tmp_path / "fsdp1"), ref, what="fsdp on one rank")
 
 
 def test_rank0_writes_global_metrics(two_rank_runs):

@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tokenmill.config import ModelConfig
+from tokenmill.errors import ConfigError
 from tokenmill.model.kernels.layernorm import TritonLayerNorm
 
 
@@ -140,7 +141,7 @@ class CausalSelfAttention(nn.Module):
         if cfg.attention == "sdpa" and cfg.sdpa_backend != "auto":
             backends = _sdpa_backends()
             if cfg.sdpa_backend not in backends:
-                raise RuntimeError(
+                raise ConfigError(
                     f"model.sdpa_backend={cfg.sdpa_backend!r} is not available in torch {torch.__version__}; "
                     "try --model.sdpa_backend auto"
                 )
@@ -184,11 +185,11 @@ class CausalSelfAttention(nn.Module):
             try:
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
             except RuntimeError as e:
-                raise RuntimeError(
+                raise ConfigError(
                     f"model.sdpa_backend={self.sdpa_backend!r} cannot run here (device {q.device.type}, "
                     f"dtype {q.dtype}, head_dim {q.size(-1)}, dropout {p}); try --model.sdpa_backend auto. "
-                    f"PyTorch said: {e}"
-                ) from e
+                    f"PyTorch said: {str(e).splitlines()[0]}"
+                ) from None
 
 
 # ----------------------------------------------------------------------------------------------

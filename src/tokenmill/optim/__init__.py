@@ -57,9 +57,10 @@ def build_optimizer(model: nn.Module, cfg: Config, world: Optional[World] = None
 
 
 def optimizer_step(optimizer, scaler, params, grad_clip: float, want_norm: bool,
-                   world: Optional[World] = None) -> Optional[torch.Tensor]:
-    """Unscale (fp16), clip / measure the gradient norm, step, zero the gradients; returns the norm
-    (None when neither clipping nor logging asked for it, or the optimizer stepped in backward)."""
+                   world: Optional[World] = None, zero: bool = True) -> Optional[torch.Tensor]:
+    """Unscale (fp16), clip / measure the gradient norm, step, and (``zero``) free the gradients; returns
+    the norm (None when neither clipping nor logging asked for it, or the optimizer stepped in backward).
+    ``zero=False`` (``optim.zero_grad='after_forward'``): the caller frees them after the next forward."""
     if scaler is not None:
         scaler.unscale_(optimizer)
     grad_norm = None
@@ -76,5 +77,6 @@ def optimizer_step(optimizer, scaler, params, grad_clip: float, want_norm: bool,
         scaler.update()
     else:
         optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    if zero or isinstance(optimizer, CPUOffloadOptimizer):  # offload: its CPU buffers track the step
+        optimizer.zero_grad(set_to_none=True)
     return grad_norm

@@ -80,6 +80,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, cfg: OptimConfig, offload_grads: bool = False):
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # a pinned buffer in the parameter's dtype per low-precision CUDA parameter: the fp32 master is
+        # converted on the CPU into it, then copied up asynchronously (a dtype-changing copy from the
+        # CPU would make a pageable temporary and synchronise once per parameter)
+        self.stages: list[torch.Tensor | None] = []
         self.grad_bufs: list[torch.Tensor] = []  # pinned CPU gradient buffer of each master
         self.got_grad: list[bool] = []  # this step, did parameter i get a gradient (offload_grads)?
         self.offload_grads = offload_grads
@@ -95,6 +99,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 if offload_grads:
                     p.register_post_accumulate_grad_hook(self._make_hook(len(self.pairs)))
                 self.pairs.append((p, m))
+                self.stages.append(torch.empty(p.shape, dtype=p.dtype, pin_memory=True)
+                                   if pin and p.dtype != torch.float32 else None)
                 self.grad_bufs.append(torch.empty_like(m, pin_memory=pin))
                 self.got_grad.append(False)
             master_groups.append({"params": masters, "weight_decay": group["weight_decay"]})
@@ -141,7 +147,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         self._gather_grads()
         self.cpu.step()
-        for p, m in self.pairs:
+        for (p, m), stage in zip(self.pairs, self.stages):
+            if stage is not None:
+                stage.copy_(m)
+                m = stage
             p.copy_(m, non_blocking=True)
         return None
 

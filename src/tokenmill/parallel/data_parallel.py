@@ -62,7 +62,10 @@ def apply_fsdp(model: nn.Module, world: World, cfg: ParallelConfig) -> nn.Module
 
 
 def apply_data_parallel(model: nn.Module, world: World, cfg: ParallelConfig) -> nn.Module:
-    """DDP / FSDP / HSDP per the resolved degrees; a world of one returns ``model`` unchanged."""
+    """DDP / FSDP / HSDP per the resolved degrees; a world of one returns ``model`` unchanged (except
+    FSDP asked for with ``parallel.dp_shard -1`` under a one-process torchrun: a 1-rank mesh)."""
+    if world.fsdp and not world.distributed:
+        return apply_fsdp(model, world, cfg)
     if not world.distributed:
         if cfg.fsdp_cpu_offload or cfg.zero1:
             raise ParallelError("parallel.fsdp_cpu_offload / parallel.zero1 need a multi-process (torchrun) run.")

@@ -38,6 +38,7 @@ class World:
     owns_group: bool = False  # this process created the process group (and destroys it at the end)
     tp: int = 1
     pp: int = 1
+    fsdp: bool = False  # FSDP applies (dp_shard > 1, or dp_shard -1 resolved to 1 under a one-process torchrun)
 
     @property
     def distributed(self) -> bool:
@@ -73,12 +74,12 @@ class World:
     @property
     def sharded(self) -> bool:
         """Parameters are split over ranks (FSDP, TP or PP): checkpoints are DCP folders."""
-        return self.dp_shard > 1 or self.tp > 1 or self.pp > 1
+        return self.fsdp or self.dp_shard > 1 or self.tp > 1 or self.pp > 1
 
     def layout(self) -> str:
         """E.g. 'single', 'ddp', 'fsdp', 'hsdp', 'fsdp+tp', 'pp+tp'."""
         if not self.distributed:
-            return "single"
+            return "fsdp" if self.fsdp else "single"
         parts = ["pp"] if self.pp > 1 else []
         if self.dp_shard > 1:
             parts.append("hsdp" if self.dp_replicate > 1 else "fsdp")
@@ -164,7 +165,8 @@ def init_world(cfg: ParallelConfig, device: torch.device) -> World:
     that the caller already initialised is used as it is (and left alive at the end).
     """
     env = torchrun_env()
-    if env is None or env[2] == 1:
+    one_process_fsdp = env is not None and env[2] == 1 and cfg.dp_shard == -1  # FSDP over a 1-rank mesh
+    if env is None or (env[2] == 1 and not one_process_fsdp):
         rep, shard = resolve_degrees(cfg, 1)
         return World(dp_replicate=rep, dp_shard=shard, device=device, tp=cfg.tp, pp=cfg.pp)
     rank, local_rank, size = env
@@ -183,7 +185,8 @@ def init_world(cfg: ParallelConfig, device: torch.device) -> World:
 
     mesh = init_device_mesh(device.type, (cfg.pp, rep, shard, cfg.tp),
                             mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
-    return World(rank, local_rank, size, rep, shard, device, mesh, owns, cfg.tp, cfg.pp)
+    return World(rank, local_rank, size, rep, shard, device, mesh, owns, cfg.tp, cfg.pp,
+                 fsdp=shard > 1 or one_process_fsdp)
 
 
 def shutdown(world: World) -> None:

@@ -191,7 +191,8 @@ def allocator_summary(before: dict[str, int], steps: int) -> dict[str, Any]:
 def start_memory_history() -> bool:
     """Start recording allocator history for a snapshot; False if this torch cannot."""
     try:
-        torch.cuda.memory._record_memory_history(max_entries=100000)
+        # Python stacks only: C++ stacks make the dump take minutes and the pickle hundreds of MB
+        torch.cuda.memory._record_memory_history(max_entries=30000, stacks="python")
         return True
     except Exception:  # pragma: no cover - depends on the torch build
         return False

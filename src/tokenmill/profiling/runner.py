@@ -69,7 +69,7 @@ def prepare_config(cfg: C.Config, opts: ProfileOptions, given: set[str]) -> C.Co
 def run_profile(cfg: C.Config, run_dir: str | Path, opts: ProfileOptions, quiet: bool = False) -> dict[str, Any]:
     """Train ``cfg`` under the profiler into ``run_dir``; returns the ``profile.json`` content."""
     from tokenmill.profiling import report
-    from tokenmill.train.device import resolve_device
+    from tokenmill.train.device import apply_allocator_settings, resolve_device
     from tokenmill.train.trainer import Callbacks, train
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -111,6 +111,7 @@ def run_profile(cfg: C.Config, run_dir: str | Path, opts: ProfileOptions, quiet:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     sched = schedule(wait=opts.wait, warmup=opts.warmup, active=opts.active, repeat=1)
     if cuda:
+        apply_allocator_settings(cfg.memory)  # before the memory history initialises the CUDA allocator
         memory.start_memory_history()
     try:
         with profile(

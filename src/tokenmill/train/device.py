@@ -1,5 +1,6 @@
 """The device: which one to use, synchronising it, its memory counters, and the CUDA caching-allocator
-settings (the one place where ``memory.expandable_segments`` is applied).
+settings (the one place where ``memory.expandable_segments``, ``memory.max_split_size_mb`` and
+``memory.gc_threshold`` are applied), and activation offloading (``memory.offload_activations``).
 
 The allocator reads ``PYTORCH_CUDA_ALLOC_CONF`` when CUDA initialises, so :func:`apply_allocator_settings`
 runs first thing in ``train()``. If CUDA is already initialised in this process (e.g. a notebook that
@@ -9,6 +10,7 @@ this PyTorch has it (it affects new segments only), otherwise a warning says it 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from typing import Any
@@ -18,33 +20,63 @@ import torch
 from tokenmill.config import MemoryConfig
 from tokenmill.errors import TrainingError
 
-_KEY = "expandable_segments"
+
+def allocator_settings(cfg: MemoryConfig) -> dict[str, str]:
+    """The ``PYTORCH_CUDA_ALLOC_CONF`` entries asked for by ``memory.expandable_segments``,
+    ``memory.max_split_size_mb`` and ``memory.gc_threshold`` (0 = not set)."""
+    out = {}
+    if cfg.expandable_segments:
+        out["expandable_segments"] = "True"
+    if cfg.max_split_size_mb:
+        out["max_split_size_mb"] = str(cfg.max_split_size_mb)
+    if cfg.gc_threshold:
+        out["garbage_collection_threshold"] = f"{cfg.gc_threshold:g}"
+    return out
 
 
 def apply_allocator_settings(cfg: MemoryConfig) -> bool:
-    """Turn on expandable segments if asked; returns True when the setting is (or will be) in effect."""
-    if not cfg.expandable_segments:
+    """Put the allocator settings into ``PYTORCH_CUDA_ALLOC_CONF`` (before CUDA initialises); a key the
+    environment already sets is left as it is, with a warning when it differs. Returns True when every
+    asked setting is (or will be) in effect; False when none was asked or one could not apply."""
+    wanted = allocator_settings(cfg)
+    if not wanted:
         return False
     current = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    if _KEY in current:
-        if f"{_KEY}:True" not in current:
-            warnings.warn(f"PYTORCH_CUDA_ALLOC_CONF={current!r} already sets {_KEY}; leaving it.", stacklevel=2)
-        return f"{_KEY}:True" in current
-    value = f"{current},{_KEY}:True" if current else f"{_KEY}:True"
+    entries = dict(e.split(":", 1) for e in current.split(",") if ":" in e)
+    ok, new = True, {}
+    for key, value in wanted.items():
+        if key in entries:
+            if entries[key] != value:
+                warnings.warn(f"PYTORCH_CUDA_ALLOC_CONF={current!r} already sets {key}; leaving it.", stacklevel=2)
+                ok = False
+            continue
+        new[key] = value
+    if not new:
+        return ok
+    value = ",".join([current] * bool(current) + [f"{k}:{v}" for k, v in new.items()])
     if not torch.cuda.is_initialized():
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = value
-        return True
+        return ok
     setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
     if setter is not None:
-        setter(f"{_KEY}:True")
+        setter(",".join(f"{k}:{v}" for k, v in new.items()))
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = value
-        return True
+        return ok
     warnings.warn(
-        "memory.expandable_segments: CUDA was already initialised in this process, so the allocator setting "
-        "cannot change; set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before starting Python.",
+        f"memory allocator settings ({', '.join(new)}): CUDA was already initialised in this process, so they "
+        f"cannot change; set PYTORCH_CUDA_ALLOC_CONF={value} before starting Python.",
         stacklevel=2,
     )
     return False
+
+
+def offload_activations(cfg: MemoryConfig, device: torch.device):
+    """``memory.offload_activations``: the tensors autograd saves for backward go to (pinned) CPU memory
+    during the forward and come back in backward (``torch.autograd.graph.save_on_cpu``); a no-op
+    context when off."""
+    if not cfg.offload_activations:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
 
 
 def resolve_device(name: str, option: str = "--train.device") -> torch.device:

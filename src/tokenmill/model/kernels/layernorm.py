@@ -17,6 +17,8 @@ interpreter). The kernels are built on first use, so ``TRITON_INTERPRET`` is rea
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import os
 from functools import lru_cache
@@ -117,11 +119,23 @@ def _block(C: int) -> int:
     return max(16, 1 << (C - 1).bit_length())  # next power of two
 
 
+@functools.cache
+def _sm_count(index: int) -> int:
+    """Streaming multiprocessors of CUDA device ``index`` (read once: not inside traced code each call)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _programs(x: torch.Tensor, rows: int) -> int:
     """Backward programs: a few per SM on a GPU (each sums its rows' weight gradients); 4 otherwise."""
     if x.is_cuda:
-        return max(1, min(rows, 4 * torch.cuda.get_device_properties(x.device).multi_processor_count))
+        return max(1, min(rows, 4 * _sm_count(x.device.index if x.device.index is not None else
+                                                torch.cuda.current_device())))
     return max(1, min(rows, 4))
+
+
+def _on(device: torch.device):
+    """Triton launches on the current CUDA device: make it ``device`` for the launch."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 class _LayerNormFn(torch.autograd.Function):
@@ -137,7 +151,8 @@ class _LayerNormFn(torch.autograd.Function):
         w = weight.contiguous()
         b = bias.contiguous() if bias is not None else w  # unused without HAS_BIAS
         if M:
-            fwd[(M,)](x2, y, w, b, mean, rstd, x2.stride(0), C, eps, HAS_BIAS=bias is not None, BLOCK=_block(C))
+            with _on(x.device):
+                fwd[(M,)](x2, y, w, b, mean, rstd, x2.stride(0), C, eps, HAS_BIAS=bias is not None, BLOCK=_block(C))
         ctx.save_for_backward(x2, w, mean, rstd)
         ctx.has_bias, ctx.shape = bias is not None, x.shape
         return y.view(x.shape)
@@ -153,7 +168,8 @@ class _LayerNormFn(torch.autograd.Function):
         dw_part = torch.zeros(P, C, dtype=torch.float32, device=x2.device)
         db_part = torch.zeros(P, C, dtype=torch.float32, device=x2.device)
         if M:
-            bwd[(P,)](dy2, x2, w, mean, rstd, dx, dw_part, db_part, x2.stride(0), M, C, P, BLOCK=_block(C))
+            with _on(x2.device):
+                bwd[(P,)](dy2, x2, w, mean, rstd, dx, dw_part, db_part, x2.stride(0), M, C, P, BLOCK=_block(C))
         dw = dw_part.sum(0).to(w.dtype)
         db = db_part.sum(0).to(w.dtype) if ctx.has_bias else None
         return dx.view(ctx.shape), dw, db, None
