@@ -64,13 +64,16 @@ class GPT(nn.Module):
         # initialise once, in init_weights: so the draws do not depend on how modules are built.
         device = torch.empty(0).device
         with torch.device("meta"):
-            self.wte = nn.Embedding(self.padded_vocab, cfg.n_embd)
-            self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+            # _weight: no reset_parameters on meta (normal_ there goes through torch._refs and imports
+            # torch._dynamo: ~2 s at every process start); init_weights draws the values
+            self.wte = nn.Embedding(self.padded_vocab, cfg.n_embd, _weight=torch.empty(self.padded_vocab, cfg.n_embd))
+            self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd, _weight=torch.empty(cfg.block_size, cfg.n_embd))
             self.drop = nn.Dropout(cfg.dropout)
             self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
             self.ln_f = make_norm(cfg)
             self.lm_head = nn.Linear(cfg.n_embd, self.padded_vocab, bias=False)
-        self.to_empty(device=device)
+        if device.type != "meta":  # on meta the modules already are where they belong
+            self.to_empty(device=device)
         self.init_weights()
         self.hidden_output = False  # True on the last pipeline stage (see forward)
 
@@ -87,6 +90,8 @@ class GPT(nn.Module):
         tied = self.cfg.tie_embeddings
         if tied:
             self.lm_head.weight = self.wte.weight
+        if self.wte.weight.is_meta:  # no values to draw (parameter counts, sizing, estimates)
+            return
         for name, m in self.named_modules():
             if m is self.wte or (m is self.lm_head and not tied):
                 _normal_rows(m.weight, self.vocab_size, std)  # padding rows: zero
