@@ -6,13 +6,18 @@ and check the verdict; CUDA-only diagnoses run on a GPU and are skipped elsewher
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import io
 import itertools
 import json
+import math
 import os
 import shlex
+import statistics
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,8 +26,15 @@ from conftest import tiny_cfg
 from tokenmill import config as C
 from tokenmill.cli import main
 from tokenmill.data.prepare import prepare
-from tokenmill.profiling import memory, rules
-from tokenmill.profiling.doctor import diagnose, facts_from_profile, last_run, rank
+from tokenmill.profiling import memory, rules, trial
+from tokenmill.profiling.doctor import (
+    diagnose,
+    facts_from_metrics,
+    facts_from_profile,
+    last_run,
+    layer_form_ops,
+    rank,
+)
 from tokenmill.profiling.runner import ProfileOptions, prepare_config, run_profile
 from tokenmill.profiling.trace import OUTSIDE
 from tokenmill.train.trainer import train
@@ -225,6 +237,15 @@ def cuda_facts(**kw) -> dict:
     ({"syncs_per_step": 3.0, "config": {"log.every_steps": 1}}, "host_sync"),
     ({"flops_per_op": 800.0, "tokens_per_step": 8}, "launch_overhead"),
     ({"config": {"model.attention": "manual"}, "attention_flop_share": 0.2}, "attention"),
+    ({"config": {"optim.impl": "for-loop"}, "optimizer_share": 0.4, "optimizer_ms": 40.0}, "optimizer_impl"),
+    ({"config": {"memory.activation_checkpointing": 1}, "recompute_share": 0.3, "recompute_ms": 30.0,
+      "recompute_source": "measured"}, "activation_recompute"),
+    ({"config": {"model.norm": "manual"}, "forward_share": 0.3, "backward_share": 0.5,
+      "layer_forms": {"model.norm": {"total": 500, "matmul": 50, "extra": 150}}}, "layer_forms"),
+    ({"threads": {"intra_op": 8, "cpu_count": 2}}, "thread_oversubscription"),
+    ({"wall_s": 100.0, "outside_s": {"evaluation": 40.0}, "outside_counts": {"evaluation": 10},
+      "config": {"train.eval_every_steps": 10, "train.eval_batches": 50}}, "outside_steady_state"),
+    ({"config": {"train.batch_size": 1, "train.grad_accum_steps": 8}, "flops_per_op": 5000.0}, "micro_batch"),
 ])
 def test_each_cpu_rule_triggers_first(planted, expected):
     assert [f["key"] for f in rank(facts())] == []  # the healthy run triggers nothing
@@ -245,6 +266,11 @@ def test_each_cpu_rule_triggers_first(planted, expected):
     ({"activation_mb": 60000.0, "memory_total_mb": 70000.0, "peak_reserved_mb": 75000.0}, "activation_memory"),
     ({"optimizer_state_mb": 40000.0, "memory_total_mb": 70000.0, "peak_reserved_mb": 75000.0},
      "optimizer_state_memory"),
+    ({"device_busy_fraction": 0.3, "device_idle_share": 0.7, "mean_kernel_us": 8.0, "kernels_per_step": 8000},
+     "compile_off"),
+    ({"optimizer_share": 0.3, "optimizer_ms": 30.0}, "optimizer_impl"),  # foreach on a GPU
+    ({"config": {"memory.activation_checkpointing": 1}, "recompute_share": 0.3, "recompute_ms": 30.0,
+      "recompute_source": "measured", "peak_reserved_mb": 20000.0}, "activation_recompute"),
 ])
 def test_each_cuda_rule_triggers_first(planted, expected):
     assert rank(cuda_facts()) == []
@@ -363,6 +389,9 @@ RUN_VARIANTS = [
     {"compile.enabled": True, "compile.mode": "reduce-overhead"}, {"optim.impl": "fused"},
     {"optim.impl": "for-loop"}, {"memory.activation_checkpointing": 1}, {"memory.expandable_segments": True},
     {"log.every_steps": 1}, {"train.precision": "fp32", "train.tf32": True}, {"data.cpu_work_ms": 5.0},
+    {"model.norm": "manual", "model.gelu": "manual", "model.fused_qkv": False},
+    {"train.eval_every_steps": 5, "train.eval_batches": 20, "checkpoint.every_steps": 10},
+    {"train.batch_size": 2, "train.grad_accum_steps": 8},
 ]
 SYNC_SOURCES = [{"call": "cudaStreamSynchronize", "op": "aten::item", "parent": "aten::copy_", "region": r,
                  "python": "", "per_step": 1.0} for r in ("h2d", "forward")]
@@ -374,6 +403,12 @@ PLANTED = [
     dict(attention_flop_share=0.2),
     dict(activation_mb=9.0, memory_total_mb=10.0, vocab_sized_mb=8.0),
     dict(optimizer_state_mb=5.0, memory_total_mb=10.0),
+    dict(optimizer_share=0.4, optimizer_ms=40.0, recompute_share=0.3, recompute_ms=30.0, recompute_source="x"),
+    dict(forward_share=0.3, backward_share=0.5, threads={"intra_op": 8, "cpu_count": 2},
+         layer_forms={k: {"total": 500, "matmul": 50, "extra": 100} for k in rules.LAYER_FORMS}),
+    dict(wall_s=100.0, step_ms=100.0, outside_s={"evaluation": 40.0, "checkpoints": 20.0, "logging": 10.0},
+         outside_counts={"evaluation": 10, "checkpoints": 5}),
+    dict(flops_per_op=800.0, tokens_per_step=8, data_share=0.6, data_ms=60.0, threads={"intra_op": 1, "cpu_count": 2}),
 ]
 PLANTED_CUDA = [
     dict(data_share=0.6, data_ms=60.0), dict(h2d_share=0.3, h2d_ms=30.0),
@@ -382,6 +417,8 @@ PLANTED_CUDA = [
     dict(alloc_retries=3, cuda_malloc_per_step=4.0, cuda_free_per_step=4.0, reserved_minus_allocated_mb=900.0),
     dict(vocab_sized_mb=60000.0, peak_region="forward", peak_op="aten::log_softmax", **MEMORY),
     dict(activation_mb=60000.0, **MEMORY), dict(optimizer_state_mb=40000.0, **MEMORY),
+    dict(device_busy_fraction=0.3, device_idle_share=0.7, mean_kernel_us=8.0, kernels_per_step=8000),
+    dict(recompute_share=0.3, recompute_ms=30.0, recompute_source="x", peak_reserved_mb=20000.0),
 ]
 
 
@@ -500,6 +537,254 @@ def test_per_block_null_is_unknown_not_zero(tmp_path):
         assert not any("attention regions take" in e for e in found["evidence"])
     f = facts_from_profile(profile_dict(per_block={"attn_ms_per_step": 25.0, "mlp_ms_per_step": 30.0}))
     assert f["attn_share"] == pytest.approx(0.25)
+
+
+# ------------------------------------------------------------------------------------------------
+# Every slow form named first, through the CLI; the same verdict three times; advice measured by --try
+
+
+def cli_json(*args: str) -> dict:
+    """``tokenmill doctor ... --json`` through the CLI's main function (no capsys: module fixtures)."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["doctor", *args, "--json"]) == 0
+    return json.loads(buf.getvalue())
+
+
+def cli_quiet(*args: str) -> None:
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(list(args)) == 0
+
+
+TINY_ARGS = ["--preset", "tiny", "--data.source", "synthetic", "--model.vocab_size", "64", "--train.device", "cpu",
+             "--train.eval_batches", "0", "--log.progress", "plain"]
+PROFILE_ARGS = ["--wait", "1", "--warmup", "1", "--active", "3", "--quiet"]
+# planted cause -> `tokenmill profile` arguments on top of the tiny preset; each is the issue's case
+PLANTS = {
+    "optimizer_impl": ["--optim.impl", "for-loop", "--model.n_layer", "6"],  # ~30% of the step in AdamW
+    "activation_recompute": ["--memory.activation_checkpointing", "1", "--model.n_embd", "64",
+                             "--model.block_size", "64", "--train.batch_size", "8"],
+    "layer_forms": ["--model.norm", "manual", "--model.gelu", "manual"],
+}
+EVAL_ARGS = ["--train.eval_every_steps", "1", "--train.eval_batches", "50"]  # 50 validation batches every step
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    """The key planted causes, each run three times (a fresh run directory each), and their verdicts:
+    ``{cause: [(run_dir, verdict), ...]}``. The evaluation case is a plain `tokenmill train` run."""
+    root = tmp_path_factory.mktemp("planted")
+    out: dict[str, list] = {}
+    for cause, extra in PLANTS.items():
+        for i in range(3):
+            d = root / f"{cause}{i}"
+            cli_quiet("profile", *TINY_ARGS, *PROFILE_ARGS, "--run-dir", str(d), *extra)
+            out.setdefault(cause, []).append((d, cli_json(str(d))))
+    for i in range(3):
+        d = root / f"eval{i}"
+        cli_quiet("train", *TINY_ARGS, *EVAL_ARGS, "--train.max_steps", "12", "--run-dir", str(d))
+        out.setdefault("outside_steady_state", []).append((d, cli_json(str(d))))
+    return out
+
+
+@pytest.mark.parametrize("cause", [*PLANTS, "outside_steady_state"])
+def test_planted_cause_is_named_first_three_times(planted, cause):
+    """Stable verdicts: the same planted run, repeated three times, gets the same main finding."""
+    verdicts = [v for _d, v in planted[cause]]
+    assert [v["main"] for v in verdicts] == [cause] * 3, [(v["main"], v["findings"][:2]) for v in verdicts]
+    for v in verdicts:
+        top = v["findings"][0]
+        assert top["score"] >= rules.MIN_SCORE and top["suggestions"][0]["switch"]
+
+
+def test_planted_evidence_and_switches(planted):
+    """What each planted verdict says: the measured figure behind it and the switch that undoes the plant."""
+    opt = planted["optimizer_impl"][0][1]["findings"][0]
+    assert switches(opt)[:2] == ["--optim.impl fused", "--optim.impl foreach"]
+    assert "optim.impl = for-loop" in " ".join(opt["evidence"])
+    rec = planted["activation_recompute"][0]
+    prof = json.loads((rec[0] / "profile.json").read_text())["breakdown"]["recompute"]
+    assert prof["ops_per_step"] > 0 and prof["host_ms_per_step"] > 0  # measured: forward operators in backward
+    found = rec[1]["findings"][0]
+    assert switches(found)[0] == "--memory.activation_checkpointing 0"
+    assert any("measured in the profile" in e for e in found["evidence"])
+    forms = planted["layer_forms"][0][1]["findings"][0]
+    assert switches(forms) == ["--model.norm native", "--model.gelu native"]
+    assert any("counted on the model's own layers" in e for e in forms["evidence"])
+    wall = planted["outside_steady_state"][0][1]
+    found = wall["findings"][0]
+    assert found["title"].endswith("evaluation") and found["measure"] == "wall"
+    assert switches(found)[0].startswith("--train.eval_every_steps ")
+    assert "host_sync" not in keys(wall)
+
+
+def test_profiled_evaluation_is_not_blamed_on_logging(tmp_path):
+    """An evaluation of 50 batches after every step, inside the profiled window: the doctor names the
+    evaluation (found between the phases in the trace), not the logging syncs."""
+    cli_quiet("profile", *TINY_ARGS, *PROFILE_ARGS, *EVAL_ARGS, "--run-dir", str(tmp_path))
+    v = cli_json(str(tmp_path))
+    assert v["main"] == "outside_steady_state", v["findings"][:2]
+    prof = json.loads((tmp_path / "profile.json").read_text())["breakdown"]["outside"]
+    assert prof["steps_with_eval"] == 3 and prof["eval_ms_per_step"] > 0
+    assert all(x["minor"] or x["key"] != "host_sync" for x in v["findings"])
+
+
+def test_micro_batch_and_threads_planted_through_the_cli(tmp_path):
+    """A batch of 1 accumulated 8 times is named as such (merge the micro-batches, same global batch);
+    twice as many intra-op threads as cores are named as over-subscription, with the count to set."""
+    cli_quiet("profile", *TINY_ARGS, *PROFILE_ARGS, "--run-dir", str(tmp_path / "micro"),
+              "--train.batch_size", "1", "--train.grad_accum_steps", "8")
+    v = cli_json(str(tmp_path / "micro"))
+    assert v["main"] == "micro_batch", v["findings"][:2]
+    assert switches(v["findings"][0])[0] == "--train.batch_size 8 --train.grad_accum_steps 1"
+    assert "launch_overhead" not in [x["key"] for x in v["findings"]]
+    cores = len(os.sched_getaffinity(0))
+    torch.set_num_threads(2 * cores)
+    try:
+        cli_quiet("profile", *TINY_ARGS, *PROFILE_ARGS, "--run-dir", str(tmp_path / "threads"))
+    finally:
+        torch.set_num_threads(1)
+    host = json.loads((tmp_path / "threads" / "profile.json").read_text())["host"]
+    assert host == {**host, "intra_op": 2 * cores, "cpu_count": cores}
+    v = cli_json(str(tmp_path / "threads"))
+    assert v["main"] == "thread_oversubscription", v["findings"][:2]
+    assert v["findings"][0]["suggestions"][0]["env"] == {"OMP_NUM_THREADS": str(cores)}
+
+
+@pytest.mark.parametrize("case, main_key, first", [
+    ("cuda_compile_off", "compile_off", "--compile.enabled true"),
+    ("cuda_pageable_copies", "copy_bound", "--data.pin_memory true"),
+    ("cuda_checkpointing_spare_memory", "activation_recompute", "--memory.activation_checkpointing 0"),
+    ("cuda_data_workers", "data_bound", "--data.num_workers 4"),
+])
+def test_gpu_rules_on_recorded_facts(case, main_key, first):
+    """GPU-only rules on the (synthetic, hand-made) GPU run directories of tests/data/doctor."""
+    d = Path(__file__).parent / "data" / "doctor" / case
+    assert "SYNTHETIC" in json.loads((d / "summary.json").read_text())["synthetic"]
+    v = cli_json(str(d))
+    assert v["device"] == "cuda" and v["main"] == main_key, v["findings"][:2]
+    sw = switches(v["findings"][0])
+    assert sw[0] == first
+    if case == "cuda_data_workers":  # 1 worker x 200 ms step, 80 ms of compute: ceil(1.25 x 200 / 80) = 4
+        assert {"--data.pin_memory true", "--data.non_blocking true"} <= set(sw)
+    if case == "cuda_compile_off":  # the overhead finding no longer repeats the compile switches
+        rest = next(x for x in v["findings"] if x["key"] == "launch_overhead")
+        assert not any("compile" in s for s in switches(rest))
+
+
+def test_wall_time_outside_the_steady_state_from_an_older_run(tmp_path):
+    """A run without the trainer's wall-time fields: the wall time comes from the config.toml and
+    summary.json file times, the evaluations from the val_loss rows (eval_batches forward passes each)."""
+    cfg = tiny_cfg(**{"train.eval_every_steps": 2, "train.eval_batches": 40, "train.max_steps": 8})
+    rows = [r for s in (2, 4, 6, 8) for r in (timed_row(s), {"step": s, "val_loss": 4.0})]
+    d = write_run(tmp_path / "r", cfg, metrics=rows, summary={"steps": 8, "start_step": 0, "device": "cpu"})
+    t0 = (d / "config.toml").stat().st_mtime
+    os.utime(d / "summary.json", (t0 + 20.0, t0 + 20.0))  # 20 s from the start of training to its end
+    v = diagnose(d)
+    found = v["findings"][0]
+    assert v["main"] == "outside_steady_state" and found["measure"] == "wall"
+    # steady 8 x 100.1 ms; evaluation 4 x 40 x 40 ms (the training forward) = 6.4 s; the rest unexplained
+    assert "evaluation: 6.4 s (32%) in 4 rounds" in found["evidence"]
+    assert any("file times" in e for e in found["evidence"])
+    every = math.ceil(19 * 1.6 / 0.1001)  # each 1.6 s evaluation then <= 5% of the steps (0.1001 s each) before it
+    assert switches(found)[:2] == [f"--train.eval_every_steps {every}", "--train.eval_batches 10"]
+
+
+def test_workers_needed_from_the_wait_and_the_step():
+    f = facts(data_share=0.6, data_ms=60.0)  # no workers: loading 60 ms, the rest of the step 40 ms
+    assert rules.workers_needed(f)[0] == math.ceil(1.25 * 60 / 40)
+    f = facts(data_share=0.6, data_ms=60.0, config={"data.num_workers": 2})  # 2 x 100 ms per step
+    assert rules.workers_needed(f)[0] == math.ceil(1.25 * 200 / 40)
+    f["threads"] = {"intra_op": 1, "cpu_count": 4}
+    need, how = rules.workers_needed(f)
+    assert need == 3 and "4 cores" in how  # one core stays with the training process
+
+
+def test_thresholds_allow_for_the_runs_own_noise():
+    """An optimizer share above the threshold on average but not beyond its own noise is not named."""
+    loud = facts(optimizer_share=0.2, optimizer_ms=20.0, optimizer_share_se=0.05, config={"optim.impl": "for-loop"})
+    assert rules.optimizer_impl(loud) is None
+    assert rules.optimizer_impl({**loud, "optimizer_share_se": 0.01}) is not None
+    rows = [timed_row(s, forward_ms=40.0 + (s % 3)) for s in (2, 4, 6, 8)]
+    f = facts_from_metrics(rows)
+    shares = [r["forward_ms"] / r["step_ms"] for r in rows]
+    assert f["forward_share_se"] == pytest.approx(statistics.stdev(shares) / 2)
+
+
+def test_layer_form_operators_are_counted_on_the_model():
+    """The hand-written forms' extra operators are counted by running the model's own layers in both
+    forms: more operators in the manual form, none counted for a native one."""
+    cfg = C.flatten(tiny_cfg(**{"model.norm": "manual", "model.gelu": "manual"}).to_dict())
+    counts = layer_form_ops(cfg)
+    assert set(counts) == {"model.norm", "model.gelu"}
+    assert all(0 < c["extra"] < c["total"] and 0 < c["matmul"] < c["total"] for c in counts.values())
+    assert counts["model.norm"]["extra"] > counts["model.gelu"]["extra"]  # 5 norms, 2 GELUs, more ops each
+    assert layer_form_ops(C.flatten(tiny_cfg().to_dict())) == {}
+
+
+def test_rules_read_defaults_from_the_config_definitions():
+    """A fact dict without a config value gets the field's default from tokenmill.config, never one
+    typed in the doctor; an unknown key is a bug (KeyError), not a silent default."""
+    for key, (_tp, default, _doc) in C.field_specs().items():
+        assert rules.cfg({"config": {}}, key) == default
+    with pytest.raises(KeyError):
+        rules.cfg({"config": {}}, "optim.no_such_field")
+    assert rules.doc("optim.impl").startswith("AdamW implementation")
+
+
+def test_try_candidates_and_verdicts():
+    """--try picks the first N runnable suggestions (major findings first), and calls a change
+    confirmed only when every round agrees and it beats the baseline's own spread."""
+    verdict = {"findings": [
+        {"key": "b", "score": 0.2, "minor": False, "measure": "speed",
+         "suggestions": [{"switch": None, "why": "advice only"}, {"switch": "--x.y 1", "why": ""}]},
+        {"key": "m", "score": 0.05, "minor": True, "measure": "memory", "suggestions": [{"switch": "--x.z 2", "why": ""}]},
+        {"key": "t", "score": 0.3, "minor": False, "measure": "speed",
+         "suggestions": [rules.env_setting("OMP_NUM_THREADS", 1, "one thread"), {"switch": "--x.y 1", "why": ""}]},
+    ]}
+    got = trial.candidates(verdict, 3)
+    assert [(c["switch"], c["env"], c["finding"]) for c in got] == [
+        (None, {"OMP_NUM_THREADS": "1"}, "t"), ("--x.y 1", {}, "t"), ("--x.z 2", {}, "m")]
+
+    def runs(*tps, peak=100.0):
+        return [{"ok": True, "round": i, "tokens_per_sec": t, "wall_tokens_per_sec": t, "peak_mb": peak}
+                for i, t in enumerate(tps)]
+
+    base = runs(1000, 1050, 980)
+    assert trial.compare(base, runs(1300, 1350, 1250), "speed")["status"] == "confirmed"
+    assert trial.compare(base, runs(1030, 1100, 990), "speed")["status"] == "not confirmed"  # within the spread
+    assert trial.compare(base, runs(1300, 1000, 1250), "speed")["status"] == "not confirmed"  # one round disagrees
+    assert trial.compare(base, runs(700, 720, 690), "speed")["status"] == "worse"
+    assert trial.compare(base, runs(1000, 1050, 980, peak=60.0), "memory")["status"] == "confirmed"
+    got = trial.compare(base, runs(1300, 1350, 1250), "speed")["changes"]["speed"]
+    assert got["change"] == pytest.approx(1350 / 1050 - 1) and got["low"] == pytest.approx(1250 / 980 - 1)  # median
+    failed = [{"ok": False, "round": 0, "reason": "out of memory"}]
+    assert trial.compare(base, failed, "speed") == {"status": "failed", "reason": "out of memory"}
+
+
+def test_doctor_try_measures_the_top_suggestion(planted, monkeypatch):
+    """`tokenmill doctor RUN --try 1` on the evaluation-every-step run: the suggested evaluation
+    interval runs as B against the run's own config as A, in fresh processes, A and B alternated; the
+    end-to-end tokens/s it buys is far beyond the noise: confirmed."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the A/B processes: one thread each, as the tests run
+    d = planted["outside_steady_state"][0][0]
+    v = cli_json(str(d), "--try", "1", "--try-steps", "6", "--try-repeats", "2")
+    rep = v["try"]
+    assert rep["order"] == ["A", "B1", "B1", "A"]
+    (t,) = rep["tries"]
+    assert t["switch"] == v["findings"][0]["suggestions"][0]["switch"] and t["finding"] == "outside_steady_state"
+    every = int(t["switch"].split()[1])
+    assert [r["config"] for r in t["runs"]] == [{"train.eval_every_steps": every}] * 2  # the override took effect
+    assert all(r["ok"] and r["tokens_per_sec"] > 0 and r["peak_mb"] > 0 for r in rep["baseline"] + t["runs"])
+    assert t["decided_by"] == "wall" and t["status"] == "confirmed", t
+    assert t["changes"]["wall"]["low"] > 0.3
+    assert json.loads((d / "doctor_try.json").read_text())["tries"][0]["status"] == "confirmed"
+
+
+def test_doctor_try_errors(tmp_path, capsys):
+    d = write_run(tmp_path / "r", None, metrics=[timed_row(s, data_ms=300.0) for s in (2, 4, 6)])
+    assert main(["doctor", str(d), "--try", "1"]) == 1
+    assert "--try needs the run's config" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ def test_profile_cli_writes_trace_and_report(tmp_path, capsys):
                                                                                  "h2d", OUTSIDE)
     assert prof["per_block"]["attn_ms_per_step"] > 0 and prof["per_block"]["mlp_ms_per_step"] > 0
     assert any("CPU run" in n for n in prof["notes"])
+    assert prof["host"]["intra_op"] == torch.get_num_threads() and prof["host"]["cpu_count"] >= 1
     md = (run / "profile.md").read_text()
     assert "## Time per step" in md and "## Memory peak" in md and "n/a" in md  # no device timeline on CPU
     assert (run / "profile.png").stat().st_size > 1000
@@ -139,7 +140,47 @@ def test_analysis_of_a_cuda_like_trace():
     assert memory.memory_peak(tr, (300 * 2**20 // 4,))["vocab_sized_mb"] == pytest.approx(300)
 
 
-def test_per_block_is_null_when_the_hooks_did_not_run():
+def test_recompute_and_evaluation_in_a_cuda_like_trace():
+    """Activation checkpointing: forward operators inside backward, scaled by the forward's own ratio
+    of its whole time to those operators' time (host and device). An evaluation between the phases:
+    its span per step, and its read-back counted apart from the training's syncs."""
+    ev = []
+    for i, t0 in enumerate((0, 1000)):
+        ev += [
+            _x(f"ProfilerStep#{i + 4}", "user_annotation", t0, 1000),
+            _x("forward", "user_annotation", t0 + 100, 200),
+            _x("aten::linear", "cpu_op", t0 + 110, 100),  # half the forward on the host
+            _x("cudaLaunchKernel", "cuda_runtime", t0 + 120, 10, correlation=10 + i),
+            _x("cudaLaunchKernel", "cuda_runtime", t0 + 250, 10, correlation=30 + i),  # outside the linear
+            _x("backward", "user_annotation", t0 + 300, 300),
+            _x("autograd::engine::evaluate_function: AddmmBackward0", "cpu_op", t0 + 310, 200),
+            _x("aten::linear", "cpu_op", t0 + 320, 50),  # recomputed
+            _x("cudaLaunchKernel", "cuda_runtime", t0 + 330, 10, correlation=20 + i),
+            _x("aten::mm", "cpu_op", t0 + 400, 50),
+            _x("aten::item", "cpu_op", t0 + 650, 20),  # the training loop's loss read-back
+            _x("aten::linear", "cpu_op", t0 + 700, 40),  # evaluation forward passes
+            _x("aten::linear", "cpu_op", t0 + 800, 60),
+            _x("aten::item", "cpu_op", t0 + 900, 20),  # the evaluation's read-back
+            _x("gemm_kernel", "kernel", t0 + 130, 60, tid=7, correlation=10 + i),
+            _x("elementwise_kernel", "kernel", t0 + 260, 20, tid=7, correlation=30 + i),
+            _x("gemm_kernel", "kernel", t0 + 340, 30, tid=7, correlation=20 + i),
+        ]
+    tr = Trace({"traceEvents": ev})
+    rec = analysis.recompute(tr)
+    assert rec["ops_per_step"] == 1 and rec["ops_host_ms_per_step"] == pytest.approx(0.05)
+    assert rec["host_ms_per_step"] == pytest.approx(0.05 * 200 / 100)  # forward 200 us, its linears 100 us
+    assert rec["device_ms_per_step"] == pytest.approx(0.03 * 80 / 60)  # forward kernels 80 us, the linear's 60
+    out = analysis.outside_phases(tr)
+    assert out["steps_with_eval"] == 2 and out["eval_ms_per_step"] == pytest.approx(0.16)  # 700..860 us
+    cpu = Trace({"traceEvents": [e for e in ev if e["cat"] != "kernel"]})
+    s = analysis.syncs(cpu)
+    assert s["per_step"] == 1.0 and s["in_evaluation_per_step"] == 1.0
+    b = analysis.breakdown(cpu)
+    assert b["each_step_ms"]["step"] == [1.0, 1.0] and b["each_step_ms"]["forward"] == [0.2, 0.2]
+    assert b["recompute"]["device_ms_per_step"] is None and b["outside"]["steps_with_eval"] == 2
+
+
+
     """--per-block under compile skips the hooks: profile.json records null (unknown), never zeros."""
     opts = ProfileOptions(wait=1, warmup=1, active=2, per_block=True)
     compiled = tiny_cfg(**{"compile.enabled": True})
@@ -155,6 +196,7 @@ def test_per_block_is_null_when_the_hooks_did_not_run():
 # CUDA
 
 
+@pytest.mark.gpu
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_profile_on_cuda_writes_memory_files(tmp_path):

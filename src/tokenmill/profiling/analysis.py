@@ -28,6 +28,13 @@ SYNC_RUNTIME = frozenset({
 HOST_SCALAR_PARENTS = ("Optimizer.step#",)
 GEMM_WORDS = ("gemm", "matmul", "cutlass", "sm80_xmma", "sm90_xmma", "nvjet", "cublas")
 ATTENTION_WORDS = ("flash", "fmha", "attention", "efficient_attention", "cudnn_sdpa")
+# Forward operators of the model's layers that no backward formula calls: found inside a backward
+# region they are the forward recomputed under activation checkpointing; outside every phase region
+# they are a forward pass that is not training (an evaluation).
+FORWARD_OPS = frozenset({
+    "aten::linear", "aten::layer_norm", "aten::gelu", "aten::scaled_dot_product_attention", "aten::softmax",
+    "aten::embedding", "aten::cross_entropy_loss",
+})
 
 
 def breakdown(trace: Trace) -> dict[str, Any]:
@@ -48,7 +55,90 @@ def breakdown(trace: Trace) -> dict[str, Any]:
     per_step["step"] = step_us / 1000
     share = {k: (v / per_step["step"] if per_step["step"] else 0.0) for k, v in per_step.items() if k != "step"}
     steps = [int(s.name.split("#")[1]) + 1 for s in trace.steps]  # ProfilerStep#N is training step N+1
-    return {"steps": steps, "ms_per_step": per_step, "share": share}
+    return {"steps": steps, "ms_per_step": per_step, "share": share, "each_step_ms": each_step(trace),
+            "recompute": recompute(trace), "outside": outside_phases(trace)}
+
+
+def each_step(trace: Trace) -> dict[str, list[float]]:
+    """Host ms of every phase (and of the whole step) in each profiled step: the run's own noise."""
+    out = {p: [0.0] * len(trace.steps) for p in PHASES}
+    for r in trace.regions:
+        if any(phase_of(a.name) for a in r.ancestors() if a.cat == "user_annotation"):
+            continue
+        i = trace.step_at(r.ts)
+        if i is not None:
+            out[phase_of(r.name)][i] += r.dur / 1000
+    out["step"] = [s.dur / 1000 for s in trace.steps]
+    return out
+
+
+def _outermost_forward_ops(trace: Trace, spans) -> list[Span]:
+    return [s for s in spans if s.cat == "cpu_op" and s.name in FORWARD_OPS
+            and not any(a.name in FORWARD_OPS for a in s.ancestors())]
+
+
+def recompute(trace: Trace) -> dict[str, Any]:
+    """Forward work repeated inside ``backward`` regions (activation checkpointing), per step.
+
+    Found by the outermost forward operators of the layers (``aten::linear``, ``layer_norm``,
+    ``gelu``, ``scaled_dot_product_attention``, ...; no backward formula calls them) that run inside
+    backward. They are only part of a forward (residual adds, reshapes and dropout come between
+    them), so their time is scaled by the forward phase's own ratio of its whole time to the time of
+    the same operators in it. With device events, the same for the device time of the kernels they
+    launched."""
+    n = max(1, len(trace.steps))
+    main = [s for s in trace.in_window(trace.host) if (s.pid, s.tid) == trace.main]
+    ops = _outermost_forward_ops(trace, main)
+    where = {id(s): trace.region_at(s.ts) for s in ops}
+    again = [s for s in ops if where[id(s)] == "backward"]
+    first = [s for s in ops if where[id(s)] == "forward"]
+    fwd_ms = sum(r.dur for r in trace.regions if r.name == "forward" and trace.step_at(r.ts) is not None) / 1000
+    host_ops = sum(s.dur for s in again) / 1000
+    scale = fwd_ms / (sum(s.dur for s in first) / 1000) if first else 1.0
+    out: dict[str, Any] = {"basis": "outermost forward operators (linear, layer_norm, gelu, attention, ...) inside "
+                           "backward regions, scaled by the forward phase's time over the same operators' time in it",
+                           "ops_per_step": len(again) / n, "ops_host_ms_per_step": host_ops / n,
+                           "host_ms_per_step": host_ops * scale / n, "device_ms_per_step": None}
+    if trace.device:
+        dev = {"forward": 0.0, "backward": 0.0}
+        ids = {id(s): where[id(s)] for s in again + first}
+        fwd_dev = 0.0
+        for k in trace.device_in_window():
+            launch = trace.launch_of(k)
+            if launch is None:
+                continue
+            phase = next((ids[id(a)] for a in launch.ancestors() if id(a) in ids), None)
+            if phase:
+                dev[phase] += k.dur
+            if trace.region_at(launch.ts) == "forward":
+                fwd_dev += k.dur
+        dscale = fwd_dev / dev["forward"] if dev["forward"] else 1.0
+        out["device_ms_per_step"] = dev["backward"] * dscale / n / 1000
+    return out
+
+
+def eval_spans(trace: Trace) -> dict[int, tuple[float, float]]:
+    """Per profiled step (index), the span from the first to the last forward operator that ran
+    outside every phase region: an evaluation."""
+    main = [s for s in trace.in_window(trace.host) if (s.pid, s.tid) == trace.main]
+    spans: dict[int, tuple[float, float]] = {}
+    for s in _outermost_forward_ops(trace, main):
+        i = trace.step_at(s.ts)
+        if i is not None and trace.region_at(s.ts) == OUTSIDE:
+            lo, hi = spans.get(i, (s.ts, s.end))
+            spans[i] = (min(lo, s.ts), max(hi, s.end))
+    return spans
+
+
+def outside_phases(trace: Trace) -> dict[str, Any]:
+    """What the host did outside every phase region within the profiled steps: a forward pass there is
+    an evaluation (counted from its first to its last forward operator in each step; the trainer
+    opens no region around it), the rest is logging and the loop."""
+    n = max(1, len(trace.steps))
+    spans = eval_spans(trace)
+    return {"basis": "first to last forward operator outside the phase regions, per step",
+            "eval_ms_per_step": sum(hi - lo for lo, hi in spans.values()) / n / 1000,
+            "steps_with_eval": len(spans)}
 
 
 def device_breakdown(trace: Trace) -> dict[str, Any] | None:
@@ -131,9 +221,13 @@ def syncs(trace: Trace) -> dict[str, Any]:
     With device events in the trace (CUDA), the blocking CUDA runtime calls are counted and each is
     traced up to the operator and phase that issued it. Without them (CPU), the operators that would
     block on an accelerator (``aten::item``, ``nonzero``, ...) are counted instead; scalar reads
-    inside ``torch.optim`` steps are left out (their step counters live on the host)."""
+    inside ``torch.optim`` steps are left out (their step counters live on the host). Syncs of an
+    evaluation inside the profiled steps (outside the phases, from its first forward operator on) are
+    counted apart, in ``in_evaluation_per_step``."""
     n = max(1, len(trace.steps))
     cuda = bool(trace.device)
+    evals = eval_spans(trace)
+    in_eval = 0
     counts: dict[tuple, int] = defaultdict(int)
     times: dict[tuple, float] = defaultdict(float)  # us inside the sync calls (CUDA: the host blocked)
     for s in trace.in_window(trace.host):
@@ -148,6 +242,10 @@ def syncs(trace: Trace) -> dict[str, Any]:
             if any(a.name.startswith(HOST_SCALAR_PARENTS) for a in s.ancestors()):
                 continue
         src = _source(trace, s)
+        i = trace.step_at(s.ts)
+        if src[3] == OUTSIDE and i in evals and s.ts >= evals[i][0]:
+            in_eval += 1  # the evaluation's read-back (it runs after the step's logging): not a training sync
+            continue
         counts[src] += 1
         times[src] += s.dur
     sources = [
@@ -160,6 +258,7 @@ def syncs(trace: Trace) -> dict[str, Any]:
         "per_step": sum(counts.values()) / n,
         "ms_per_step": sum(times.values()) / n / 1000,
         "sources": sources,
+        "in_evaluation_per_step": in_eval / n,
     }
 
 

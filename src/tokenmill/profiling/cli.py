@@ -10,7 +10,7 @@ from pathlib import Path
 
 def register(subparsers) -> None:
     """Add the ``profile`` and ``doctor`` sub-commands."""
-    from tokenmill.cli import add_config_args
+    from tokenmill.args import add_config_args
 
     p = subparsers.add_parser(
         "profile", help="a short training run under torch.profiler: trace, memory, report",
@@ -33,16 +33,24 @@ def register(subparsers) -> None:
     d = subparsers.add_parser(
         "doctor", help="name a run's main bottleneck and the switches to try", allow_abbrev=False,
         description="Read RUN_DIR's metrics.jsonl, summary.json, config.toml and profile.json (when "
-        "present) and print the main bottleneck, its evidence and the switches to try, best first.",
+        "present) and print the main bottleneck, its evidence and the switches to try, best first. With --try N, "
+        "measure the top N switches as short A/B runs of the run's config.",
     )
     d.add_argument("run_dir", metavar="RUN_DIR")
     d.add_argument("--json", action="store_true", help="machine-readable output")
+    t = d.add_argument_group("measuring the advice")
+    t.add_argument("--try", dest="try_n", type=int, default=0, metavar="N",
+                   help="run the top N suggested overrides as short A/B runs of the run's config (a fresh process "
+                   "each, A and B alternated) and report the measured change: confirmed or not")
+    t.add_argument("--try-steps", type=int, default=30, metavar="S", help="training steps of each A/B run")
+    t.add_argument("--try-repeats", type=int, default=3, metavar="R", help="rounds of A/B runs")
+    t.add_argument("--try-timeout", type=float, default=600.0, metavar="SECONDS", help="limit for each run")
     d.set_defaults(func=cmd_doctor)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from tokenmill import config as C
-    from tokenmill.cli import config_from_args
+    from tokenmill.args import config_from_args
     from tokenmill.profiling.runner import ProfileOptions, prepare_config, run_profile
 
     if args.resume:
@@ -54,6 +62,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
         Path("runs") / f"profile-{args.preset or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
     )
     result = run_profile(cfg, run_dir, opts, quiet=args.quiet)
+    # the threads the run had, for the doctor's over-subscription rule (summary.json's `threads` when the
+    # trainer records them)
+    result["host"] = host_threads()
+    (run_dir / "profile.json").write_text(json.dumps(result, indent=2))
     b = result["breakdown"]["share"]
     print(
         f"tokenmill: profile written to {run_dir}/profile.md (trace: {run_dir}/trace.json); step split: "
@@ -63,17 +75,37 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def host_threads() -> dict:
+    """The threads this process trains with and the cores it may use."""
+    import os
+
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"intra_op": torch.get_num_threads(), "inter_op": torch.get_num_interop_threads(), "cpu_count": cores,
+            "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1"))}
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     import sys
 
     from tokenmill.profiling.doctor import DoctorError, diagnose, format_verdict
+    from tokenmill.profiling.trial import format_trials, run_trials
 
     try:
         verdict = diagnose(args.run_dir)
+        for w in verdict["warnings"]:
+            print(f"tokenmill: warning: {w}", file=sys.stderr)
+        if args.try_n:
+            if not args.json:
+                print(format_verdict({**verdict, "try": "running"}), flush=True)
+            echo = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
+            verdict["try"] = run_trials(args.run_dir, verdict, args.try_n, args.try_steps, args.try_repeats,
+                                        args.try_timeout, echo)
+            print(json.dumps(verdict, indent=2) if args.json else "\n".join(format_trials(verdict["try"])))
+            return 0
     except DoctorError as e:
         print(f"tokenmill: error: {e}", file=sys.stderr)
         return 1
-    for w in verdict["warnings"]:
-        print(f"tokenmill: warning: {w}", file=sys.stderr)
     print(json.dumps(verdict, indent=2) if args.json else format_verdict(verdict))
     return 0

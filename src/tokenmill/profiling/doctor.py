@@ -3,11 +3,15 @@
 Inputs, all optional but at least one of the first two: ``profile.json`` (``tokenmill profile``),
 ``metrics.jsonl`` (steady-state log rows: after ``log.timing_warmup_steps``), ``summary.json`` and
 ``config.toml``. The time split comes from the profile when there is one (it also sees the logging
-between steps), else from the trainer's always-on breakdown in the metrics.
+between steps), else from the trainer's always-on breakdown in the metrics. Further facts: the noise of
+each phase's share over the run's own steps, the recompute of activation checkpointing, the operators
+the hand-written layer forms add (counted on a narrow copy of the model), the threads the run had, and
+the wall-clock time outside the steady state (:func:`wall_facts`). ``--try`` is :mod:`.trial`.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 from pathlib import Path
@@ -20,8 +24,6 @@ from tokenmill.profiling.trace import OUTSIDE
 from tokenmill.train.timing import PHASES
 
 MB = 1024**2
-
-
 
 HOW_TO_MAKE_A_RUN = ("make one with `tokenmill train ... --run-dir DIR` or `tokenmill profile ... --run-dir DIR`, "
                      "then run `tokenmill doctor DIR`")
@@ -40,7 +42,7 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
     names = ("config.toml", "metrics.jsonl", "profile.json")
     if not any((d / n).is_file() for n in names):
         raise DoctorError(f"'{d}' is not a tokenmill run directory (no {', '.join(names)}); {HOW_TO_MAKE_A_RUN}.")
-    out: dict[str, Any] = {"config": {}, "metrics": [], "summary": {}, "profile": None, "warnings": []}
+    out: dict[str, Any] = {"config": {}, "metrics": [], "summary": {}, "profile": None, "warnings": [], "dir": d}
     out["config"] = _read_config(d / "config.toml")
     if (d / "metrics.jsonl").is_file():
         rows = _read_jsonl(d / "metrics.jsonl", out["warnings"])
@@ -120,7 +122,7 @@ def last_run(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def steady_rows(run: dict[str, Any]) -> list[dict[str, Any]]:
     """Logged training rows with a timing, after the timing warm-up."""
-    warm = run["config"].get("log.timing_warmup_steps", 0) or 0
+    warm = rules.config_value(run["config"], "log.timing_warmup_steps")
     rows = [r for r in run["metrics"] if r.get("step_ms") and "loss" in r]
     later = [r for r in rows if r["step"] > warm]
     return later or rows
@@ -137,9 +139,21 @@ def facts_from_metrics(rows: list[dict[str, Any]]) -> dict[str, Any]:
     f["idle_ms"] = mean["other_ms"]
     for p in (*PHASES, "idle"):
         f[f"{p}_share"] = f[f"{p}_ms"] / step
+    f.update(share_errors({p: [r.get(f"{p}_ms") or 0.0 for r in rows] for p in PHASES},
+                          [r["step_ms"] for r in rows]))
     f["loop_share"] = f["idle_share"]  # the trainer's windows leave logging out of other_ms
     f["phase_source"] = "metrics.jsonl (trainer's always-on breakdown)"
     return f
+
+
+def share_errors(phase_ms: dict[str, list[float]], step_ms: list[float]) -> dict[str, float]:
+    """``<phase>_share_se``: the standard error of each phase's share of the step over the run's own
+    steps or log windows (0 from a single one): the noise the rules allow for."""
+    out = {}
+    for p, values in phase_ms.items():
+        shares = [v / s for v, s in zip(values, step_ms) if s]
+        out[f"{p}_share_se"] = statistics.stdev(shares) / len(shares) ** 0.5 if len(shares) > 1 else 0.0
+    return out
 
 
 def facts_from_profile(p: dict[str, Any]) -> dict[str, Any]:
@@ -166,11 +180,35 @@ def _profile_facts(p: dict[str, Any]) -> dict[str, Any]:
     # phases (logging). That time is the sync rule's, not per-step overhead (loop_share).
     inside = sum(s.get("ms_per_step") or 0.0 for s in sources if s.get("region") != OUTSIDE)
     outside = any(s.get("region") == OUTSIDE for s in sources)
-    f["logging_share"] = share["idle"] if outside else 0.0
-    f["loop_share"] = share["idle"] - f["logging_share"]
-    f["sync_ms"] = inside + (ms["idle"] if outside else 0.0)
+    # An evaluation inside the profiled steps also runs outside the phases: its time is the
+    # outside-the-steady-state rule's, not logging.
+    b = p["breakdown"]
+    eval_ms = min(ms["idle"], (b.get("outside") or {}).get("eval_ms_per_step") or 0.0)
+    idle_ms = ms["idle"] - eval_ms
+    idle_share = idle_ms / ms["step"] if ms["step"] else 0.0
+    f["logging_share"] = idle_share if outside else 0.0
+    f["loop_share"] = idle_share - f["logging_share"]
+    f["sync_ms"] = inside + (idle_ms if outside else 0.0)
     f["sync_share"] = f["sync_ms"] / ms["step"] if ms["step"] else None
+    if eval_ms:
+        f["profile_eval_ms"] = eval_ms
+    each = b.get("each_step_ms")
+    if each:
+        f.update(share_errors({k: v for k, v in each.items() if k != "step"}, each["step"]))
+    else:  # a profile of an older version: no per-step figures, no noise estimate
+        f.update({f"{k}_share_se": 0.0 for k in PHASES})
+    rec = b.get("recompute")
+    if rec and ms["step"]:
+        cuda = rec.get("device_ms_per_step") is not None
+        f["recompute_ms"] = rec["device_ms_per_step"] if cuda else rec["host_ms_per_step"]
+        f["recompute_share"] = f["recompute_ms"] / ms["step"]
+        f["recompute_source"] = ("measured in the profile: device time of the forward kernels launched inside "
+                                 "backward" if cuda else "measured in the profile: forward operators inside backward")
+    if p.get("host"):
+        f["threads"] = p["host"]
     f["host_mean_op_us"] = p["host_busy"]["mean_op_us"]
+    # matrix products' share of the host operators' time (CPU; CUDA reads it from the kernels below)
+    f["host_matmul_share"] = sum(r["share"] for r in p.get("top_ops", []) if _is_matmul(r["name"]))
     f["host_ops_per_step"] = p["host_busy"]["ops_per_step"]
     d = p.get("device_busy")
     if d:
@@ -217,7 +255,7 @@ def memory_facts(f: dict[str, Any], config: dict[str, Any], summary: dict[str, A
     out: dict[str, Any] = {"memory_source": "estimated from the parameter count"}
     if not params:
         return {}
-    width = 2 if config.get("train.precision") == "bf16" else 4
+    width = 2 if rules.config_value(config, "train.precision") == "bf16" else 4
     param_mb = params * width / MB
     out.update(param_mb=param_mb, grad_mb=param_mb, optimizer_state_mb=2 * param_mb)
     persistent = 3 * param_mb  # weights + AdamW state; gradients are freed (set_to_none) before forward
@@ -252,11 +290,143 @@ def gather_facts(run: dict[str, Any]) -> dict[str, Any]:
     f["compute_share"] = _compute_share(f)
     f["tokens_per_sec"] = summary.get("tokens_per_sec")
     f["mfu"] = summary.get("mfu")
-    f["attention_flop_share"] = rules.attention_flop_share(
-        cfg.get("model.n_layer", 0), cfg.get("model.n_embd", 0), cfg.get("model.block_size", 0), summary.get("params")
-    )
+    if summary.get("threads"):
+        f["threads"] = summary["threads"]
+    if "recompute_share" not in f and rules.config_value(cfg, "memory.activation_checkpointing") and f.get("step_ms"):
+        # no profile: backward is about twice the forward without recompute; the excess is the recompute
+        f["recompute_ms"] = max(0.0, f["backward_ms"] - 2.0 * f["forward_ms"])
+        f["recompute_share"] = f["recompute_ms"] / f["step_ms"]
+        f["recompute_source"] = "estimated: backward minus twice the forward (no profile)"
+    f["layer_forms"] = layer_form_ops(cfg)
+    f.update(wall_facts(run, f))
+    n_layer, n_embd, block = (rules.config_value(cfg, f"model.{k}") for k in ("n_layer", "n_embd", "block_size"))
+    f["attention_flop_share"] = rules.attention_flop_share(n_layer, n_embd, block, summary.get("params"))
     f.update(memory_facts(f, cfg, summary))
     return f
+
+
+def layer_form_ops(config: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """For each slow layer form the run uses (:data:`rules.LAYER_FORMS`): the operators of one
+    forward + backward of a narrow copy of the run's model (same layers and forms, width 4 per head,
+    4 tokens), and how many of them the fast form would not run: ``{field: {"total", "extra"}}``.
+    Counted, not typed in: the same code as the run's model."""
+    slow = {k: fast for k, (bad, fast, _) in rules.LAYER_FORMS.items() if rules.config_value(config, k) == bad}
+    if not slow:
+        return {}
+    model = {k.split(".", 1)[1]: v for k, v in config.items() if k.startswith("model.")}
+    counted = _count_ops(tuple(sorted(model.items())))
+    out = {}
+    for key, fast in slow.items():
+        n = _count_ops(tuple(sorted({**model, key.split(".", 1)[1]: fast}.items())))
+        if counted and n is not None:
+            out[key] = {"total": counted[0], "matmul": counted[1], "extra": max(0, counted[0] - n[0])}
+    return out
+
+
+@functools.cache
+def _count_ops(model_items: tuple) -> Optional[tuple[int, int]]:
+    """(all, matrix-product) ATen operators dispatched by one forward + backward of a narrow copy of
+    the model (None when the copy cannot be built here, e.g. a GPU-only kernel)."""
+    import dataclasses
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tokenmill.model.gpt import GPT
+
+    known = {f.name for f in dataclasses.fields(C.ModelConfig)}
+    m = {k: v for k, v in dict(model_items).items() if k in known}
+    heads = m.get("n_head", 1)
+    m.update(n_embd=4 * heads, block_size=4, dropout=0.0, vocab_size=16, vocab_pad_multiple=1, sdpa_backend="auto")
+    if m.get("norm") not in ("native", "manual"):
+        m["norm"] = "native"  # a GPU kernel (triton) counts like the native one
+
+    class Count(TorchDispatchMode):
+        n, matmul = 0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            Count.matmul += _is_matmul(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    try:
+        model = GPT(C.ModelConfig(**m), 16)
+        idx = torch.zeros(1, 4, dtype=torch.long)
+        with Count():
+            _, loss = model(idx, idx)
+            loss.backward()
+    except Exception:  # a form this machine cannot build: no count, no estimate
+        return None
+    return Count.n, Count.matmul
+
+
+def _is_matmul(name: str) -> bool:
+    """Whether an operator name (``aten.addmm``, ``aten::bmm``) is a matrix product or fused attention."""
+    op = name.replace("::", ".").split(".")[-1] if name.startswith("aten") else name
+    return op in ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear") or "scaled_dot_product" in op \
+        or "flash_attention" in op or "efficient_attention" in op
+
+
+def wall_facts(run: dict[str, Any], f: dict[str, Any]) -> dict[str, Any]:
+    """Wall-clock time outside the steady-state steps: ``wall_s``, ``steady_s``, ``outside_s`` (seconds
+    per part: evaluation, checkpoints, logging, the rest), ``outside_counts`` and ``wall_source``.
+
+    The trainer's own figures (``summary.json``: ``wall_s``, ``eval_s``/``evals``,
+    ``checkpoint_s``/``checkpoints``, ``log_s``, ``warmup_s``) are used where it records them (runs of
+    older versions lack them). Otherwise: the wall
+    time from ``config.toml`` (written as training starts) to ``summary.json`` (written at the end),
+    the evaluations from the ``val_loss`` rows, each costing ``train.eval_batches`` forward passes
+    of the measured training forward, and the unexplained rest. A profile gives the evaluation found
+    inside its profiled steps instead (per step)."""
+    summary, config, step_ms = run["summary"], run["config"], f.get("step_ms")
+    if not step_ms:
+        return {}
+    if run["profile"]:
+        eval_ms = f.get("profile_eval_ms")
+        if not eval_ms:
+            return {}
+        return {"wall_s": step_ms / 1000, "steady_s": (step_ms - eval_ms) / 1000,
+                "outside_s": {"evaluation": eval_ms / 1000},
+                "wall_source": "per profiled step: the forward passes between the training phases in the trace"}
+    steps = (summary.get("steps") or 0) - (summary.get("start_step") or 0)
+    wall, source = summary.get("wall_s"), "summary.json"
+    d = run.get("dir")
+    if wall is None and d is not None and (d / "summary.json").is_file() and (d / "config.toml").is_file():
+        wall = (d / "summary.json").stat().st_mtime - (d / "config.toml").stat().st_mtime
+        source = "estimated: config.toml to summary.json file times"
+    if not wall or steps <= 0:
+        return {}
+    steady = steps * step_ms / 1000
+    parts: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    evals = summary.get("evals", sum(1 for r in run["metrics"] if "val_loss" in r))
+    if summary.get("eval_s") is not None:
+        parts["evaluation"] = summary["eval_s"]
+    elif evals:
+        micro_ms = f["forward_ms"] / rules.config_value(config, "train.grad_accum_steps")
+        parts["evaluation"] = evals * rules.config_value(config, "train.eval_batches") * micro_ms / 1000
+        source += "; evaluation estimated as eval_batches x the training forward"
+    counts["evaluation"] = evals
+    every, final = (rules.config_value(config, k) for k in ("checkpoint.every_steps", "checkpoint.save_final"))
+    saves = summary.get("checkpoints", (steps - 1) // every + int(final) if every else int(final))
+    if summary.get("checkpoint_s") is not None:
+        parts["checkpoints"] = summary["checkpoint_s"]
+    if summary.get("log_s") is not None:
+        parts["logging"] = summary["log_s"]
+    if summary.get("warmup_s") is not None:  # beyond what the warm-up steps cost at the steady speed
+        warm = min(steps, rules.config_value(config, "log.timing_warmup_steps"))
+        parts["warm-up"] = max(0.0, summary["warmup_s"] - warm * step_ms / 1000)
+    rest = wall - steady - sum(parts.values())
+    if rest > 0:
+        if summary.get("wall_s") is not None:  # the trainer timed every part: the rest is small and unnamed
+            name = "other"
+        else:  # what the trainer did not record: with periodic saves, mostly the saves
+            name = ("checkpoints" if "checkpoints" not in parts and saves > 1
+                    else "start-up, warm-up, logging and the final save")
+        parts[name] = parts.get(name, 0.0) + rest
+    counts["checkpoints"] = saves
+    return {"wall_s": wall, "steady_s": steady, "outside_s": {k: v for k, v in parts.items() if v > 0},
+            "outside_counts": {k: v for k, v in counts.items() if v}, "wall_source": source}
 
 
 def _compute_share(f: dict[str, Any]) -> Optional[float]:
@@ -324,4 +494,6 @@ def format_verdict(v: dict[str, Any]) -> str:
     minor = [x for x in v["findings"] if x["minor"]]
     if minor:
         lines.append("\nMinor: " + "; ".join(f"{x['title']} (~{100 * x['score']:.0f}%)" for x in minor))
+    if major and "try" not in v:
+        lines.append(f"\nMeasure the top suggestions on this machine: tokenmill doctor {v['run_dir']} --try 2")
     return "\n".join(lines)

@@ -49,6 +49,7 @@ def markdown(p: dict[str, Any]) -> str:
     ]
     rows = [[PHASE_LABELS[k], f"{ms[k]:.2f}", _pct(share[k])] for k in BREAKDOWN]
     lines += _table(["phase", "ms / step", "share"], rows + [["**step**", f"{ms['step']:.2f}", "100%"]])
+    lines += _within_step_lines(b)
     lines += ["", *_busy_lines(p), "", "## Top operators by self time", ""]
     lines += _table(
         ["operator", "ms / step", "share", "calls / step"],
@@ -71,6 +72,23 @@ def markdown(p: dict[str, Any]) -> str:
     if p.get("notes"):
         lines += ["", "## Notes and skipped parts", ""] + [f"- {n}" for n in p["notes"]]
     return "\n".join(lines) + "\n"
+
+
+def _within_step_lines(b: dict[str, Any]) -> list[str]:
+    """Recompute inside backward and an evaluation between the steps, when the trace shows them."""
+    out = []
+    rec = b.get("recompute") or {}
+    if rec.get("ops_per_step"):
+        dev = rec.get("device_ms_per_step")
+        out.append(f"Forward recomputed in backward (activation checkpointing): {rec['host_ms_per_step']:.2f} ms / step "
+                   "on the host" + (f", {dev:.2f} ms / step on the device" if dev is not None else "")
+                   + f" ({rec['ops_per_step']:.0f} forward operators per step inside backward, scaled to the whole "
+                   "forward).")
+    ev = b.get("outside") or {}
+    if ev.get("steps_with_eval"):
+        out.append(f"Evaluation between the training phases in {ev['steps_with_eval']} profiled step(s): "
+                   f"{ev['eval_ms_per_step']:.2f} ms / step (part of idle).")
+    return ["", *out] if out else []
 
 
 def _busy_lines(p: dict[str, Any]) -> list[str]:

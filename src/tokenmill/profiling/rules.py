@@ -1,86 +1,59 @@
 """Doctor rules: one small function per bottleneck.
 
-Each rule reads the flat ``facts`` dict built by :mod:`tokenmill.profiling.doctor` (any key may be
-missing) and returns ``None`` when it does not apply, or a :class:`Finding` ``(score, title,
-evidence, suggestions)``. ``score`` is a rough expected gain: the fraction of step time the
-suggested switches may recover, for speed rules. Memory rules score their share of the memory peak
-weighted by how full the device is, so they rank below real speed problems unless memory is tight.
-Suggestions are ordered by expected gain and carry the exact CLI override where the config has one.
+Each rule reads the flat ``facts`` dict built by :mod:`tokenmill.profiling.doctor` (any key but
+``config`` may be missing) and returns ``None`` when it does not apply, or a :class:`Finding`
+``(score, title, evidence, suggestions, measure)``. ``score`` is a rough expected gain: the fraction
+of step time the suggested switches may recover, for speed rules (of wall-clock time for the
+outside-the-steady-state rule). Memory rules score their share of the memory peak weighted by how
+full the device is, so they rank below real speed problems unless memory is tight. Suggestions are
+ordered by expected gain and carry the exact CLI override where the config has one (or the
+environment setting, ``env``, where it has none). ``measure`` says what ``tokenmill doctor --try``
+compares to confirm them: steady-state tokens/s (``speed``), end-to-end tokens/s (``wall``) or the
+memory peak (``memory``).
+
+Config values are read with :func:`cfg`: the run's value, else the default of the config definitions
+(:func:`tokenmill.config.field_specs`), never a default retyped here. Thresholds on a phase's share
+use :func:`share_lo`, the share less twice its standard error over the run's own steps, so a
+planted cause is named the same way whatever the noise of a loaded machine.
 
 To add a rule: write ``def my_rule(f) -> Finding | None`` and append it to :data:`RULES`.
 """
 
+
 from __future__ import annotations
 
-import functools
 import math
-import typing
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple, Optional
+from typing import Any, Optional
 
-from tokenmill.config import field_specs
+from tokenmill.profiling.findings import (
+    CPU_OVERHEAD_FLOPS_PER_OP,
+    MIN_SCORE,
+    Finding,
+    _clamp,
+    _idle_not_data,
+    advice,
+    cfg,
+    config_value,
+    doc,
+    env_setting,
+    pct,
+    share_lo,
+    switch,
+)
+from tokenmill.profiling.memory_rules import (
+    activation_memory,
+    allocator_thrash,
+    logits_peak,
+    optimizer_state_memory,
+)
+from tokenmill.profiling.model_rules import LAYER_FORMS, attention, compile_off, fp32_math, layer_forms
 
-MIN_SCORE = 0.10  # below this a finding is reported as minor ("nothing stands out" otherwise)
-# CPU: below this many model FLOPs per operator the step is per-operator overhead (see launch_overhead)
-CPU_OVERHEAD_FLOPS_PER_OP = 4096
-
-
-class Finding(NamedTuple):
-    score: float
-    title: str
-    evidence: list[str]
-    suggestions: list[dict[str, Optional[str]]]
-
-
-@functools.cache
-def _specs() -> dict:
-    return field_specs()  # fixed for the process; building it is slow (type hints of every section)
-
-
-def has_field(key: str) -> bool:
-    return key in _specs()
-
-
-def _accepts(tp: Any, value: Any) -> bool:
-    """Whether a field annotated ``tp`` takes ``value`` (so a suggestion never names a wrong value)."""
-    if typing.get_origin(tp) is typing.Union:
-        return any(_accepts(a, value) for a in typing.get_args(tp) if a is not type(None))
-    if typing.get_origin(tp) is Literal:
-        return value in typing.get_args(tp)
-    if tp is bool or isinstance(value, bool):
-        return tp is bool and isinstance(value, bool)
-    return isinstance(value, tp) or (tp is float and isinstance(value, int))
-
-
-def switch(key: str, value: Any, why: str, fallback: Optional[str] = None,
-           also: Optional[dict[str, Any]] = None) -> dict[str, Optional[str]]:
-    """A suggestion ``--key value`` (followed by the ``also`` overrides it needs to be valid); plain
-    advice (``fallback``, else ``why``) where this version of the config lacks a field or a value does
-    not fit it."""
-    words = []
-    for k, val in {key: value, **(also or {})}.items():
-        spec = _specs().get(k)
-        if spec is None or not _accepts(spec[0], val):
-            return advice(fallback or why)
-        words.append(f"--{k} {str(val).lower() if isinstance(val, bool) else val}")
-    return {"switch": " ".join(words), "why": why}
-
-
-def advice(why: str, switch_text: Optional[str] = None) -> dict[str, Optional[str]]:
-    return {"switch": switch_text, "why": why}
-
-
-def pct(x: float) -> str:
-    return f"{100 * x:.0f}%"
-
-
-def cfg(f: dict, key: str, default: Any = None) -> Any:
-    return f.get("config", {}).get(key, default)
-
-
-def _clamp(x: float, lo: float = 0.0, hi: float = 0.95) -> float:
-    return max(lo, min(hi, x))
-
+# the doctor and the tests reach every rule and helper through this module
+__all__ = [
+    "CPU_OVERHEAD_FLOPS_PER_OP", "LAYER_FORMS", "MIN_SCORE", "RULES", "Finding", "attention_flop_share", "cfg",
+    "config_value", "doc", "env_setting", "optimizer_impl", "switch", "workers_needed",
+]
 
 # ----------------------------------------------------------------------------------------------
 # Speed
@@ -90,29 +63,51 @@ def data_bound(f: dict) -> Optional[Finding]:
     share = f.get("data_share")
     if share is None or share < 0.15:
         return None
-    workers = cfg(f, "data.num_workers", 0)
+    workers = cfg(f, "data.num_workers")
     ev = [f"the step waits {f['data_ms']:.1f} ms of {f['step_ms']:.1f} ms for the next batch ({pct(share)})",
           f"data.num_workers = {workers}"]
-    work = cfg(f, "data.cpu_work_ms", 0.0) or 0.0
-    batch = cfg(f, "train.batch_size", 1) * cfg(f, "train.grad_accum_steps", 1)
+    work = cfg(f, "data.cpu_work_ms")
+    batch = cfg(f, "train.batch_size") * cfg(f, "train.grad_accum_steps")
     if work > 0:
         ev.append(f"data.cpu_work_ms = {work:g}: {work * batch:.0f} ms of per-sample CPU work per step")
+    need, how = workers_needed(f)
+    ev.append(how)
     sug = []
-    if workers == 0:
-        sug.append(switch("data.num_workers", 4, "load batches in 4 worker processes, in parallel with the step"))
-    else:
-        sug.append(switch("data.num_workers", 2 * workers, "more worker processes"))
+    if need > workers:
+        sug.append(switch("data.num_workers", need, f"{need} worker processes load batches as fast as the step "
+                          "uses them"))
+    if workers > 0:
         sug.append(switch("data.prefetch_factor", 4, "keep more batches ready per worker"))
-        if not cfg(f, "data.persistent_workers", True):
+        if not cfg(f, "data.persistent_workers"):
             sug.append(switch("data.persistent_workers", True, "do not restart workers every epoch/eval"))
     if f.get("device") == "cuda":
-        if not cfg(f, "data.pin_memory", False):
+        if not cfg(f, "data.pin_memory"):
             sug.append(switch("data.pin_memory", True, "page-locked batches: faster, asynchronous copies"))
-        if not cfg(f, "data.non_blocking", False):
+        if not cfg(f, "data.non_blocking"):
             sug.append(switch("data.non_blocking", True, "overlap the copy with compute (needs pinned memory)"))
     if work > 0:
         sug.append(advice("make the per-sample CPU work cheaper or do it once offline (e.g. at prepare time)"))
     return Finding(_clamp(0.9 * share), "data-bound: the training step waits for the DataLoader", ev, sug)
+
+
+def workers_needed(f: dict) -> tuple[int, str]:
+    """DataLoader workers that hide the loading, from the data wait and the rest of the step, and how
+    it was computed. With ``W`` workers, a step lasts ``max(compute, load / W)``; loading a step's
+    batches takes ``data_ms`` without workers, ``W x step_ms`` for ``W`` workers that cannot keep up.
+    At most one worker per core but one, where the run recorded its cores."""
+    w, step, data = cfg(f, "data.num_workers"), f["step_ms"], f["data_ms"]
+    compute = max(step - data, 0.05 * step)
+    load = data if w == 0 else w * step
+    need = max(w + 1, math.ceil(1.25 * load / compute))  # 25% headroom
+    how = (f"loading a step's batches takes about {load:.1f} ms "
+           + ("(the wait itself, loading in the training process)" if w == 0 else f"({w} worker(s) x {step:.1f} ms)")
+           + f", the rest of the step {compute:.1f} ms: {need} workers keep up (with 25% headroom)")
+    cores = (f.get("threads") or {}).get("cpu_count")
+    if cores and need > max(1, cores - 1):
+        need = max(1, cores - 1)  # one core stays with the training process
+        how += (f"; the run had {cores} cores, so {need} (one core for the training process): loading will "
+                "still limit the step, make it cheaper")
+    return need, how
 
 
 def copy_bound(f: dict) -> Optional[Finding]:
@@ -120,9 +115,9 @@ def copy_bound(f: dict) -> Optional[Finding]:
     if f.get("device") != "cuda" or share is None or share < 0.08:
         return None
     sug = []
-    if not cfg(f, "data.pin_memory", False):
+    if not cfg(f, "data.pin_memory"):
         sug.append(switch("data.pin_memory", True, "page-locked batches copy faster and asynchronously"))
-    if not cfg(f, "data.non_blocking", False):
+    if not cfg(f, "data.non_blocking"):
         sug.append(switch("data.non_blocking", True, "overlap the host-to-device copy with compute"))
     sug.append(advice("send smaller token ids (uint16/int32) and widen them on the device"))
     ev = [f"host-to-device copies take {f['h2d_ms']:.1f} ms of {f['step_ms']:.1f} ms per step ({pct(share)})"]
@@ -131,7 +126,7 @@ def copy_bound(f: dict) -> Optional[Finding]:
 
 def host_sync(f: dict) -> Optional[Finding]:
     per_step = f.get("syncs_per_step")
-    every = cfg(f, "log.every_steps", 10)
+    every = cfg(f, "log.every_steps")
     if per_step is None:
         if every != 1:
             return None
@@ -148,9 +143,9 @@ def host_sync(f: dict) -> Optional[Finding]:
         ev.append(f"log.every_steps = {every}: the trainer synchronises and reads the loss back at every log step")
         sug.append(switch("log.every_steps", 50, "synchronise (and log) every 50 steps instead"))
     if any(s.get("region") == "h2d" for s in sources):
-        if not cfg(f, "data.pin_memory", False):
+        if not cfg(f, "data.pin_memory"):
             sug.append(switch("data.pin_memory", True, "a copy from pageable memory blocks the host"))
-        if not cfg(f, "data.non_blocking", False):
+        if not cfg(f, "data.non_blocking"):
             sug.append(switch("data.non_blocking", True, "asynchronous host-to-device copies (with pinned memory)"))
     if any(s.get("region") in ("forward", "backward", "optimizer") for s in sources):
         sug.append(advice("avoid .item()/.tolist()/print(tensor) and nonzero()/boolean-mask indexing inside the "
@@ -172,17 +167,13 @@ def sync_count_score(per_step: float) -> float:
     return min(0.3, 0.1 + 0.05 * per_step)
 
 
-def _idle_not_data(f: dict) -> float:
-    """Device idle share not explained by the host waiting for (or copying) data."""
-    idle = f.get("device_idle_share")
-    if idle is None:
-        idle = 1.0 - (f.get("device_busy_fraction") or 1.0)
-    return max(0.0, idle - (f.get("data_share") or 0.0) - (f.get("h2d_share") or 0.0))
 
 
 def launch_overhead(f: dict) -> Optional[Finding]:
     tokens = f.get("tokens_per_step")
-    batch = cfg(f, "train.batch_size", 1)
+    batch = cfg(f, "train.batch_size")
+    if micro_batch(f) is not None:  # the same overhead, better fixed by merging the micro-batches
+        return None
     if f.get("device") == "cuda" and f.get("device_busy_fraction") is not None:
         # device idle while the host logs after a sync is the sync rule's business
         idle = max(0.0, _idle_not_data(f) - (f.get("logging_share") or 0.0))
@@ -211,201 +202,214 @@ def launch_overhead(f: dict) -> Optional[Finding]:
                   "at this size they hardly grow with the batch")
         score = 0.75 * compute
     sug = [switch("train.batch_size", 4 * batch, "4x the work per launch and per optimizer step (if memory allows)")]
-    if not cfg(f, "compile.enabled", False):
+    if not cfg(f, "compile.enabled") and compile_off(f) is None:  # else that finding offers compile first
         sug.append(switch("compile.enabled", True, "fuse small operators into fewer kernels"))
-    if f.get("device") == "cuda" and cfg(f, "compile.mode", "default") != "reduce-overhead":
+    if f.get("device") == "cuda" and cfg(f, "compile.mode") != "reduce-overhead" and compile_off(f) is None:
         sug.append(switch("compile.mode", "reduce-overhead", "CUDA graphs: one launch for the whole step "
                           "(with --compile.enabled true)"))
-    if cfg(f, "optim.impl", "foreach") != "fused":
+    if cfg(f, "optim.impl") != "fused":
         sug.append(switch("optim.impl", "fused", "one fused optimizer kernel instead of many small ones"))
-    if not cfg(f, "memory.optimizer_in_backward", False):  # that steps in backward: no accumulation
-        sug.append(switch("train.grad_accum_steps", 4 * cfg(f, "train.grad_accum_steps", 1),
+    if not cfg(f, "memory.optimizer_in_backward"):  # that steps in backward: no accumulation
+        sug.append(switch("train.grad_accum_steps", 4 * cfg(f, "train.grad_accum_steps"),
                           "amortise the optimizer step over more micro-batches when a larger batch does not fit"))
     return Finding(_clamp(score), "launch/overhead-bound: per-operator and per-step overhead dominate", ev, sug)
 
 
-TENSOR_CORE_GPUS = ("A100", "A10", "A30", "A40", "A6000", "L4", "L40", "H100", "H200", "GH200", "B200", "RTX 30",
-                    "RTX 40", "RTX 50", "3090", "4090", "5090")
-
-
-def fp32_math(f: dict) -> Optional[Finding]:
-    if f.get("device") != "cuda" or cfg(f, "train.precision", "fp32") != "fp32" or cfg(f, "train.tf32", False):
+def optimizer_impl(f: dict) -> Optional[Finding]:
+    """A large optimizer share with the for-loop or foreach AdamW."""
+    impl = cfg(f, "optim.impl")
+    lo = share_lo(f, "optimizer")
+    memory_optimizer = any(cfg(f, f"memory.{k}") for k in ("optimizer_8bit", "optimizer_offload",
+                                                            "optimizer_in_backward"))
+    if impl == "fused" or memory_optimizer or lo is None or lo < 0.15:
         return None
-    cap = f.get("gpu_capability")
-    name = (f.get("gpu_name") or "").upper()
-    if not ((cap and cap[0] >= 8) or any(g in name for g in TENSOR_CORE_GPUS)):
+    share = f["optimizer_share"]
+    ev = [f"the optimizer step takes {f['optimizer_ms']:.1f} ms of {f['step_ms']:.1f} ms per step ({pct(share)}; "
+          f"at least {pct(lo)} allowing for the run's step-to-step noise)",
+          f"optim.impl = {impl} ({doc('optim.impl')})"]
+    sug = [switch("optim.impl", "fused", "one fused kernel for the whole AdamW update")]
+    if impl == "for-loop":
+        sug.append(switch("optim.impl", "foreach", "multi-tensor operators over all parameters at once"))
+    gain = OPTIMIZER_GAIN[impl] if impl == "for-loop" or f.get("device") == "cuda" else OPTIMIZER_GAIN["foreach-cpu"]
+    return Finding(_clamp(gain * share), f"slow optimizer implementation (optim.impl = {impl})", ev, sug)
+
+
+# rough fraction of the optimizer time the fused implementation saves (on CPU little over foreach)
+OPTIMIZER_GAIN = {"for-loop": 0.7, "foreach": 0.4, "foreach-cpu": 0.2}
+
+
+def activation_recompute(f: dict) -> Optional[Finding]:
+    """Activation checkpointing on while memory is not tight: the recompute is time for nothing."""
+    every = cfg(f, "memory.activation_checkpointing")
+    share = f.get("recompute_share")
+    if every == 0 or share is None or share < 0.05:
         return None
-    gemm = f.get("gemm_share")
-    ev = [f"train.precision = fp32 with train.tf32 = false on {f.get('gpu_name') or 'a tensor-core GPU'}"]
-    if gemm is not None:
-        ev.append(f"matmul kernels take {pct(gemm)} of device time, on the slow non-tensor-core fp32 path")
-    if f.get("mfu") is not None:
-        ev.append(f"MFU {pct(f['mfu'])}")
-    score = 0.5 * gemm if gemm is not None else 0.35
-    sug = [switch("train.precision", "bf16-autocast", "bf16 tensor cores, half-size activations"),
-           switch("train.tf32", True, "TF32 tensor cores for fp32 matmuls (about 2x on A100 in the README ladder)")]
-    return Finding(_clamp(score), "fp32 math on a tensor-core GPU", ev, sug)
-
-
-def attention(f: dict) -> Optional[Finding]:
-    kind = cfg(f, "model.attention", "sdpa")
-    backend = cfg(f, "model.sdpa_backend", "auto")
-    if kind != "manual" and backend != "math":
-        return None
-    # the larger of the measured attention regions' share (forward; they include the projections, which
-    # roughly offsets the backward they miss) and twice the FLOP share (the T x T matrix costs traffic)
-    share = max(f.get("attn_share") or 0.0, 2.0 * (f.get("attention_flop_share") or 0.0))
-    what = "model.attention = manual" if kind == "manual" else "model.sdpa_backend = math"
-    ev = [f"{what}: the T x T attention matrix is materialised (memory traffic and memory)"]
-    if f.get("attn_share") is not None:
-        ev.append(f"attention regions take {pct(f['attn_share'])} of the step (forward only)")
-    elif f.get("attention_flop_share"):
-        ev.append(f"attention is {pct(f['attention_flop_share'])} of the model FLOPs at block_size "
-                  f"{cfg(f, 'model.block_size')}")
-    sug = [switch("model.attention", "sdpa", "scaled_dot_product_attention: flash / memory-efficient kernels")
-           if kind == "manual" else switch("model.sdpa_backend", "auto", "let PyTorch pick a fused kernel")]
-    if f.get("device") == "cuda" and cfg(f, "train.precision", "fp32") == "fp32":
-        sug.append(switch("train.precision", "bf16-autocast", "flash attention needs bf16/fp16"))
-    return Finding(_clamp(share, lo=0.08, hi=0.6), "attention not on a fused kernel", ev, sug)
-
-
-# ----------------------------------------------------------------------------------------------
-# Memory
-
-
-def _memory_weight(f: dict) -> float:
-    """How much memory matters: the fraction of the GPU in use, at least 0.3; 0.2 on CPU, where the
-    profiler sees only part of the memory and host RAM is rarely the limit."""
-    total, peak = f.get("device_total_mb"), f.get("peak_reserved_mb") or f.get("peak_mb")
-    if f.get("device") != "cuda":
-        return 0.2
-    return _clamp(peak / total, 0.3, 1.0) if total and peak else 0.3
-
-
-def _split_batch(f: dict, why: str) -> dict:
-    """Half the micro-batch, twice the accumulation: only where that keeps the global batch and the
-    config stays valid (no step in backward; the pipeline's micro-batches still divide the batch)."""
-    b, a = cfg(f, "train.batch_size", 1), cfg(f, "train.grad_accum_steps", 1)
-    pp_micro = (cfg(f, "parallel.pp_microbatches", 0) or cfg(f, "parallel.pp", 1)) if cfg(f, "parallel.pp", 1) > 1 else 1
-    if b < 2 or b % 2 or (b // 2) % pp_micro or cfg(f, "memory.optimizer_in_backward", False):
-        return advice(why)
-    return advice(why, f"--train.batch_size {b // 2} --train.grad_accum_steps {2 * a}")
-
-
-def logits_peak(f: dict) -> Optional[Finding]:
-    vocab, peak = f.get("vocab_sized_mb"), f.get("memory_total_mb")
-    region = f.get("peak_region", "")
-    op = (f.get("peak_op") or "").lower()
-    at_loss = any(w in op for w in ("cross_entropy", "log_softmax", "nll_loss", "lm_head"))
-    if not peak or vocab is None or vocab / peak < 0.3:
-        return None
-    share = vocab / peak
-    ev = [f"blocks of vocabulary size (logits, fp32 copy, log-softmax, gradients) hold {vocab:.0f} MB of the "
-          f"{peak:.0f} MB peak ({pct(share)})", f"the peak happens in {region or 'the step'}"
-          + (f" at {f.get('peak_op')}" if at_loss or f.get("peak_op") else "")]
-    generic = ("compute the loss in chunks of the sequence, or with a fused linear + cross-entropy kernel, so "
-               "the B x T x vocab fp32 logits never exist at once (no such switch in this version's config)")
-    if cfg(f, "model.loss_impl", "full") != "chunked":
-        sug = [switch("model.loss_impl", "chunked", "output head + cross-entropy a chunk of tokens at a time: "
-                      "the full B x T x vocab logits never exist", generic)]
+    fill = memory_fill(f)
+    if fill is not None and fill >= TIGHT_MEMORY:
+        return None  # the memory it saves is needed
+    ev = [f"memory.activation_checkpointing = {every}: the forward of "
+          + ("every block" if every == 1 else f"every {every}th block") + " is recomputed in backward",
+          f"recompute {f['recompute_ms']:.1f} ms of {f['step_ms']:.1f} ms per step ({pct(share)}; "
+          f"{f['recompute_source']})"]
+    if fill is not None:
+        ev.append(f"memory is not tight: the peak uses {pct(fill)} of the GPU (< {pct(TIGHT_MEMORY)})")
+    elif f.get("device") == "cuda":
+        ev.append("the GPU's memory size is unknown (no profile): check the peak against it before switching")
     else:
-        chunk = cfg(f, "model.loss_chunk_size", 1024) or 1024
-        sug = [switch("model.loss_chunk_size", max(64, chunk // 4), "smaller loss chunks", generic)]
-    sug.append(_split_batch(f, "half the logits per micro-batch, same global batch"))
-    return Finding(_clamp(0.5 * share * _memory_weight(f)), "memory peak at the logits / loss", ev, sug)
+        ev.append("CPU run: activations live in host memory, which checkpointing rarely needs to save")
+    sug = [switch("memory.activation_checkpointing", 0, "keep the activations: no recompute")]
+    if every == 1 and cfg(f, "model.n_layer") >= 2:
+        sug.append(switch("memory.activation_checkpointing", 2, "recompute every second block: half the "
+                          "recompute for half the saving"))
+    score = 0.9 * share * (1.0 if fill is not None or f.get("device") != "cuda" else 0.5)
+    return Finding(_clamp(score), "activation checkpointing recomputes the forward while memory is not tight",
+                   ev, sug)
 
 
-def activation_memory(f: dict) -> Optional[Finding]:
-    act, total = f.get("activation_mb"), f.get("memory_total_mb")
-    if not act or not total:
+TIGHT_MEMORY = 0.8  # peak / device memory above which memory-saving switches are worth their time
+
+
+def memory_fill(f: dict) -> Optional[float]:
+    """The peak's fraction of the GPU's memory (None on CPU or when either is unknown)."""
+    total = f.get("device_total_mb")
+    peak = f.get("peak_reserved_mb") or f.get("peak_mb")
+    if f.get("device") != "cuda" or not total or not peak:
         return None
-    act = max(0.0, act - (f.get("vocab_sized_mb") or 0.0))  # the logits are the logits rule's business
-    share = act / total
-    if share < 0.5:
+    return peak / total
+
+
+def micro_batch(f: dict) -> Optional[Finding]:
+    """A tiny micro-batch made up by gradient accumulation: each micro-batch pays the per-operator
+    overhead in full, the optimizer step does not need the accumulation to be small."""
+    accum, batch = cfg(f, "train.grad_accum_steps"), cfg(f, "train.batch_size")
+    if accum < 2 or cfg(f, "parallel.pp") > 1:
         return None
-    ev = [f"activations and temporaries of the step (logits excluded): {act:.0f} MB of the {total:.0f} MB peak "
-          f"({pct(share)})"]
-    sug = []
-    if cfg(f, "memory.activation_checkpointing", 0) != 1:
-        sug.append(switch("memory.activation_checkpointing", 1, "recompute activations in backward (~30% slower)"))
-    sug.append(_split_batch(f, "half the activations, same global batch"))
-    if cfg(f, "train.precision", "fp32") == "fp32":
-        sug.append(switch("train.precision", "bf16-autocast", "half-size activations"))
-    if cfg(f, "model.attention", "sdpa") == "manual":
-        sug.append(switch("model.attention", "sdpa", "no T x T attention matrices"))
-    return Finding(_clamp(0.4 * share * _memory_weight(f)), "activation-dominated memory", ev, sug)
-
-
-def optimizer_state_memory(f: dict) -> Optional[Finding]:
-    state, total = f.get("optimizer_state_mb"), f.get("memory_total_mb")
-    if not state or not total or state / total < 0.35:
-        return None
-    share = state / total
-    ev = [f"AdamW state (2 tensors per parameter) is about {state:.0f} MB of the {total:.0f} MB peak ({pct(share)})"]
-    sug = []
-    if cfg(f, "train.precision", "fp32") != "bf16":
-        sug.append(switch("train.precision", "bf16", "pure bf16 halves weights, gradients and optimizer state"))
-    # memory.optimizer_8bit / _offload / _in_backward exclude each other: offered only when none is on
-    alternative = not any(cfg(f, f"memory.{k}", False) for k in ("optimizer_8bit", "optimizer_offload",
-                                                                     "optimizer_in_backward"))
-    fp16 = cfg(f, "train.precision", "fp32") == "fp16-autocast"
-    model_parallel = cfg(f, "parallel.tp", 1) > 1 or cfg(f, "parallel.pp", 1) > 1
-    if alternative and not model_parallel:
-        sug.append(switch("memory.optimizer_8bit", True, "8-bit AdamW state, about a quarter of fp32 state "
-                          "(needs torchao)", "8-bit optimizer state (e.g. torchao's AdamW8bit)"))
-    if alternative and not fp16:
-        sug.append(switch("memory.optimizer_offload", True, "AdamW state and its step in CPU memory",
-                          "offload the optimizer state to CPU memory"))
-    if cfg(f, "memory.optimizer_offload", False) and not cfg(f, "memory.offload_gradients", False):
-        sug.append(switch("memory.offload_gradients", True, "the gradients too: each leaves the device "
-                          "inside backward, as soon as it is complete"))
-    if cfg(f, "parallel.dp_shard", 1) == 1 and not cfg(f, "parallel.zero1", False):
-        if not model_parallel:
-            sug.append(switch("parallel.zero1", True, "with several GPUs: shard the optimizer state over "
-                              "data-parallel ranks", "with several GPUs: shard the optimizer state (ZeRO-1 / FSDP)"))
-        # only one of dp_replicate and dp_shard may be -1 (the rest of the world size)
-        also = {"parallel.dp_replicate": 1} if cfg(f, "parallel.dp_replicate", -1) == -1 else {}
-        sug.append(switch("parallel.dp_shard", -1, "with several GPUs: FSDP shards parameters, gradients and state",
-                          also=also))
-    if alternative and not fp16 and cfg(f, "train.grad_accum_steps", 1) == 1:
-        # the step in backward cannot clip the global gradient norm
-        also = {"optim.grad_clip": 0} if (cfg(f, "optim.grad_clip", 1.0) or 0) > 0 else {}
-        sug.append(switch("memory.optimizer_in_backward", True, "step in backward: no full set of gradient buffers"
-                          + (" (no gradient clipping)" if also else ""),
-                          "apply the optimizer step inside backward, freeing each gradient at once", also=also))
-    if cfg(f, "optim.impl", "foreach") != "for-loop":
-        sug.append(switch("optim.impl", "for-loop", "smaller optimizer temporaries (the state itself stays)"))
-    return Finding(_clamp(0.4 * share * _memory_weight(f)), "optimizer-state-dominated memory", ev, sug)
-
-
-def allocator_thrash(f: dict) -> Optional[Finding]:
-    retries = f.get("alloc_retries") or 0
-    mallocs = f.get("cuda_malloc_per_step") or 0.0
-    if retries <= 0 and mallocs < 1.0:
-        return None
-    ev = []
-    if retries:
-        ev.append(f"{retries} allocation retries (the allocator freed its cache and retried cudaMalloc)")
-    if mallocs:
-        ev.append(f"{mallocs:.1f} cudaMalloc and {f.get('cuda_free_per_step', 0):.1f} cudaFree per step in "
-                  "steady state (the cache never settles: changing shapes)")
-    if f.get("reserved_minus_allocated_mb") is not None:
-        ev.append(f"reserved minus allocated: {f['reserved_minus_allocated_mb']:.0f} MB")
-    env = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
-    sug = []
-    if has_field("memory.expandable_segments"):
-        if not cfg(f, "memory.expandable_segments", False):
-            sug.append(switch("memory.expandable_segments", True, f"segments grow instead of fragmenting ({env})"))
+    if f.get("device") == "cuda" and f.get("device_busy_fraction") is not None:
+        idle = max(0.0, _idle_not_data(f) - (f.get("logging_share") or 0.0))
+        if idle < 0.3 or (f.get("mean_kernel_us") or 0.0) >= 50.0:
+            return None
+        ev = [f"the GPU is idle {pct(idle)} of the step between short kernels "
+              f"(mean {f.get('mean_kernel_us', 0):.1f} us)"]
+        score = 0.85 * idle
     else:
-        sug.append(advice("segments grow instead of fragmenting", env))
-    sug.append(advice("keep tensor shapes fixed (pad batches to a fixed length), or warm up with the largest shape"))
-    if retries:
-        sug.append(_split_batch(f, "leave the allocator headroom"))
-    return Finding(_clamp(0.15 + 0.05 * min(retries, 4) + 0.02 * min(mallocs, 10)), "allocator thrash", ev, sug)
+        per_op, compute = f.get("flops_per_op"), f.get("compute_share")
+        if per_op is None or per_op >= MICRO_BATCH_FLOPS_PER_OP or compute is None or compute < 0.3:
+            return None
+        ev = [f"{per_op:,.0f} model FLOPs per operator (< {MICRO_BATCH_FLOPS_PER_OP:,}): each micro-batch is "
+              "mostly per-operator overhead"]
+        score = 0.8 * compute
+    ev.insert(0, f"train.batch_size = {batch} accumulated {accum} times: {accum} small forward/backward passes "
+                 "per optimizer step")
+    sug = [switch("train.batch_size", batch * accum, "the same global batch in one micro-batch (if memory allows)",
+                  also={"train.grad_accum_steps": 1})]
+    if accum % 2 == 0 and accum > 2:
+        sug.append(switch("train.batch_size", 2 * batch, "half the micro-batches, twice as large",
+                          also={"train.grad_accum_steps": accum // 2}))
+    return Finding(_clamp(score), "tiny micro-batch made up by gradient accumulation", ev, sug)
+
+
+MICRO_BATCH_FLOPS_PER_OP = 4 * CPU_OVERHEAD_FLOPS_PER_OP  # merging micro-batches costs nothing but memory
+
+
+def thread_oversubscription(f: dict) -> Optional[Finding]:
+    """CPU runs: more busy threads (intra-op threads per process, plus the DataLoader workers when the
+    loading does real work) than cores. The threads of one operator wait for the slowest, which waits
+    for a core."""
+    th = f.get("threads")
+    if f.get("device") != "cpu" or not th or not th.get("intra_op") or not th.get("cpu_count"):
+        return None
+    intra, cores, procs = th["intra_op"], th["cpu_count"], th.get("local_world_size") or 1
+    workers = cfg(f, "data.num_workers")
+    busy_workers = workers if (cfg(f, "data.cpu_work_ms") > 0 or (f.get("data_share") or 0.0) > 0.05) else 0
+    want = intra * procs + busy_workers
+    if want <= cores:
+        return None
+    compute = f.get("compute_share")
+    compute = 0.9 if compute is None else compute
+    fit = max(1, (cores - busy_workers) // procs)
+    ev = [f"{intra} intra-op threads x {procs} process(es)"
+          + (f" + {busy_workers} busy DataLoader workers" if busy_workers else "")
+          + f" = {want} threads on {cores} cores"
+          + (f" (the {workers} workers are mostly idle: not counted)" if workers and not busy_workers else ""),
+          f"forward, backward and optimizer take {pct(compute)} of the step, each operator waiting for its "
+          "slowest thread"]
+    sug = [env_setting("OMP_NUM_THREADS", fit, f"{fit} intra-op thread(s) per process, one core each "
+                       "(or torch.set_num_threads)")]
+    if busy_workers and workers > 1:
+        sug.append(switch("data.num_workers", max(1, cores - intra * procs),
+                          "fewer workers, so that the training threads keep their cores"))
+    return Finding(_clamp(0.6 * compute * (1.0 - cores / want)), "CPU threads over-subscribed", ev, sug)
+
+
+def outside_steady_state(f: dict) -> Optional[Finding]:
+    """Wall-clock time outside the steady-state steps (evaluation, checkpoints, logging, warm-up) of
+    15% or more: the throughput the user waits for is lower than the steady state says."""
+    wall, parts = f.get("wall_s"), f.get("outside_s") or {}
+    if not wall or not parts:
+        return None
+    total = sum(parts.values())
+    share = total / wall
+    if share < OUTSIDE_SHARE:
+        return None
+    step_s = (f.get("step_ms") or 0.0) / 1000
+    ev = [f"{total:.1f} s of {wall:.1f} s of wall-clock time ({pct(share)}) went outside the steady-state steps "
+          f"({f.get('steady_s', wall - total):.1f} s) [{f.get('wall_source', '')}]"]
+    sug: list[dict[str, Any]] = []
+    fixable = 0.0
+    for part, secs in sorted(parts.items(), key=lambda kv: -kv[1]):
+        if secs / wall < 0.02:
+            continue
+        count = (f.get("outside_counts") or {}).get(part)
+        ev.append(f"{part}: {secs:.1f} s ({pct(secs / wall)})" + (f" in {count} rounds" if count else ""))
+        fix = _outside_fix(f, part, secs, count, step_s)
+        if fix:
+            fixable += secs
+            sug += fix
+    if not sug:
+        return None
+    main = max(parts, key=parts.get)
+    return Finding(_clamp(0.9 * fixable / wall), f"wall-clock time lost outside the steady state: {main}", ev, sug,
+                   measure="wall")
+
+
+OUTSIDE_SHARE = 0.15
+
+
+def _outside_fix(f: dict, part: str, secs: float, count: Optional[int], step_s: float) -> list[dict[str, Any]]:
+    """Switches that make one part outside the steady state rarer or cheaper (at most 5% of the time)."""
+    out: list[dict[str, Any]] = []
+    each = secs / count if count else None
+
+    def rarer(now: int) -> Optional[int]:
+        if not each or not step_s:
+            return None
+        every = max(2 * now, math.ceil(19 * each / step_s))  # each round then costs <= 5% of the steps it follows
+        return every if every > now else None
+
+    if part == "evaluation":
+        now = cfg(f, "train.eval_every_steps")
+        every = rarer(now) if now > 0 else None
+        if every:
+            out.append(switch("train.eval_every_steps", every, f"evaluate every {every} steps: each evaluation "
+                              "then costs <= 5% of the training it follows"))
+        batches = cfg(f, "train.eval_batches")
+        if batches > 4:
+            out.append(switch("train.eval_batches", max(2, batches // 4), "a quarter of the validation batches"))
+    elif part == "checkpoints":
+        now = cfg(f, "checkpoint.every_steps")
+        every = rarer(now) if now > 0 else None
+        if every:
+            out.append(switch("checkpoint.every_steps", every, f"save every {every} steps"))
+    elif part == "logging":
+        now = cfg(f, "log.every_steps")
+        if now < 50:
+            out.append(switch("log.every_steps", 50, "log (and synchronise) every 50 steps"))
+    return out
 
 
 RULES: list[Callable[[dict], Optional[Finding]]] = [
-    data_bound, copy_bound, host_sync, launch_overhead, fp32_math, attention,
+    data_bound, copy_bound, host_sync, launch_overhead, compile_off, micro_batch, optimizer_impl,
+    activation_recompute, layer_forms, thread_oversubscription, outside_steady_state, fp32_math, attention,
     logits_peak, activation_memory, optimizer_state_memory, allocator_thrash,
 ]
 

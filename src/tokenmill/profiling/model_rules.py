@@ -1,0 +1,129 @@
+"""Doctor rules about the model's forms: hand-written layers, the attention kernel, fp32 matmuls without
+tensor cores, and eager launches where torch.compile would fuse them (see :mod:`rules`)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from tokenmill.profiling.findings import (
+    Finding,
+    _clamp,
+    _idle_not_data,
+    cfg,
+    pct,
+    switch,
+)
+
+LAYER_FORMS = {  # config field -> (slow value, fast value, what the slow form is)
+    "model.norm": ("manual", "native", "hand-written LayerNorm (mean, variance, rsqrt, affine as separate ops)"),
+    "model.gelu": ("manual", "native", "hand-written tanh-GELU (the formula as separate element-wise ops)"),
+    "model.fused_qkv": (False, True, "separate q, k and v projections (three matrix products instead of one)"),
+}
+
+
+def layer_forms(f: dict) -> Optional[Finding]:
+    """Hand-written LayerNorm / GELU and separate q/k/v: many small operators where one would do.
+    Their cost: the extra operators' fraction of the model's operators other than matrix products
+    (counted on the model's own layers), times the time forward + backward spend outside matrix
+    products (the matmul share measured by the profile: kernels on CUDA, host operators on CPU)."""
+    slow = [k for k, (bad, _good, _what) in LAYER_FORMS.items() if cfg(f, k) == bad]
+    if "model.fused_qkv" in slow and cfg(f, "parallel.tp") > 1:
+        slow.remove("model.fused_qkv")  # tensor parallelism needs the separate projections
+    if not slow:
+        return None
+    counts = f.get("layer_forms") or {}
+    ev = [f"{k} = {str(cfg(f, k)).lower()}: {LAYER_FORMS[k][2]}" for k in slow]
+    fb = (f.get("forward_share") or 0.0) + (f.get("backward_share") or 0.0)
+    mm = f.get("gemm_share") if f.get("device") == "cuda" else f.get("host_matmul_share")
+    share = None
+    if fb and all(k in counts for k in slow):
+        c = counts[slow[0]]
+        extra, other = sum(counts[k]["extra"] for k in slow), max(1, c["total"] - c["matmul"])
+        rest = fb * (1.0 - (mm or 0.0))
+        share = extra / other * rest
+        ev.append(f"{extra} of the {other} operators other than matrix products in a forward + backward "
+                  f"({pct(extra / other)}) are these forms' extra ones (counted on the model's own layers)")
+        ev.append(f"forward + backward outside matrix products: {pct(rest)} of the step"
+                  + (f" (matrix products {pct(mm)} of the operators' time)" if mm is not None else
+                     " (no profile: matrix products not told apart)") + f"; so about {pct(share)} of the step")
+    else:
+        ev.append("their share of the step is unknown (no forward/backward split, or the model could not be "
+                  "built here to count its operators)")
+    sug = [switch(k, LAYER_FORMS[k][1], "the fused native kernel" if k != "model.fused_qkv" else
+                  "one [q; k; v] matrix product") for k in slow]
+    score = 0.9 * share if share is not None else 0.05
+    return Finding(_clamp(score), "hand-written layers: " + ", ".join(k.split(".")[1] for k in slow)
+                   + " as many small operators", ev, sug)
+
+
+LAUNCH_US = 5.0  # host time to launch one CUDA kernel (eager PyTorch), roughly
+
+
+def compile_off(f: dict) -> Optional[Finding]:
+    """CUDA, torch.compile off, the GPU idle between short kernels and the launches alone filling a
+    good part of the step: fusing them (fewer kernels) is the fix, more than a larger batch."""
+    if f.get("device") != "cuda" or cfg(f, "compile.enabled") or f.get("device_busy_fraction") is None:
+        return None
+    idle = max(0.0, _idle_not_data(f) - (f.get("logging_share") or 0.0))
+    kernels, mean_us, step = f.get("kernels_per_step") or 0.0, f.get("mean_kernel_us") or 0.0, f.get("step_ms")
+    launch_ms = kernels * LAUNCH_US / 1000
+    if idle < 0.3 or mean_us >= 50.0 or not step or launch_ms < 0.3 * step:
+        return None
+    ev = [f"torch.compile is off; the GPU is idle {pct(idle)} of the step while the host is not waiting for data",
+          f"{kernels:,.0f} kernels per step of {mean_us:.1f} us on average: launching them alone takes about "
+          f"{launch_ms:.1f} ms of the {step:.1f} ms step (~{LAUNCH_US:g} us each)"]
+    sug = [switch("compile.enabled", True, "fuse the element-wise operators: fewer, longer kernels"),
+           switch("compile.enabled", True, "and CUDA graphs: one launch for the whole step",
+                  also={"compile.mode": "reduce-overhead"})]
+    return Finding(_clamp(0.85 * idle), "launch-bound with torch.compile off", ev, sug)
+
+
+TENSOR_CORE_GPUS = ("A100", "A10", "A30", "A40", "A6000", "L4", "L40", "H100", "H200", "GH200", "B200", "RTX 30",
+                    "RTX 40", "RTX 50", "3090", "4090", "5090")
+
+
+def fp32_math(f: dict) -> Optional[Finding]:
+    if f.get("device") != "cuda" or cfg(f, "train.precision") != "fp32" or cfg(f, "train.tf32"):
+        return None
+    cap = f.get("gpu_capability")
+    name = (f.get("gpu_name") or "").upper()
+    if not ((cap and cap[0] >= 8) or any(g in name for g in TENSOR_CORE_GPUS)):
+        return None
+    gemm = f.get("gemm_share")
+    ev = [f"train.precision = fp32 with train.tf32 = false on {f.get('gpu_name') or 'a tensor-core GPU'}"]
+    if gemm is not None:
+        ev.append(f"matmul kernels take {pct(gemm)} of device time, on the slow non-tensor-core fp32 path")
+    if f.get("mfu") is not None:
+        ev.append(f"MFU {pct(f['mfu'])}")
+    score = 0.5 * gemm if gemm is not None else 0.35
+    sug = [switch("train.precision", "bf16-autocast", "bf16 tensor cores, half-size activations"),
+           switch("train.tf32", True, "TF32 tensor cores for fp32 matmuls (about 2x on A100 in the README ladder)")]
+    return Finding(_clamp(score), "fp32 math on a tensor-core GPU", ev, sug)
+
+
+def attention(f: dict) -> Optional[Finding]:
+    kind = cfg(f, "model.attention")
+    backend = cfg(f, "model.sdpa_backend")
+    if kind != "manual" and backend != "math":
+        return None
+    # the larger of the measured attention regions' share (forward; they include the projections, which
+    # roughly offsets the backward they miss) and twice the FLOP share (the T x T matrix costs traffic)
+    share = max(f.get("attn_share") or 0.0, 2.0 * (f.get("attention_flop_share") or 0.0))
+    what = "model.attention = manual" if kind == "manual" else "model.sdpa_backend = math"
+    ev = [f"{what}: the T x T attention matrix is materialised (memory traffic and memory)"]
+    if f.get("attn_share") is not None:
+        ev.append(f"attention regions take {pct(f['attn_share'])} of the step (forward only)")
+    elif f.get("attention_flop_share"):
+        ev.append(f"attention is {pct(f['attention_flop_share'])} of the model FLOPs at block_size "
+                  f"{cfg(f, 'model.block_size')}")
+    sug = [switch("model.attention", "sdpa", "scaled_dot_product_attention: flash / memory-efficient kernels")
+           if kind == "manual" else switch("model.sdpa_backend", "auto", "let PyTorch pick a fused kernel")]
+    if kind == "manual" and cfg(f, "model.causal_mask") == "on_the_fly":
+        n_layer = cfg(f, "model.n_layer")
+        ev.append(f"model.causal_mask = on_the_fly: a T x T mask is built in each of the {n_layer} blocks' "
+                  "forward (and recompute)")
+        sug.append(switch("model.causal_mask", "buffer", "if attention stays manual: build the mask once, as a "
+                          "buffer"))
+    if f.get("device") == "cuda" and cfg(f, "train.precision") == "fp32":
+        sug.append(switch("train.precision", "bf16-autocast", "flash attention needs bf16/fp16"))
+    return Finding(_clamp(share, lo=0.08, hi=0.6), "attention not on a fused kernel", ev, sug)
