@@ -246,6 +246,7 @@ def cuda_facts(**kw) -> dict:
     ({"wall_s": 100.0, "outside_s": {"evaluation": 40.0}, "outside_counts": {"evaluation": 10},
       "config": {"train.eval_every_steps": 10, "train.eval_batches": 50}}, "outside_steady_state"),
     ({"config": {"train.batch_size": 1, "train.grad_accum_steps": 8}, "flops_per_op": 5000.0}, "micro_batch"),
+    ({"config": {"memory.offload_activations": True}}, "memory_savers_with_room"),
 ])
 def test_each_cpu_rule_triggers_first(planted, expected):
     assert [f["key"] for f in rank(facts())] == []  # the healthy run triggers nothing
@@ -266,6 +267,8 @@ def test_each_cpu_rule_triggers_first(planted, expected):
     ({"activation_mb": 60000.0, "memory_total_mb": 70000.0, "peak_reserved_mb": 75000.0}, "activation_memory"),
     ({"optimizer_state_mb": 40000.0, "memory_total_mb": 70000.0, "peak_reserved_mb": 75000.0},
      "optimizer_state_memory"),
+    ({"config": {"memory.offload_activations": True, "compile.loss_outside": True}, "peak_reserved_mb": 20000.0},
+     "memory_savers_with_room"),
     ({"device_busy_fraction": 0.3, "device_idle_share": 0.7, "mean_kernel_us": 8.0, "kernels_per_step": 8000},
      "compile_off"),
     ({"optimizer_share": 0.3, "optimizer_ms": 30.0}, "optimizer_impl"),  # foreach on a GPU
@@ -831,3 +834,17 @@ def test_vocabulary_sized_logits_peak(tmp_path):
     assert prof["memory"]["vocab_sized_mb"] > 0.5 * (prof["memory"]["peak_mb"] - prof["memory"]["step_start_mb"])
     memory_keys = [f["key"] for f in v["findings"] if f["key"].endswith(("_peak", "_memory"))]
     assert memory_keys and memory_keys[0] == "logits_peak"
+
+
+def test_memory_savers_with_room_through_the_cli(tmp_path):
+    """Activations offloaded to the CPU and the gradients reduced every micro-batch in a CPU run: the
+    doctor names both switches with the overrides that turn them off; none when memory is tight on a GPU."""
+    d = tmp_path / "savers"
+    cli_quiet("train", *TINY_ARGS, "--train.max_steps", "6", "--log.every_steps", "2", "--run-dir", str(d),
+              "--memory.offload_activations", "true", "--train.grad_accum_steps", "2",
+              "--parallel.sync_every_microbatch", "true")
+    found = {f["key"]: f for f in cli_json(str(d))["findings"]}
+    assert set(switches(found["memory_savers_with_room"])) == {
+        "--memory.offload_activations false", "--parallel.sync_every_microbatch false"}
+    tight = cuda_facts(config={"memory.offload_activations": True}, peak_reserved_mb=75000.0)
+    assert "memory_savers_with_room" not in [x["key"] for x in rank(tight)]

@@ -268,6 +268,34 @@ def activation_recompute(f: dict) -> Optional[Finding]:
 
 TIGHT_MEMORY = 0.8  # peak / device memory above which memory-saving switches are worth their time
 
+# memory-saving switches that cost time (field, its cheaper value, what the time goes to)
+TIME_FOR_MEMORY = {
+    "memory.offload_activations": (False, "copies every saved activation to the host and back"),
+    "memory.optimizer_offload": (False, "runs AdamW on the CPU and copies gradients and weights each step"),
+    "parallel.sync_every_microbatch": (False, "reduces the gradients after every micro-batch, not once a step"),
+    "compile.loss_outside": (False, "runs the head and the loss outside the compiled graph"),
+}
+
+
+def memory_savers_with_room(f: dict) -> Optional[Finding]:
+    """Switches that trade time for memory, on while memory is not tight (or on a CPU, where host memory is
+    what they would save): the time is spent for nothing."""
+    on = [k for k, (cheap, _) in TIME_FOR_MEMORY.items() if cfg(f, k) != cheap]
+    if "parallel.sync_every_microbatch" in on and cfg(f, "train.grad_accum_steps") == 1:
+        on.remove("parallel.sync_every_microbatch")  # nothing extra without accumulation
+    fill = memory_fill(f)
+    if not on or (fill is not None and fill >= TIGHT_MEMORY) or (f.get("device") == "cuda" and fill is None):
+        return None
+    where = "CPU run: the switches save host memory from host memory" if f.get("device") != "cuda" else \
+        f"memory is not tight: the peak uses {pct(fill)} of the GPU (< {pct(TIGHT_MEMORY)})"
+    ev = [f"{k} = {cfg(f, k)}: it {TIME_FOR_MEMORY[k][1]}" for k in on] + [where]
+    sug = [switch(k, TIME_FOR_MEMORY[k][0], "spend no time on memory that is not needed") for k in on]
+    if "memory.optimizer_offload" in on and cfg(f, "memory.offload_gradients"):
+        sug = [switch("memory.offload_gradients", False, "the gradients stay on the device"), *sug]
+    moved = sum(f.get(x) or 0.0 for x in ("h2d_share", "optimizer_share")) if f.get("device") == "cuda" else 0.0
+    score = max(0.12 * len(on), 0.8 * moved)
+    return Finding(_clamp(score), "memory-saving switches cost time while memory is not tight", ev, sug)
+
 
 def memory_fill(f: dict) -> Optional[float]:
     """The peak's fraction of the GPU's memory (None on CPU or when either is unknown)."""
@@ -410,7 +438,7 @@ def _outside_fix(f: dict, part: str, secs: float, count: Optional[int], step_s: 
 RULES: list[Callable[[dict], Optional[Finding]]] = [
     data_bound, copy_bound, host_sync, launch_overhead, compile_off, micro_batch, optimizer_impl,
     activation_recompute, layer_forms, thread_oversubscription, outside_steady_state, fp32_math, attention,
-    logits_peak, activation_memory, optimizer_state_memory, allocator_thrash,
+    logits_peak, activation_memory, optimizer_state_memory, allocator_thrash, memory_savers_with_room,
 ]
 
 
