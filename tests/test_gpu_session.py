@@ -122,7 +122,7 @@ def test_slice_folds_the_earlier_rungs_and_leaves_out_the_deferred():
 
 
 def test_pack_leaves_out_the_largest_members_to_fit(tmp_path, monkeypatch):
-    monkeypatch.setattr(session, "MAX_BYTES", 256 * 1024)
+    monkeypatch.setattr(sys.modules["session_lib"], "MAX_BYTES", 256 * 1024)  # the layout rules live there
     monkeypatch.setenv("TOKENMILL_SESSION_WORK", str(tmp_path / "work"))
     s = session.Session("demo", tmp_path / "out", COMMIT, smoke=True)
     s.out.mkdir()
@@ -144,7 +144,7 @@ def test_pack_leaves_out_the_largest_members_to_fit(tmp_path, monkeypatch):
 
 
 def test_layout_flags_what_the_device_would_not_return(tmp_path, monkeypatch):
-    monkeypatch.setattr(session, "MAX_BYTES", 1024)
+    monkeypatch.setattr(sys.modules["session_lib"], "MAX_BYTES", 1024)
     for i in range(9):
         (tmp_path / f"f{i}.txt").write_text("x")
     (tmp_path / "a" / "b" / "c").mkdir(parents=True)
