@@ -230,8 +230,8 @@ def test_keep_last_and_tensorboard(tmp_path):
 
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
-    assert [e.step for e in acc.Scalars("loss")] == [2, 4, 6, 8]
-    assert [e.value for e in acc.Scalars("loss")] == pytest.approx(list(losses(tmp_path).values()))
+    assert [e.step for e in acc.Scalars("train/loss")] == [2, 4, 6, 8]
+    assert [e.value for e in acc.Scalars("train/loss")] == pytest.approx(list(losses(tmp_path).values()))
 
 
 PHASE_KEYS = ("data_ms", "h2d_ms", "forward_ms", "backward_ms", "optimizer_ms")

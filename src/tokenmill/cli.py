@@ -1,4 +1,4 @@
-"""Command line: ``tokenmill prepare | train | sample | bench | profile | doctor``.
+"""Command line: ``tokenmill prepare | train | sample | eval | export | bench | profile | doctor``.
 
 Config overrides are ``--section.field VALUE`` (or ``--section.field=VALUE``); every field is
 listed with its documentation by ``tokenmill train --help``.
@@ -39,9 +39,18 @@ def cmd_train(args: argparse.Namespace) -> int:
                                 "--run-dir, or start a new run without --resume.")
         saved = run_dir / "config.toml"
         cfg = config_from_args(args, (str(saved),) if saved.is_file() else ())
+        if "cfg:train.init_from" in vars(args):  # the run's record of where it started stays as it was
+            print("tokenmill: note: --resume continues from the run's own checkpoint; --train.init_from is "
+                  "ignored (it only starts a new run).", file=sys.stderr)
+            cfg.train.init_from = C.load_toml(saved).get("train", {}).get("init_from") if saved.is_file() else None
     else:
         cfg = config_from_args(args)
         run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args)
+        if cfg.train.init_from:  # the model's shape from the source; an explicit conflicting choice is an error
+            from tokenmill.train.init_from import adopt_shape, explicit_keys, find_source
+
+            chosen = explicit_keys([k[4:] for k in vars(args) if k.startswith("cfg:")], args.config)
+            cfg = adopt_shape(cfg, find_source(cfg.train.init_from), chosen)
     train(cfg, run_dir, resume=args.resume)
     return 0
 
@@ -55,20 +64,49 @@ def _closest_dir(path: Path) -> str:
 
 def cmd_sample(args: argparse.Namespace) -> int:
     from tokenmill.train.device import resolve_device
-    from tokenmill.train.sample import load_run, sample_text
+    from tokenmill.train.sample import load_run, sample_texts
 
-    if args.max_new_tokens < 0 or args.temperature < 0 or args.top_k < 0:
-        raise SampleError("--max-new-tokens, --temperature and --top-k must be >= 0 "
-                          f"(got {args.max_new_tokens}, {args.temperature}, {args.top_k}).")
+    if args.max_new_tokens < 0 or args.temperature < 0 or args.top_k < 0 or args.num_samples < 1:
+        raise SampleError("--max-new-tokens, --temperature and --top-k must be >= 0 and --num-samples >= 1 "
+                          f"(got {args.max_new_tokens}, {args.temperature}, {args.top_k}, {args.num_samples}).")
+    if not 0.0 < args.top_p <= 1.0:
+        raise SampleError(f"--top-p must be in (0, 1] (1 = no nucleus filtering), got {args.top_p}.")
     try:
         args.prompt.encode("utf-8")
     except UnicodeEncodeError:
         raise SampleError("--prompt is not valid UTF-8 text; pass the prompt in UTF-8.") from None
     device = resolve_device(args.device, "--device")
     model, cfg, data_dir = load_run(args.run_dir, str(device), args.checkpoint)
-    text = sample_text(model, data_dir, args.prompt, args.max_new_tokens, args.temperature,
-                       args.top_k or None, device=device, seed=args.seed)
-    print(text)
+    texts = sample_texts(model, data_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k or None,
+                         args.top_p if args.top_p < 1.0 else None, args.num_samples, not args.no_kv_cache,
+                         device=device, seed=args.seed)
+    for i, text in enumerate(texts):
+        if len(texts) > 1:
+            print(f"--- sample {i + 1}/{len(texts)} ---")
+        print(text)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from tokenmill.checkpoint.export import export_hf
+
+    r = export_hf(args.run_dir, args.out, args.checkpoint, overwrite=args.overwrite)
+    print(f"exported {r.checkpoint} to {r.out_dir}: {', '.join(r.files)}")
+    if r.tokenizer_skipped:
+        print(f"tokenmill: note: no tokenizer files: {r.tokenizer_skipped}", file=sys.stderr)
+    print(f"load it with: transformers.GPT2LMHeadModel.from_pretrained({str(r.out_dir)!r})")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import json
+
+    from tokenmill.train.device import resolve_device
+    from tokenmill.train.evaluate import evaluate_run, format_result
+
+    device = resolve_device(args.device, "--device")
+    r = evaluate_run(args.run_dir, args.data_path, args.batches, args.batch_size, args.checkpoint, device)
+    print(json.dumps(r, indent=2) if args.json else format_result(r))
     return 0
 
 
@@ -109,16 +147,44 @@ def build_parser() -> argparse.ArgumentParser:
     add_prepare_args(p)
     p.set_defaults(func=cmd_prepare)
 
-    p = sub.add_parser("sample", help="generate text from a run's latest checkpoint", allow_abbrev=False)
-    p.add_argument("--run-dir", required=True)
-    p.add_argument("--prompt", default="\n")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=200, help="0 = no top-k filtering")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu", help="cpu, cuda, mps or auto")
+    p = sub.add_parser("sample", help="generate text from a run's checkpoint", allow_abbrev=False)
+    p.add_argument("--run-dir", required=True, help="the run directory")
+    p.add_argument("--prompt", default="\n", help="text to continue (default: a newline; empty: start from the end-of-text id)")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate (default: 200)")
+    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy, the most likely token (default: 0.8)")
+    p.add_argument("--top-k", type=int, default=200, help="keep the k most likely tokens; 0 = no top-k filtering (default: 200)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: keep the most likely tokens up to this probability mass; 1 = off (default: 1.0)")
+    p.add_argument("--num-samples", type=int, default=1, help="independent samples of the prompt (default: 1)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the draws (default: 0)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, mps or auto (default: cpu)")
     p.add_argument("--checkpoint", help="a checkpoint file or folder of the run (default: the newest good one)")
+    p.add_argument("--no-kv-cache", action="store_true",
+                   help="recompute the whole context at every token instead of caching keys/values (same tokens, "
+                        "slower; for checking; default: the cache is on)")
     p.set_defaults(func=cmd_sample)
+
+    p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face GPT-2 folder", allow_abbrev=False)
+    p.add_argument("--run-dir", required=True, help="the run directory")
+    p.add_argument("--out", required=True, help="the folder to write (config.json, model.safetensors, tokenizer files)")
+    p.add_argument("--checkpoint", help="a checkpoint file or folder of the run (default: the newest good one)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a non-empty --out, only once the new folder is complete (default: a non-empty --out is an error)")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("eval", help="validation loss, perplexity and bits per byte of a run's checkpoint",
+                       allow_abbrev=False)
+    p.add_argument("--run-dir", required=True, help="the run directory (the result goes to RUN/eval.json)")
+    p.add_argument("--data.path", dest="data_path", metavar="DATA",
+                   help="a prepared folder with the run's tokenizer (default: the run's data)")
+    p.add_argument("--batches", type=int,
+                   help="evaluate N batches spread over the val split, as training does with train.eval_batches=N "
+                        "(default: the whole val split)")
+    p.add_argument("--batch-size", type=int, help="sequences per batch (default: the run's train.batch_size)")
+    p.add_argument("--checkpoint", help="a checkpoint file or folder of the run (default: the newest good one)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, mps or auto (default: auto)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON (default: two lines of text)")
+    p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("config", help="print a resolved config as TOML, or the field reference", allow_abbrev=False)
     add_config_args(p)
@@ -135,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _extensions():
     """Sub-commands living in their own packages (bench, profile, doctor), when present."""
     regs = []
-    for mod in ("tokenmill.bench.cli", "tokenmill.profiling.cli"):
+    for mod in ("tokenmill.bench.cli", "tokenmill.profiling.cli", "tokenmill.estimate.cli"):
         try:
             module = __import__(mod, fromlist=["register"])
         except ModuleNotFoundError as e:

@@ -172,10 +172,24 @@ class TrainConfig:
     )
     tf32: bool = F(False, "Allow TF32 tensor-core matmuls for fp32 math (set_float32_matmul_precision('high')).")
     eval_every_steps: int = F(0, "Evaluate the validation loss every N steps (0 = only at the end).", ge=0)
+    eval_inference_mode: bool = F(
+        True,
+        "Evaluate under torch.inference_mode (no autograd bookkeeping, no version counters); False = "
+        "torch.no_grad, as the seeds do.",
+    )
     eval_batches: int = F(10, "Validation micro-batches per evaluation (0 = no evaluation).", ge=0)
     sample_at_end: bool = F(False, "Print a text sample at the end of training.")
     sample_tokens: int = F(200, "Tokens generated for the end-of-training sample.", ge=0)
     sample_prompt: str = F("\n", "Prompt for the end-of-training sample.")
+    init_from: Optional[str] = F(
+        None,
+        "Fine-tuning: start from the weights of a tokenmill run directory (its newest good checkpoint), one of "
+        "its checkpoints, or a local Hugging Face GPT-2 folder (config.json + model.safetensors or "
+        "pytorch_model.bin). The model's shape (vocab_size, n_layer, n_head, n_embd, bias, qkv_bias, "
+        "tie_embeddings; block_size up to the source's) comes from the source; the optimizer, lr schedule and "
+        "step start fresh at 0. The data must use the source's tokenizer (`tokenmill prepare --tokenizer-from`). "
+        "Not read once the run directory has checkpoints (--resume continues from them).",
+    )
 
 
 @dataclass
@@ -195,6 +209,12 @@ class OptimConfig:
     beta2: float = F(0.95, "AdamW beta2.", ge=0, lt=1)
     eps: float = F(1e-8, "AdamW epsilon.", gt=0)
     grad_clip: float = F(1.0, "Clip the global gradient norm to this (0 = no clipping).", ge=0)
+    zero_grad: Literal["after_step", "after_forward"] = F(
+        "after_step",
+        "When gradients are freed: 'after_step' = right after the optimizer step, so the forward runs without "
+        "them; 'after_forward' = after the next step's first forward, as minGPT's trainer (the book's "
+        "baseline) does, so the last step's gradients stay alive during the forward. Same math.",
+    )
     impl: Literal["for-loop", "foreach", "fused"] = F(
         "foreach",
         "AdamW implementation: 'for-loop' (one parameter at a time, least temporary memory), 'foreach' "
@@ -252,6 +272,24 @@ class MemoryConfig:
         "8-bit AdamW state (torchao.optim.AdamW8bit; needs `pip install torchao`). Approximate: "
         "block-wise quantised moments.",
     )
+    max_split_size_mb: int = F(
+        0,
+        "CUDA caching allocator: blocks larger than this (MB) are never split (PYTORCH_CUDA_ALLOC_CONF "
+        "max_split_size_mb): less fragmentation for large, varying allocations; 0 = not set.",
+        ge=0,
+    )
+    gc_threshold: float = F(
+        0.0,
+        "CUDA caching allocator: reclaim unused cached blocks once this fraction of the GPU memory is in use "
+        "(PYTORCH_CUDA_ALLOC_CONF garbage_collection_threshold), instead of freeing all on an allocation "
+        "failure; 0 = not set.",
+        ge=0, lt=1,
+    )
+    offload_activations: bool = F(
+        False,
+        "Move the activations saved for backward to (pinned) CPU memory during the forward and back in "
+        "backward (torch.autograd.graph.save_on_cpu): less device memory, more host-device traffic.",
+    )
     expandable_segments: bool = F(
         False,
         "CUDA caching allocator with expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, "
@@ -296,6 +334,12 @@ class ParallelConfig:
     ddp_grad_as_bucket_view: bool = F(
         False, "DDP gradient_as_bucket_view: gradients are views into the all-reduce buckets (saves one copy)."
     )
+    sync_every_microbatch: bool = F(
+        False,
+        "With gradient accumulation: reduce (DDP all-reduce / FSDP reduce-scatter) the gradients after every "
+        "micro-batch, as the book's FSDP example does; False = only after the last one (DDP no_sync, FSDP "
+        "without gradient sync: less communication, but FSDP keeps unsharded gradients between micro-batches).",
+    )
     zero1: bool = F(
         False,
         "ZeRO-1: shard the optimizer state over data-parallel ranks (ZeroRedundancyOptimizer over DDP); "
@@ -335,7 +379,22 @@ class LogConfig:
     progress: Literal["auto", "bar", "plain"] = F(
         "auto", "'bar' = tqdm progress bar with ETA; 'plain' = log lines; 'auto' = bar on a terminal."
     )
-    tensorboard: bool = F(True, "Write TensorBoard scalars to RUN_DIR/tensorboard when tensorboard is installed.")
+    tensorboard: bool = F(
+        True,
+        "Write TensorBoard scalars to RUN_DIR/tensorboard when tensorboard is installed (tags by section: "
+        "train/loss, perf/tokens_per_sec, memory/peak_alloc_mb, eval/val_loss).",
+    )
+    wandb: bool = F(
+        False,
+        "Also log to Weights & Biases (pip install 'tokenmill[wandb]'), with the TensorBoard tags and the run "
+        "config; files under RUN_DIR/wandb. log.wandb_mode='offline' (or WANDB_MODE=offline) needs no network "
+        "(upload later with `wandb sync`).",
+    )
+    wandb_project: str = F("tokenmill", "Weights & Biases project (log.wandb).")
+    wandb_name: Optional[str] = F(None, "Weights & Biases run name (log.wandb). None: the run directory's name.")
+    wandb_mode: Literal["auto", "online", "offline", "disabled"] = F(
+        "auto", "Weights & Biases mode (log.wandb): 'auto' = $WANDB_MODE when set, else online."
+    )
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Metrics: ``metrics.jsonl`` (always), TensorBoard (when installed and enabled), progress display.
+"""Metrics: records fanned out to the loggers (``metrics.jsonl`` always, TensorBoard, Weights & Biases; see
+:mod:`tokenmill.train.loggers`), progress display.
 
 Throughput is measured over windows between log steps; the clock is read only after a device
 synchronisation at those steps, and steps before ``log.timing_warmup_steps`` (compilation,
@@ -9,48 +10,47 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.profiler import record_function
 
+from tokenmill.config import Config, LogConfig
+from tokenmill.train.loggers import build_loggers
 from tokenmill.train.timing import PHASES, PhaseTimer
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: Path, tensorboard: bool, enabled: bool = True):
+    """Sends each record to the run's loggers (:mod:`tokenmill.train.loggers`: ``metrics.jsonl`` always,
+    TensorBoard, Weights & Biases). ``enabled=False`` (ranks other than 0) writes nothing."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True, enabled: bool = True,
+                 log_cfg: Optional[LogConfig] = None, config: Optional[dict[str, Any]] = None):
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
-        self.tb = None
-        if enabled and tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
+        log_cfg = log_cfg if log_cfg is not None else LogConfig(tensorboard=tensorboard)
+        self.loggers = build_loggers(run_dir, log_cfg, config) if enabled else []
 
-                self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
-            except ImportError:
-                print("tokenmill: tensorboard is not installed (pip install tensorboard); skipping it.")
+    @classmethod
+    def for_run(cls, run_dir: Path, cfg: Config, enabled: bool = True) -> MetricsWriter:
+        """The writer of a run: the loggers its ``[log]`` section asks for (W&B gets the config)."""
+        return cls(run_dir, cfg.log.tensorboard, enabled, cfg.log, cfg.to_dict() if cfg.log.wandb else None)
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
         record = {k: plain(v) for k, v in record.items()}
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(clean) + "\n")
-        if self.tb is not None:
-            step = record.get("step", 0)
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None:
-                    self.tb.add_scalar(k, v, step)
+        for logger in self.loggers:
+            logger.log(record)
 
     def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
+        for logger in self.loggers:
+            logger.close()
+        self.loggers = []
 
 
 def plain(value: Any) -> Any:
@@ -233,7 +233,10 @@ class StepMetrics:
         if tps:
             step_ms = 1000 * self.tokens_per_step / tps
             rec["step_ms"] = step_ms
-            other = step_ms - sum(rec[f"{p}_ms"] for p in PHASES)
+            # on CUDA the phases are device times and ``data`` is the host's wait for the batch, which
+            # can overlap queued device work: it is reported, but not subtracted
+            timed = [p for p in PHASES if not (self.timer.cuda and p == "data")]
+            other = step_ms - sum(rec[f"{p}_ms"] for p in timed)
             # phases are timed inside the step-time window: only clock noise makes ``other`` negative,
             # so up to 1% of the step is rounded to 0; more stays visible
             rec["other_ms"] = 0.0 if -0.01 * step_ms < other < 0.0 else other

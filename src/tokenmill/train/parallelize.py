@@ -20,6 +20,7 @@ trainer builds it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Optional
 
 import torch
@@ -34,9 +35,14 @@ from tokenmill.parallel.tensor_parallel import apply_tensor_parallel
 from tokenmill.train.precision import apply_precision
 
 
-def build_model(cfg: C.Config, vocab_size: int, device: torch.device, world: Optional[World] = None) -> nn.Module:
+def build_model(cfg: C.Config, vocab_size: int, device: torch.device, world: Optional[World] = None,
+                weights: Optional[Mapping[str, torch.Tensor]] = None) -> nn.Module:
     """The GPT with every model-level switch applied, on ``device`` (this rank's pipeline stage and
-    shards under ``world``); initialised from ``train.seed``, identically on every rank."""
+    shards under ``world``); initialised from ``train.seed``, identically on every rank.
+
+    ``weights`` (``train.init_from``, see :mod:`tokenmill.train.init_from`): a state dict of the whole
+    plain GPT, loaded before any switch, so the pipeline split, tensor parallelism and FSDP split the
+    loaded values."""
     torch.manual_seed(cfg.train.seed)
     if cfg.train.precision == "bf16":  # allocate in bf16 at once: no fp32 copy inflating reserved memory
         with torch.device("meta"):
@@ -46,7 +52,25 @@ def build_model(cfg: C.Config, vocab_size: int, device: torch.device, world: Opt
     else:
         with torch.device(device):
             model = GPT(cfg.model, vocab_size)
+    if weights is not None:
+        model.load_state_dict(weights)  # strict: the source matches this GPT's names and shapes
     return parallelize(model, cfg, world or World(device=device))
+
+
+_RESUME_SEED_STRIDE = 1_000_003  # > any data-parallel degree: (rank, step) pairs get distinct seeds
+
+
+def seed_dropout(seed: int, dp_rank: int, start_step: int = 0) -> None:
+    """Give each data-parallel rank its own dropout masks (call once the model is built and
+    initialised, identically on every rank, from ``seed``).
+
+    DP rank 0 keeps the RNG as it is (as build_model left it, or restored from the checkpoint), so a
+    single process is unchanged and resumes bit-exactly. Rank r > 0 is reseeded from ``seed``, r and
+    ``start_step`` (a checkpoint holds rank 0's RNG state only). Tensor-parallel ranks and pipeline
+    stages of one DP group share the DP rank, hence the masks (TP's replicated activations need
+    equal masks)."""
+    if dp_rank > 0:
+        torch.manual_seed(seed + dp_rank + _RESUME_SEED_STRIDE * start_step)
 
 
 def count_params(cfg: C.ModelConfig, vocab_size: int) -> int:

@@ -13,25 +13,36 @@ from tokenmill.errors import SampleError
 from tokenmill.model import GPT
 
 
-def sample_text(
+def sample_texts(
     model: GPT,
     data_dir: str | Path,
     prompt: str,
     max_new_tokens: int,
     temperature: float = 0.8,
     top_k: int | None = 200,
+    top_p: float | None = None,
+    num_samples: int = 1,
+    use_cache: bool = True,
     device: torch.device | str = "cpu",
     seed: int = 0,
-) -> str:
+) -> list[str]:
+    """``num_samples`` continuations of ``prompt`` (each with the prompt), decoded with the tokenizer of
+    ``data_dir``. Sampling as :meth:`~tokenmill.model.GPT.generate`: ``temperature`` 0 is greedy,
+    ``top_k``/``top_p`` None (or ``top_p`` 1) filter nothing; ``seed`` makes the draws reproducible (a
+    generator of its own: the global RNG is untouched). An empty prompt starts from the end-of-text id."""
     tok = load_tokenizer_for_data(Path(data_dir))
     ids = tok.encode(prompt) or ([tok.eot_id] if tok.eot_id is not None else [0])
     idx = torch.tensor([ids], dtype=torch.long, device=device)
-    torch.manual_seed(seed)
-    was_training = model.training
-    model.eval()
-    out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k)
-    model.train(was_training)
-    return tok.decode(out[0].tolist())
+    gen = torch.Generator(device=idx.device).manual_seed(seed)
+    out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                         num_samples=num_samples, use_cache=use_cache, generator=gen)
+    return [tok.decode(row.tolist()) for row in out]
+
+
+def sample_text(model: GPT, data_dir: str | Path, prompt: str, max_new_tokens: int, temperature: float = 0.8,
+                top_k: int | None = 200, device: torch.device | str = "cpu", seed: int = 0) -> str:
+    """One continuation of ``prompt`` (see :func:`sample_texts`)."""
+    return sample_texts(model, data_dir, prompt, max_new_tokens, temperature, top_k, device=device, seed=seed)[0]
 
 
 def load_run(run_dir: str | Path, device: str = "cpu", checkpoint_path: str | Path | None = None

@@ -39,9 +39,17 @@ from tokenmill.parallel import World, grad_sync, init_world, is_elastic_restart,
 from tokenmill.parallel.pipeline import Pipeline
 from tokenmill.parallel.world import global_mean, rank0_first
 from tokenmill.train.advice import nan_message, oom_message
-from tokenmill.train.device import apply_allocator_settings, device_info, memory_stats, resolve_device, sync
+from tokenmill.train.device import (
+    apply_allocator_settings,
+    device_info,
+    memory_stats,
+    offload_activations,
+    resolve_device,
+    sync,
+)
+from tokenmill.train.init_from import prepare_init_from
 from tokenmill.train.metrics import MetricsWriter, Progress, StepMetrics, format_record
-from tokenmill.train.parallelize import build_model, count_params
+from tokenmill.train.parallelize import build_model, count_params, seed_dropout
 from tokenmill.train.precision import apply_tf32, autocast, check_supported, grad_scaler
 from tokenmill.train.resume import resume
 from tokenmill.train.run_dir import in_use_message, locked, open_run_dir, recorded_config, save_tokenizer
@@ -58,22 +66,6 @@ class Callbacks:
     on_optimizer_built: Optional[Callable[[torch.optim.Optimizer], None]] = None
     on_train_start: Optional[Callable[[Trainer], None]] = None
     on_step_end: Optional[Callable[[int], None]] = None
-
-
-_RESUME_SEED_STRIDE = 1_000_003  # > any data-parallel degree: (rank, step) pairs get distinct seeds
-
-
-def seed_dropout(seed: int, dp_rank: int, start_step: int = 0) -> None:
-    """Give each data-parallel rank its own dropout masks (call once the model is built and
-    initialised, identically on every rank, from ``seed``).
-
-    DP rank 0 keeps the RNG as it is (as build_model left it, or restored from the checkpoint), so a
-    single process is unchanged and resumes bit-exactly. Rank r > 0 is reseeded from ``seed``, r and
-    ``start_step`` (a checkpoint holds rank 0's RNG state only). Tensor-parallel ranks and pipeline
-    stages of one DP group share the DP rank, hence the masks (TP's replicated activations need
-    equal masks)."""
-    if dp_rank > 0:
-        torch.manual_seed(seed + dp_rank + _RESUME_SEED_STRIDE * start_step)
 
 
 def train(cfg: C.Config, run_dir: str | Path, resume: bool = False, quiet: bool = False,
@@ -97,6 +89,8 @@ def train(cfg: C.Config, run_dir: str | Path, resume: bool = False, quiet: bool 
         if world.is_rank0 and not quiet:
             print(f"tokenmill: {e}")
         return {"already_trained": True, "message": str(e)}
+    except torch.OutOfMemoryError as e:  # building, resuming, the final evaluation or save
+        raise TrainingError(oom_message(cfg, world.device, e)) from None
     finally:
         shutdown(world)
 
@@ -120,13 +114,16 @@ class Trainer:
             raise TrainingError(f"--resume: {run_dir} has no checkpoint to resume from; check the --run-dir, "
                                 "or start the run without --resume.")
         resume_run = resume_run or is_elastic_restart()  # a restarted worker goes on from the newest checkpoint
+        cfg, self.init = prepare_init_from(cfg, has_checkpoints, quiet or not rank0)  # the source's model shape
+        self.cfg, t = cfg, cfg.train
         check_supported(t, device)
         apply_tf32(t, device)
         with rank0_first(world):  # rank 0 prepares and caches the embedded corpus first
             self.data = build_datasets(cfg.data, cfg.model.block_size, t.seed, cfg.model.vocab_size,
                                        with_val=t.eval_batches > 0, progress=not quiet and rank0)
         vocab_size = cfg.model.vocab_size or self.data.vocab_size
-        self.model = build_model(cfg, vocab_size, device, world)
+        self.model = build_model(cfg, vocab_size, device, world,  # train.init_from: weights before the switches
+                                 self.init and self.init.load(cfg.model, vocab_size, self.data))
         if self.cb.on_model_built:
             self.cb.on_model_built(self.model)
         self.n_params = count_params(cfg.model, vocab_size)
@@ -166,7 +163,7 @@ class Trainer:
             checkpoint.set_rng_state(rng, device)
         seed_dropout(t.seed, world.dp_rank, self.start_step)
 
-        self.writer = MetricsWriter(run_dir, cfg.log.tensorboard, enabled=rank0)
+        self.writer = MetricsWriter.for_run(run_dir, cfg, enabled=rank0)
         self.progress = Progress(cfg.log.progress, t.max_steps, self.start_step, enabled=not quiet and rank0)
         self.metrics = StepMetrics(device, self.tokens_per_step, cfg.log.timing_warmup_steps, self.start_step,
                                    self.fpt, self.peak)
@@ -185,33 +182,37 @@ class Trainer:
             m.add_host("data", time.perf_counter() - t0)
             with m.phase("h2d"):  # with data.cuda_prefetch the copy ran on a side stream, one batch ahead
                 x, y = batch if self.prefetched else to_device(batch, device, self.cfg.data.non_blocking)
-            with grad_sync(self.model, enabled=micro == t.grad_accum_steps - 1):  # no_sync until the last
+            last = micro == t.grad_accum_steps - 1 or self.cfg.parallel.sync_every_microbatch
+            with grad_sync(self.model, enabled=last):  # no_sync until the last micro-batch
                 if self.pipeline is not None:  # forwards and backwards interleaved by the schedule
                     with m.phase("forward"), autocast(t, device):
                         loss_sum += self.pipeline.train_step(x, y)
                     continue
-                with m.phase("forward"), autocast(t, device):
+                with m.phase("forward"), autocast(t, device), offload_activations(self.cfg.memory, device):
                     _, loss = self.model(x, y)
+                if micro == 0 and self.cfg.optim.zero_grad == "after_forward":  # minGPT's placement
+                    self.optimizer.zero_grad(set_to_none=True)
                 loss_sum += loss.detach().float()
                 with m.phase("backward"):
                     scaled = loss / t.grad_accum_steps
                     (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
         with m.phase("optimizer"):
             grad_norm = optimizer_step(self.optimizer, self.scaler, self.params, self.cfg.optim.grad_clip,
-                                       want_norm, self.world)
+                                       want_norm, self.world, zero=self.cfg.optim.zero_grad == "after_step")
             lr = self.scheduler.get_last_lr()[0]
             self.scheduler.step()
         return loss_sum / t.grad_accum_steps, grad_norm, lr
 
-    @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean validation loss over the run's validation batches (averaged over data-parallel ranks)."""
+        """Mean validation loss over the run's validation batches (averaged over data-parallel ranks);
+        under ``torch.inference_mode`` when ``train.eval_inference_mode``, else ``torch.no_grad``."""
         device = self.world.device
         self.model.eval()
         total, n = torch.zeros((), device=device), 0
         for batch in self.val:
             x, y = to_device(batch, device, self.cfg.data.non_blocking)
-            with autocast(self.cfg.train, device):
+            with autocast(self.cfg.train, device), torch.inference_mode(self.cfg.train.eval_inference_mode), \
+                    torch.no_grad():
                 loss = self.pipeline.eval_loss(x, y) if self.pipeline is not None else self.model(x, y)[1]
             total += loss.float()
             n += 1
@@ -271,7 +272,7 @@ class Trainer:
         finally:
             self.progress.close()
 
-        if self.start_step < t.max_steps:
+        if self.start_step < t.max_steps or self.init is not None:  # init_from + 0 steps: saves the loaded model
             if self.val:
                 self._eval_and_log(t.max_steps)
             if cfg.checkpoint.save_final:

@@ -1,0 +1,223 @@
+"""``train.init_from``: start a run from the weights of another model (fine-tuning), not from a random init.
+
+The source is a tokenmill run directory (its newest good checkpoint, single file or sharded DCP), one
+checkpoint of a run (``RUN/checkpoints/step_XXXXXXXX.pt`` or ``.dcp``), or a local Hugging Face GPT-2
+folder (``config.json`` + ``model.safetensors``, or ``pytorch_model.bin`` read with
+``weights_only=True``).
+
+- **Shape from the source.** ``model.vocab_size``, ``n_layer``, ``n_head``, ``n_embd``, ``bias``,
+  ``qkv_bias`` and ``tie_embeddings`` are the source's; ``model.block_size`` may be smaller than the
+  source's context (the first position embeddings are kept), never larger; a tied source may be
+  untied (``model.tie_embeddings=false``, e.g. for pipeline parallelism: the head starts as a copy of
+  the token embedding). A value chosen explicitly
+  (on the command line or in a ``--config`` file; in Python: a value other than the field's default)
+  that contradicts the source is a :class:`~tokenmill.errors.ConfigError` naming both. The run keeps
+  its own forms of the same math (attention kernel, fused or separate q/k/v, vocabulary padding,
+  norm/GELU form, dropout, loss form).
+- **Fresh optimisation.** The optimizer state, the lr schedule, the data stream and the step start at
+  0: a new run whose first weights are the source's (``--resume`` continues a run instead).
+- **The checkpoint wins.** Once the run directory holds a checkpoint (``--resume``, a restarted
+  torchrun worker) the source is not read at all: the run continues from its own checkpoint.
+- **Before parallelisation.** The weights are loaded into the plain GPT that
+  :func:`~tokenmill.train.parallelize.build_model` builds, before any switch, so pipeline split,
+  tensor parallelism and FSDP split the loaded values.
+- **Same tokenizer.** The data's vocabulary must be the source's (and, for a run, its tokenizer the
+  same kind); otherwise a :class:`~tokenmill.errors.DataError` says to tokenize the text with
+  ``tokenmill prepare --tokenizer-from SOURCE``.
+- A run with ``train.max_steps = 0`` saves the loaded weights as its step-0 checkpoint (a converted
+  model, e.g. to ``tokenmill export`` or ``tokenmill eval`` it).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from tokenmill import checkpoint
+from tokenmill import config as C
+from tokenmill.checkpoint.files import DCP_NAME, FILE_NAME
+from tokenmill.errors import CheckpointError, ConfigError, DataError
+from tokenmill.model import GPT, hf
+from tokenmill.model.gpt import adapt_state_dict
+
+__all__ = ["SHAPE_FIELDS", "InitSource", "adopt_shape", "explicit_keys", "find_source", "prepare_init_from"]
+
+# model fields the source fixes (block_size: at most the source's)
+SHAPE_FIELDS = ("vocab_size", "n_layer", "n_head", "n_embd", "bias", "qkv_bias", "tie_embeddings")
+
+
+@dataclass
+class InitSource:
+    """A model to start from: ``kind`` 'hf' (a Hugging Face GPT-2 folder) or 'run' (a tokenmill run's
+    ``checkpoint``); ``fields``: its shape (:data:`SHAPE_FIELDS` and ``block_size``, its context);
+    ``tokenizer_json``: the source's ``tokenizer.json``, when it has one."""
+
+    path: Path
+    kind: str
+    fields: dict[str, Any]
+    checkpoint: Optional[Path] = None
+    tokenizer_json: Optional[Path] = None
+
+    def describe(self) -> str:
+        if self.kind == "hf":
+            return f"the Hugging Face GPT-2 folder {self.path}"
+        return f"the run {self.path} (checkpoint {self.checkpoint.name})"
+
+    def weights(self, model_cfg: C.ModelConfig, vocab_size: int) -> dict[str, torch.Tensor]:
+        """A state dict for ``GPT(model_cfg, vocab_size)`` (the run's forms: fused or separate q/k/v,
+        vocabulary padding, a shorter block_size), on the CPU."""
+        if vocab_size != self.fields["vocab_size"]:
+            raise ConfigError(f"the model's vocabulary ({vocab_size}) is not the one of {self.describe()} "
+                              f"({self.fields['vocab_size']}).")
+        if self.kind == "hf":
+            _, sd = hf.load_hf_gpt2(self.path, base=model_cfg, block_size=model_cfg.block_size)
+            return sd
+        model, _, _ = checkpoint.load_model(self.path, self.checkpoint)
+        sd = model.state_dict()
+        sd["wpe.weight"] = sd["wpe.weight"][: model_cfg.block_size]
+        with torch.device("meta"):
+            target = GPT(model_cfg, vocab_size)
+        return adapt_state_dict(sd, target)
+
+    def load(self, model_cfg: C.ModelConfig, vocab_size: int, data: Any) -> dict[str, torch.Tensor]:
+        """Check the run's data (a :class:`~tokenmill.data.DataSources`) against the source, then
+        return :meth:`weights` (for the trainer)."""
+        self.check_data(data.vocab_size, data.data_dir)
+        return self.weights(model_cfg, vocab_size)
+
+    def check_data(self, data_vocab: int, data_dir: Optional[Path]) -> None:
+        """The data must be tokenized as the source was: the same vocabulary size and, when both have a
+        ``tokenizer.json``, the same tokens at the same ids. ``data_dir`` None: synthetic tokens."""
+        vocab = self.fields["vocab_size"]
+        if data_vocab != vocab:
+            what = f"a vocabulary of {data_vocab} ids, but {self.describe()} has {vocab}"
+        elif data_dir is not None and not _same_tokens(self.tokenizer_json, Path(data_dir) / "tokenizer.json"):
+            what = (f"a tokenizer.json whose tokens differ from those of {self.describe()} ({self.tokenizer_json}), "
+                    f"though both have {vocab} ids")
+        else:
+            return
+        raise DataError(
+            f"train.init_from: the data in '{data_dir}' has {what}: the source's embeddings are indexed by "
+            "another tokenizer's ids. Fix: tokenize your text with the source's "
+            f"tokenizer: `tokenmill prepare TEXT --out DIR --tokenizer-from {self.path}`, then train with "
+            "--data.path DIR."
+        )
+
+
+def find_source(path: str | Path) -> InitSource:
+    """The source ``path`` names (reads configs and checkpoint metadata, no weights of a DCP folder);
+    :class:`CheckpointError` when it is none of the accepted forms."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise CheckpointError(f"train.init_from: '{p}' does not exist; pass a tokenmill run directory, one of its "
+                              "checkpoints, or a local Hugging Face GPT-2 folder.")
+    if p.is_dir() and (p / hf.CONFIG_NAME).is_file():  # a Hugging Face folder (any model_type is checked)
+        fields = hf.hf_model_fields(hf.read_hf_config(p))
+        return InitSource(p, "hf", fields, tokenizer_json=p / "tokenizer.json")
+    if FILE_NAME.match(p.name) or DCP_NAME.match(p.name):  # one checkpoint of a run
+        run_dir, ckpt, state = p.parent.parent, p, checkpoint.read_state(p)
+    else:
+        found = checkpoint.read_latest(p) if p.is_dir() else None
+        if found is None:
+            raise CheckpointError(
+                f"train.init_from: '{p}' is neither a tokenmill run directory with a checkpoint (RUN/checkpoints/) "
+                "nor a Hugging Face GPT-2 folder (config.json + model.safetensors or pytorch_model.bin)."
+            )
+        run_dir, (ckpt, state) = p, found
+    try:
+        cfg = C.from_dict(state["config"])
+    except (KeyError, ConfigError) as e:
+        raise CheckpointError(f"train.init_from: checkpoint {ckpt} has no readable config ({e}).") from None
+    vocab = state.get("vocab_size") or cfg.model.vocab_size
+    if vocab is None:
+        raise CheckpointError(f"train.init_from: checkpoint {ckpt} does not record its vocabulary size.")
+    fields = {k: getattr(cfg.model, k) for k in SHAPE_FIELDS}
+    fields.update(vocab_size=int(vocab), block_size=cfg.model.block_size)
+    own = [run_dir / "tokenizer", *([Path(cfg.data.path)] if cfg.data.path else [])]
+    tok_json = next((f / "tokenizer.json" for f in own if (f / "meta.json").is_file()), None)
+    return InitSource(run_dir, "run", fields, ckpt, tok_json if tok_json and tok_json.is_file() else None)
+
+
+def _same_tokens(a: Optional[Path], b: Path) -> bool:
+    """Whether two tokenizer.json files map the same tokens to the same ids (True when either is
+    missing or unreadable: nothing to compare)."""
+    if a is None or not a.is_file() or not b.is_file():
+        return True
+    try:
+        ta, tb = (json.loads(p.read_text(encoding="utf-8")) for p in (a, b))
+
+        def tokens(t: dict) -> tuple:
+            return t["model"]["vocab"], sorted((x["id"], x["content"]) for x in t.get("added_tokens") or [])
+
+        return tokens(ta) == tokens(tb)
+    except (OSError, ValueError, KeyError, TypeError):
+        return True
+
+
+def adopt_shape(cfg: C.Config, src: InitSource, explicit: Optional[Iterable[str]] = None) -> C.Config:
+    """A copy of ``cfg`` with the source's model shape. ``explicit``: the 'section.field' keys the user
+    chose (command line, ``--config`` files); None: every model field that differs from its default
+    counts as chosen. A chosen value that contradicts the source is a :class:`ConfigError`."""
+    out = copy.deepcopy(cfg)
+    default = C.ModelConfig()
+    chosen_keys = set(explicit) if explicit is not None else None
+    for name, theirs in src.fields.items():
+        ours = getattr(out.model, name)
+        chosen = (f"model.{name}" in chosen_keys) if chosen_keys is not None else ours != getattr(default, name)
+        if name == "block_size":
+            if chosen and ours > theirs:
+                raise ConfigError(
+                    f"model.block_size {ours} exceeds the context of train.init_from {src.describe()} ({theirs} "
+                    f"positions): there are no position embeddings beyond it. Use --model.block_size <= {theirs}."
+                )
+            if not chosen:
+                out.model.block_size = theirs
+        elif ours != theirs:
+            if chosen and name == "tie_embeddings" and theirs:  # untie: the head starts as a copy of wte
+                continue
+            if chosen and not (name == "vocab_size" and ours is None):
+                raise ConfigError(
+                    f"model.{name} = {ours!r} conflicts with train.init_from {src.describe()}, whose model has "
+                    f"{name} = {theirs!r}: a fine-tuning run takes the model's shape from its source. Drop "
+                    f"--model.{name} (or set it to {_cli(theirs)})."
+                )
+            setattr(out.model, name, theirs)
+    return C.validate(out)
+
+
+def _cli(v: Any) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def explicit_keys(overrides: Iterable[str], config_files: Iterable[str]) -> set[str]:
+    """The 'section.field' keys a user chose: command-line overrides and the keys of ``--config`` files
+    (not a preset's)."""
+    keys = set(overrides)
+    for path in config_files:
+        keys |= set(C.flatten(C.load_toml(path), str(path)))
+    return keys
+
+
+def prepare_init_from(cfg: C.Config, has_checkpoints: bool, quiet: bool = False
+                      ) -> tuple[C.Config, Optional[InitSource]]:
+    """For the trainer: ``(cfg with the source's shape, source)``, or ``(cfg, None)`` when there is no
+    ``train.init_from`` or the run directory already holds checkpoints (they win). Checks a prepared
+    data folder's vocabulary early (``data.path``), before the datasets are opened."""
+    if not cfg.train.init_from or has_checkpoints:
+        return cfg, None
+    src = find_source(cfg.train.init_from)
+    cfg = adopt_shape(cfg, src)
+    if cfg.data.source == "tokens" and cfg.data.path:
+        from tokenmill.data.meta import read_meta
+
+        src.check_data(int(read_meta(cfg.data.path)["vocab_size"]), Path(cfg.data.path))
+    if not quiet:
+        print(f"tokenmill: fine-tuning from {src.describe()}: its weights, a fresh optimizer and schedule from step 0")
+    return cfg, src
+
