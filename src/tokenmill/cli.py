@@ -199,17 +199,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _extensions():
-    """Sub-commands living in their own packages (bench, profile, doctor), when present."""
-    regs = []
-    for mod in ("tokenmill.bench.cli", "tokenmill.profiling.cli", "tokenmill.estimate.cli"):
-        try:
-            module = __import__(mod, fromlist=["register"])
-        except ModuleNotFoundError as e:
-            if e.name != mod:
-                raise
-            continue
-        regs.append(module.register)
-    return regs
+    """The ``register`` functions of the sub-commands living in their own packages (bench, profile and
+    doctor, estimate); imported here, when the parser is built, so ``import tokenmill.cli`` stays light."""
+    from tokenmill.bench.cli import register as bench
+    from tokenmill.estimate.cli import register as estimate
+    from tokenmill.profiling.cli import register as profiling
+
+    return [bench, profiling, estimate]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -253,8 +253,8 @@ class GPT(nn.Module):
     def num_params(self, exclude_embeddings: bool = False, exclude_position: bool = False) -> int:
         """Number of unique parameters (a tied head/embedding matrix counts once; padding rows count).
 
-        ``exclude_position``: without the position embeddings (nanoGPT's "non-embedding" count; the N
-        of :func:`tokenmill.model.flops.flops_per_token`). ``exclude_embeddings``: without the
+        ``exclude_position``: without the position embeddings (nanoGPT's "non-embedding" count; not the
+        N of the FLOPs count, which is :func:`tokenmill.model.flops.flop_params`). ``exclude_embeddings``: without the
         position AND token embeddings (Kaplan et al.). When tied, the shared matrix is the token
         embedding and is excluded too; an untied head is an ordinary projection and stays counted.
         """
