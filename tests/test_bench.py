@@ -15,8 +15,9 @@ from tokenmill.bench.cli import parse_sets, sizing_config
 from tokenmill.bench.configs import plan_steps, rung_config
 from tokenmill.bench.env import git_facts
 from tokenmill.bench.ladder import _record, gpu_warning, run_ladder, skip_reason
+from tokenmill.bench.load import load_ladder
 from tokenmill.bench.runner import failure_reason
-from tokenmill.bench.schema import LadderError, Measure, load_ladder, shipped_ladders
+from tokenmill.bench.schema import LadderError, Measure, shipped_ladders
 from tokenmill.bench.sizing import (
     Probe,
     SizingError,
@@ -57,7 +58,7 @@ def test_rasbt_ladder_is_faithful():
     ladder = load_ladder("rasbt")
     assert [r.name for r in ladder.rungs] == [
         "baseline", "mask-on-the-fly", "tf32", "fused-adamw", "pin-memory", "bf16", "native-norm-gelu",
-        "flash-attention", "compile", "vocab-pad-64", "batch-32"]
+        "flash-attention", "compile", "vocab-pad-64", "batch-32", "ddp-4gpu"]
     base = rung_config(ladder, 0).config
     m, o = base.model, base.optim
     assert (m.tie_embeddings, m.qkv_bias, m.fused_qkv, m.attention, m.causal_mask, m.norm, m.gelu) == (
@@ -66,17 +67,27 @@ def test_rasbt_ladder_is_faithful():
         0.1, 1024, 8, "fp32", 4)
     assert (o.lr, o.weight_decay, o.decay_groups, o.schedule, o.grad_clip) == (5e-4, 0.1, False, "constant", 0.0)
     assert 162e6 < count_params(base) < 164e6  # the README's 163M (untied head)
-    last = rung_config(ladder, len(ladder.rungs) - 1).config
+    last = rung_config(ladder, 10).config  # batch-32: the last single-GPU rung
     assert (last.train.precision, last.train.tf32, last.optim.impl, last.data.pin_memory) == ("bf16", True, "fused", True)
     assert (last.model.attention, last.compile.enabled, last.model.vocab_pad_multiple, last.train.batch_size) == (
         "sdpa", True, 64, 32)
     assert all(r.reference.get("tokens_per_sec") for r in ladder.rungs)
+    # the seed's forms: pure bf16 without fp32 islands from rung 5, the model compiled with the loss
+    # outside, the loss over the padded vocabulary; its 4-GPU DDP row
+    assert rung_config(ladder, 4).config.model.fp32_islands and not rung_config(ladder, 5).config.model.fp32_islands
+    assert rung_config(ladder, 8).config.compile.loss_outside
+    assert rung_config(ladder, 9).config.model.loss_over_padded_vocab
+    ddp = ladder.rungs[-1]
+    assert (ddp.name, ddp.nproc, ladder.requirement(ddp)) == ("ddp-4gpu", 4, "multi-gpu")
 
 
 def test_book_ladders_shapes():
     mem = load_ladder("book-memory")
     assert 700e6 < count_params(rung_config(mem, 0).config) < 720e6  # the book's ~709M
     assert mem.rungs[-1].nproc == 2 and mem.requirement(mem.rungs[-1]) == "multi-gpu"
+    # minGPT frees gradients after the forward; the book's FSDP reduce-scatters every micro-batch
+    assert rung_config(mem, 0).config.optim.zero_grad == "after_forward"
+    assert rung_config(mem, len(mem.rungs) - 1).config.parallel.sync_every_microbatch
     perf = load_ladder("book-perf")
     plan = rung_config(perf, 0).plan
     assert plan.covers_samples and plan.timed_samples >= 10240
@@ -98,8 +109,9 @@ def test_memory_ladder_one_rung_per_switch():
     ladder = load_ladder("memory")
     assert (ladder.headline, ladder.base_preset) == ("peak_alloc_mb", "gpt2-medium")
     assert [r.name for r in ladder.rungs] == [
-        "baseline", "bf16", "chunked-loss", "activation-checkpointing", "expandable-segments",
-        "optimizer-in-backward", "adamw-8bit", "optimizer-offload", "offload-gradients"]
+        "baseline", "bf16", "chunked-loss", "activation-checkpointing", "offload-activations",
+        "allocator-split-gc", "expandable-segments", "optimizer-in-backward", "adamw-8bit", "optimizer-offload",
+        "offload-gradients"]
     base = rung_config(ladder, 0).config
     assert 350e6 < count_params(base) < 360e6 and base.model.block_size == 1024
     last = rung_config(ladder, len(ladder.rungs) - 1).config
@@ -110,13 +122,13 @@ def test_memory_ladder_one_rung_per_switch():
         i = [r.name for r in ladder.rungs].index(name)
         mem = rung_config(ladder, i).config.memory
         assert [getattr(mem, k) for k in switches] == [k == on for k in switches]  # exclusive: one at a time
-    grads = rung_config(ladder, 8).config.memory
+    grads = rung_config(ladder, 10).config.memory
     assert grads.optimizer_offload and grads.offload_gradients  # the last rung adds the gradients
-    inb = rung_config(ladder, 5).config
+    inb = rung_config(ladder, 7).config
     assert (inb.optim.grad_clip, inb.train.grad_accum_steps) == (0.0, 1)
-    eight = ladder.rungs[6]
+    eight = ladder.rungs[8]
     assert eight.packages == ["torchao"] and ladder.requirement(eight) == "cuda"
-    why = skip_reason(ladder, eight, rung_config(ladder, 6).config, GPU_ENV, False)
+    why = skip_reason(ladder, eight, rung_config(ladder, 8).config, GPU_ENV, False)
     assert (why is None) == (not eight.missing_packages())
     if eight.missing_packages():
         assert "torchao" in why and "pip install torchao" in why
@@ -502,3 +514,77 @@ def test_max_batch_real_probes_on_cpu(tmp_path):
     assert res["probes"][0]["status"] == "fits" and res["probes"][0]["step_time_ms"] > 0
     assert (out / "probes" / "batch-4" / "rung.toml").exists()
     assert "largest micro-batch that fits: 4" in p.stdout
+
+
+# ----------------------------------------------------------------------------------------------
+# Sizing and ladders with the estimate (tokenmill.estimate)
+
+
+def test_searches_start_from_the_estimates_guess():
+    probe, calls = _probe(lambda b: b <= 23)
+    res = search_max_batch(probe, log=lambda s: None, guess=23)
+    assert res["max_batch"] == 23 and calls == [23, 25, 24]  # a right guess: three probes instead of ten
+    for guess in (5, 40, 1, 1024):  # wrong guesses still find the answer
+        probe, calls = _probe(lambda b: b <= 23)
+        assert search_max_batch(probe, log=lambda s: None, guess=guess)["max_batch"] == 23
+    for guess in (20, 26):  # a guess within 15%: at most five probes
+        probe, calls = _probe(lambda b: b <= 23)
+        assert search_max_batch(probe, log=lambda s: None, guess=guess)["max_batch"] == 23 and len(calls) <= 5
+    probe, _ = _probe(lambda b: False)
+    assert search_max_batch(probe, log=lambda s: None, guess=8)["max_batch"] == 0
+    probe, _ = _probe(lambda b: True)
+    assert search_max_batch(probe, limit=64, log=lambda s: None, guess=8)["hit_limit"]
+    cfg = C.resolve("gpt2-124m", overrides={"data.source": "synthetic"}, overrides_from_string=False)
+    shapes = model_shapes(cfg)
+    probe, calls = _probe(lambda s: s["params"] <= 3e9)
+    res = search_max_model(shapes, probe, log=lambda s: None, guess=5)
+    assert res["largest"]["name"] == "gpt3-2.7b" and len(calls) == 2
+    probe, calls = _probe(lambda s: s["params"] <= 3e9)
+    assert search_max_model(shapes, probe, log=lambda s: None, guess=8)["largest"]["name"] == "gpt3-2.7b"
+
+
+def test_max_batch_estimate_only_runs_nothing(tmp_path, capsys):
+    out = tmp_path / "mb"
+    assert main(["bench", "max-batch", "--preset", "gpt2-124m", "--data.source", "synthetic", "--estimate-only",
+                 "--gpu", "a100-40gb", "--start", "8", "--max-batch-limit", "64", "--run-dir", str(out)]) == 0
+    text = capsys.readouterr().out
+    res = json.loads((out / "max-batch.json").read_text())
+    assert res["estimate_only"] and res["gpu"] == "NVIDIA A100-SXM4-40GB" and not (out / "probes").exists()
+    b = res["max_batch"]
+    assert 8 <= b < 64 and f"largest micro-batch that fits: {b} (estimated, nothing run)" in text
+    fits = {p["value"]: p["status"] for p in res["probes"]}
+    assert fits[b] == "fits" and fits.get(b + 1, "too-big") == "too-big"
+    assert all("estimate:" in p["reason"] for p in res["probes"])
+
+
+def test_ladder_estimate_mode_writes_estimates_beside_the_references(tmp_path, capsys):
+    path = _write(tmp_path, USER_LADDER + """
+[[rung]]
+name = "base"
+explain = "x"
+reference = { peak_alloc_mb = 20.0, tokens_per_sec = 1000000 }
+[[rung]]
+name = "bigger"
+explain = "x"
+set = { "train.batch_size" = 64 }
+reference = { peak_alloc_mb = 40.0 }
+[[rung]]
+name = "future"
+explain = "x"
+needs = ["model.future_switch_of_tokenmill"]
+""")
+    out = tmp_path / "est"
+    assert main(["bench", "ladder", str(path), "--estimate", "--gpu", "l4", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    doc = json.loads((out / "ladder.json").read_text())
+    assert doc["mode"] == "estimated" and doc["estimate"]["gpu"] == "NVIDIA L4"
+    base, bigger, future = doc["rungs"]
+    assert set(base["estimate"]) == {"peak_alloc_mb", "peak_reserved_mb", "step_ms", "tokens_per_sec"}
+    assert bigger["estimate"]["peak_alloc_mb"] > base["estimate"]["peak_alloc_mb"]
+    assert base["estimate_error"]["peak_alloc_mb"] == pytest.approx(base["estimate"]["peak_alloc_mb"] / 20.0 - 1)
+    assert future["status"] == "skipped" and "model.future_switch_of_tokenmill" in future["reason"]
+    assert "est peak alloc GB | ref alloc GB | err" in printed and "mean absolute error" in printed
+    md = (out / "ladder.md").read_text()
+    assert "estimated for NVIDIA L4" in md and "nothing was run" in md
+    assert main(["bench", "ladder", str(path), "--estimate", "--smoke", "--out", str(out)]) == 2
+    assert main(["bench", "ladder", str(path), "--gpu", "l4", "--out", str(out)]) == 2

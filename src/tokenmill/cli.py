@@ -20,7 +20,7 @@ from tokenmill.errors import ConfigError, SampleError, TokenmillError, TrainingE
 __all__ = ["add_config_args", "build_parser", "config_from_args", "main"]
 
 
-CONFIG_COMMANDS = {"train", "config", "profile"}
+CONFIG_COMMANDS = {"train", "config", "profile", "estimate"}
 
 
 def default_run_dir(args: argparse.Namespace) -> Path:

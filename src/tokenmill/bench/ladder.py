@@ -17,6 +17,7 @@ from tokenmill import config as C
 from tokenmill.bench import report
 from tokenmill.bench.configs import rung_config
 from tokenmill.bench.env import gpu_label, probe_environment
+from tokenmill.bench.report import new_record as _record
 from tokenmill.bench.runner import run_train
 from tokenmill.bench.schema import Ladder, LadderError, Rung
 
@@ -126,28 +127,11 @@ def _run_rung(ladder: Ladder, i: int, rec: dict[str, Any], carried: list[int], o
     res = run_train(rc.config, run_dir, limit, rung.launcher, rung.nproc, echo)
     rec.update(command=res.command, wall_s=round(res.wall_s, 2), summary=res.summary, oom=res.oom,
                stderr_tail=None if res.ok else res.stderr_tail)
+    if res.ok and res.summary.get("device") == "cuda" and not smoke:  # the estimator's error, tracked
+        from tokenmill.bench.predict import estimate_beside
+
+        rec.update(estimate_beside(rc.config, rung.nproc, res.summary))
     return ("measured", None) if res.ok else ("failed", res.reason)
-
-
-def _record(ladder: Ladder, i: int, rung: Rung, carried: list[int]) -> dict[str, Any]:
-    return {
-        "index": i,
-        "name": rung.name,
-        "explain": rung.explain,
-        "set": rung.set,
-        "requires": ladder.requirement(rung),
-        "needs": rung.needs,
-        "packages": rung.packages,
-        "launcher": rung.launcher,
-        "nproc": rung.nproc,
-        "reference": rung.reference,
-        "dropped": [ladder.rungs[j].name for j in range(i) if j not in carried],
-        "status": None,
-        "reason": None,
-        "config": None,
-        "plan": None,
-        "summary": None,
-    }
 
 
 def _write_json(out: Path, doc: dict[str, Any]) -> None:

@@ -3,8 +3,9 @@
 The left panel shows tokens/s, or the time for the ladder's samples when that is the headline;
 skipped and failed rungs keep their row, labelled, so the ladder's shape stays visible. The seed's
 reference figures (hollow diamonds) are drawn only for a real run on a CUDA GPU: beside --smoke or
-CPU figures they would only flatten the bars. matplotlib is optional: without it the PNG is skipped
-with a note.
+CPU figures they would only flatten the bars. A ladder predicted with ``--estimate`` draws the
+estimates as the bars (hatched), always beside the references. matplotlib is optional: without it
+the PNG is skipped with a note.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from tokenmill.bench.report import compares_references
+from tokenmill.bench.references import compares_references
 
 _LEGEND = {"loc": "lower left", "bbox_to_anchor": (0.0, 1.0), "ncol": 3, "fontsize": 8, "frameon": False}
 
@@ -21,6 +22,11 @@ def _reference_points(rungs: list[dict[str, Any]], ys: list[int], key: str, show
     if not show:
         return []
     return [(y, r["reference"][key]) for y, r in zip(ys, rungs) if key in r["reference"]]
+
+
+def _figures(r: dict[str, Any], estimated: bool) -> dict[str, Any]:
+    """A rung's figures: its estimate (``--estimate``) or its measured metrics."""
+    return (r.get("estimate") if estimated else r.get("metrics")) or {}
 
 
 def write_png(doc: dict[str, Any], path: Path) -> Optional[str]:
@@ -36,12 +42,15 @@ def write_png(doc: dict[str, Any], path: Path) -> Optional[str]:
     labels = [f"{r['index']} {r['name']}" for r in rungs]
     ys = list(range(len(rungs)))[::-1]  # first rung on top
     time_headline = doc["ladder"]["headline"] == "time_for_samples"
-    show_refs = compares_references(doc)
+    estimated = doc.get("mode") == "estimated"
+    show_refs = estimated or compares_references(doc)
+    what = "estimated" if estimated else "measured"
+    hatch = "//" if estimated else None
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 1.6 + 0.45 * len(rungs)), sharey=True)
 
     key = "time_for_samples_s" if time_headline else "tokens_per_sec"
-    vals = [(r["metrics"] or {}).get(key) for r in rungs]
-    left.barh(ys, [v or 0 for v in vals], color="#4C72B0", label="measured")
+    vals = [_figures(r, estimated).get(key) for r in rungs]
+    left.barh(ys, [v or 0 for v in vals], color="#4C72B0", label=what, hatch=hatch)
     refs = _reference_points(rungs, ys, key, show_refs)
     if refs:
         source = doc["ladder"]["reference"].get("hardware") or "seed"
@@ -53,25 +62,26 @@ def write_png(doc: dict[str, Any], path: Path) -> Optional[str]:
         if v is None:
             left.text(top * 0.01, y, r["status"] or "", va="center", fontsize=8, color="#B22222")
             continue
-        m = r["metrics"]
+        m = _figures(r, estimated)
         text = f"{v:,.2f} s" if time_headline else f"{v:,.0f}"
         if m.get("speedup_vs_baseline"):
             text += f"  (x{m['speedup_vs_baseline']:.2f})"
         left.text(v, y, " " + text, va="center", fontsize=8)
     samples = doc["ladder"]["samples"]
     left.set_xlabel(f"time for {samples:,} samples (s), lower is better" if time_headline
+                    else "tokens/s (estimated), higher is better" if estimated
                     else "tokens/s (median of timed windows), higher is better")
     left.set_xlim(0, top * 1.35)
     left.set_yticks(ys, labels)
 
-    alloc = [(r["metrics"] or {}).get("peak_alloc_mb") for r in rungs]
-    reserved = [(r["metrics"] or {}).get("peak_reserved_mb") for r in rungs]
+    alloc = [_figures(r, estimated).get("peak_alloc_mb") for r in rungs]
+    reserved = [_figures(r, estimated).get("peak_reserved_mb") for r in rungs]
     if any(v is not None for v in alloc + reserved):
         h = 0.38
-        right.barh([y + h / 2 for y in ys], [(v or 0) / 1024 for v in alloc], h, label="peak allocated",
-                   color="#55A868")
-        right.barh([y - h / 2 for y in ys], [(v or 0) / 1024 for v in reserved], h, label="peak reserved",
-                   color="#C44E52", alpha=0.7)
+        right.barh([y + h / 2 for y in ys], [(v or 0) / 1024 for v in alloc], h, label=f"peak allocated ({what})",
+                   color="#55A868", hatch=hatch)
+        right.barh([y - h / 2 for y in ys], [(v or 0) / 1024 for v in reserved], h, label=f"peak reserved ({what})",
+                   color="#C44E52", alpha=0.7, hatch=hatch)
         for y, v in zip(ys, alloc):
             if v is not None:
                 right.text(v / 1024, y + h / 2, f" {v / 1024:.2f}", va="center", fontsize=7)
@@ -89,7 +99,7 @@ def write_png(doc: dict[str, Any], path: Path) -> Optional[str]:
         right.text(0.5, 0.5, f"no CUDA memory figures (ran on {doc['gpu']})", ha="center", va="center",
                    transform=right.transAxes)
         right.set_xticks([])
-    smoke = " [smoke: tiny shapes]" if doc["smoke"] else ""
+    smoke = " [smoke: tiny shapes]" if doc["smoke"] else (" [estimated, nothing run]" if estimated else "")
     fig.suptitle(f"tokenmill ladder '{doc['ladder']['name']}' on {doc['gpu']}, torch {doc['torch']}{smoke}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -23,7 +23,9 @@ from typing import Any, Optional
 
 import tokenmill
 from tokenmill.bench.env import gpu_label
-from tokenmill.bench.schema import Ladder
+from tokenmill.bench.plot import write_png
+from tokenmill.bench.references import compares_references, on_gpu
+from tokenmill.bench.schema import Ladder, Rung
 from tokenmill.model.flops import peak_flops
 
 HEADLINE_METRIC = {"tokens_per_sec": "tokens_per_sec", "peak_alloc_mb": "peak_alloc_mb",
@@ -71,6 +73,29 @@ def new_document(ladder: Ladder, env: dict[str, Any], smoke: bool, cli_set: Opti
     }
 
 
+def new_record(ladder: Ladder, i: int, rung: Rung, carried: list[int]) -> dict[str, Any]:
+    """The record of rung ``i`` in ``ladder.json`` before it is run or predicted (``carried``: the
+    earlier rungs whose switches it keeps)."""
+    return {
+        "index": i,
+        "name": rung.name,
+        "explain": rung.explain,
+        "set": rung.set,
+        "requires": ladder.requirement(rung),
+        "needs": rung.needs,
+        "packages": rung.packages,
+        "launcher": rung.launcher,
+        "nproc": rung.nproc,
+        "reference": rung.reference,
+        "dropped": [ladder.rungs[j].name for j in range(i) if j not in carried],
+        "status": None,
+        "reason": None,
+        "config": None,
+        "plan": None,
+        "summary": None,
+    }
+
+
 def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b if (a is not None and b) else None
 
@@ -83,16 +108,6 @@ def _direction(change: Optional[float], metric: str) -> Optional[str]:
         return "same"
     up = change > 0
     return "better" if up == HIGHER_IS_BETTER[metric] else "worse"
-
-
-def on_gpu(rung: dict[str, Any]) -> bool:
-    """Whether the rung trained on a CUDA device (the trainer's summary says)."""
-    return (rung.get("summary") or {}).get("device") == "cuda"
-
-
-def compares_references(doc: dict[str, Any]) -> bool:
-    """Seed figures are compared (and drawn) only for a real run on a CUDA GPU, never for --smoke or CPU runs."""
-    return not doc["smoke"] and any(on_gpu(r) for r in doc["rungs"])
 
 
 def mfu_bf16(summary: dict[str, Any]) -> Optional[float]:
@@ -263,6 +278,12 @@ def _columns(doc: dict[str, Any]) -> list[tuple[str, Callable[[dict[str, Any]], 
         cols += [("peak alloc GB", met("peak_alloc_mb", _gb))]
         cols += ref_cols("peak_alloc_mb")
     cols += [("peak reserved GB", met("peak_reserved_mb", _gb))] + ref_cols("peak_reserved_mb")
+    if any(r.get("estimate") for r in doc["rungs"]):  # tokenmill estimate beside the measurement
+
+        def est(key):
+            return lambda r: _gb(r["estimate"].get(key)) if r.get("estimate") else ""
+
+        cols += [("est alloc GB", est("peak_alloc_mb")), ("est reserved GB", est("peak_reserved_mb"))]
     if samples and headline != "time_for_samples_s":
         cols += [(time_head, time_s)] + ref_cols("time_for_samples_s")
     cols += [("final loss", _loss), ("status", _status)]
@@ -362,8 +383,6 @@ def markdown(doc: dict[str, Any]) -> str:
 def write_outputs(doc: dict[str, Any], out: Path, log: Callable[[str], None]) -> None:
     """ladder.md and ladder.png (ladder.json is written by the runner); prints the table."""
     (out / "ladder.md").write_text(markdown(doc))
-    from tokenmill.bench.plot import write_png
-
     note = write_png(doc, out / "ladder.png")
     log("")
     log(markdown_table(doc))

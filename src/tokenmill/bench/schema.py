@@ -135,13 +135,14 @@ def shipped_ladders() -> list[str]:
     return sorted(p.name[:-5] for p in files if p.name.endswith(".toml"))
 
 
-def load_ladder(name_or_path: str) -> Ladder:
-    """A shipped ladder by name, or a user's ladder TOML file by path."""
+def read_ladder_toml(name_or_path: str) -> tuple[dict[str, Any], str]:
+    """The TOML tree of a shipped ladder (by name) or of a user's ladder file (by path), and the
+    source label that error messages use. Parsing and validation: :func:`tokenmill.bench.load.load_ladder`."""
     p = Path(name_or_path)
     if p.suffix == ".toml" or p.is_file():
         if not p.is_file():
             raise LadderError(f"ladder file '{p}' does not exist; shipped ladders are {shipped_ladders()}.")
-        return parse_ladder(C.load_toml(p), str(p))
+        return C.load_toml(p), str(p)
     names = shipped_ladders()
     if name_or_path not in names:
         raise LadderError(
@@ -149,7 +150,7 @@ def load_ladder(name_or_path: str) -> Ladder:
             f"ladder .toml file).{C._closest(name_or_path, names)}"
         )
     with resources.files("tokenmill.bench.ladders").joinpath(f"{name_or_path}.toml").open("rb") as f:
-        return parse_ladder(C.tomllib.load(f), f"shipped ladder '{name_or_path}'")
+        return C.tomllib.load(f), f"shipped ladder '{name_or_path}'"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -295,8 +296,9 @@ def ladder_label(name: str, source: str) -> str:
     return source if source.startswith("shipped ladder") else f"ladder '{name}' ({source})"
 
 
-def parse_ladder(tree: dict[str, Any], source: str = "ladder") -> Ladder:
-    """Validate a ladder TOML tree; every rung's cumulative config is resolved to catch bad values."""
+def parse_ladder_tree(tree: dict[str, Any], source: str = "ladder") -> Ladder:
+    """Validate a ladder TOML tree's structure, keys and per-rung overrides. The rungs' cumulative
+    configs are resolved one level up, by :func:`tokenmill.bench.load.parse_ladder`."""
     _check_keys(tree, ("ladder", "rung"), source)
     head = _get(tree, "ladder", dict, source, required=True)
     where = f"{source} [ladder]"
@@ -338,7 +340,4 @@ def parse_ladder(tree: dict[str, Any], source: str = "ladder") -> Ladder:
         if r.name in seen:
             raise LadderError(f"{where}: two rungs are named '{r.name}'.")
         seen.add(r.name)
-    from tokenmill.bench.configs import check_ladder_configs
-
-    check_ladder_configs(ladder)
     return ladder

@@ -11,6 +11,11 @@ time limit; any other failure stops the search with that error (a config mistake
   search between the last fit and the first failure.
 - max-model: shapes of the GPT-2 / GPT-3 family ordered by parameter count (counted on the meta
   device, nothing allocated); binary search for the largest that fits (memory grows with size).
+
+With a ``guess`` (the answer of the same search run on :class:`EstimateProbe`, which asks
+``tokenmill estimate`` instead of training), the search starts there: it probes the guess, then steps
+away from it in growing steps until the answer is bracketed, then bisects; a good guess costs two or
+three probes. ``--estimate-only`` answers with the estimate probes alone (no GPU needed).
 """
 
 from __future__ import annotations
@@ -97,22 +102,26 @@ def _run(probe: ProbeFn, value: Any, probes: list[Probe], label: str, log: Calla
 
 
 def search_max_batch(probe: ProbeFn, start: int = 1, limit: int = 1024,
-                     log: Callable[[str], None] = print) -> dict[str, Any]:
-    """The largest batch in [1, limit] that fits (0 if none); ``hit_limit`` when ``limit`` fits."""
+                     log: Callable[[str], None] = print, guess: Optional[int] = None) -> dict[str, Any]:
+    """The largest batch in [1, limit] that fits (0 if none); ``hit_limit`` when ``limit`` fits.
+    ``guess``: start from this batch instead of doubling from ``start`` (see the module doc)."""
     if start < 1 or limit < 1:
         raise ValueError("start and limit must be >= 1")
     probes: list[Probe] = []
     lo, hi = 0, None  # lo: largest known fit; hi: smallest known misfit
-    b = min(start, limit)
-    while True:
-        if _run(probe, b, probes, f"batch {b}", log):
-            lo = b
-            if b >= limit:
+    if guess is not None and guess >= 1:
+        lo, hi = _bracket(probe, probes, log, min(max(guess, 1), limit), limit)
+    else:
+        b = min(start, limit)
+        while True:
+            if _run(probe, b, probes, f"batch {b}", log):
+                lo = b
+                if b >= limit:
+                    break
+                b = min(2 * b, limit)
+            else:
+                hi = b
                 break
-            b = min(2 * b, limit)
-        else:
-            hi = b
-            break
     while hi is not None and hi - lo > 1:
         mid = (lo + hi) // 2
         if _run(probe, mid, probes, f"batch {mid}", log):
@@ -122,13 +131,60 @@ def search_max_batch(probe: ProbeFn, start: int = 1, limit: int = 1024,
     return {"max_batch": lo, "hit_limit": lo == limit, "limit": limit, "probes": [asdict(p) for p in probes]}
 
 
+def _bracket(probe: ProbeFn, probes: list[Probe], log: Callable[[str], None], g: int, limit: int,
+             label: Callable[[int], str] = lambda b: f"batch {b}", value: Callable[[int], Any] = lambda b: b,
+             low: int = 1) -> tuple[int, Optional[int]]:
+    """Probe ``g``, then step up (it fits) or down (it does not) in doubling steps until a fit and a
+    misfit surround the answer: returns (largest fit or low - 1, smallest misfit or None)."""
+    def run(b: int) -> bool:
+        return _run(probe, value(b), probes, label(b), log)
+
+    step = max(1, g // 8)
+    if run(g):
+        lo = g
+        while lo < limit:
+            b = min(limit, lo + step)
+            if not run(b):
+                return lo, b
+            lo, step = b, step * 2
+        return lo, None
+    hi = g
+    while hi > low:
+        b = max(low, hi - step)
+        if run(b):
+            return b, hi
+        hi, step = b, step * 2
+    return low - 1, hi
+
+
 def search_max_model(shapes: list[dict[str, Any]], probe: ProbeFn,
-                     log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Binary search over ``shapes`` (ordered smallest first) for the largest that fits."""
+                     log: Callable[[str], None] = print, guess: Optional[int] = None) -> dict[str, Any]:
+    """Binary search over ``shapes`` (ordered smallest first) for the largest that fits; ``guess``:
+    the index of the shape to start from (see the module doc)."""
     if not shapes:
         raise ValueError("no shapes to probe")
     probes: list[Probe] = []
     lo, hi = -1, len(shapes)  # shapes[lo] fits (or none), shapes[hi] does not (or none left)
+
+    def label(i: int) -> str:
+        return f"{shapes[i]['name']} ({fmt_params(shapes[i]['params'])} params)"
+
+    if guess is not None and 0 <= guess < len(shapes):
+        g = guess
+        if _run(probe, shapes[g], probes, label(g), log):
+            lo = g
+            if g + 1 < len(shapes):
+                if _run(probe, shapes[g + 1], probes, label(g + 1), log):
+                    lo = g + 1
+                else:
+                    hi = g + 1
+        else:
+            hi = g
+            if g > 0:
+                if _run(probe, shapes[g - 1], probes, label(g - 1), log):
+                    lo = g - 1
+                else:
+                    hi = g - 1
     while hi - lo > 1:
         mid = (lo + hi) // 2
         s = shapes[mid]
@@ -232,3 +288,36 @@ class SubprocessProbe:
 def write_result(result: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2, default=str))
+
+
+class EstimateProbe:
+    """A probe that asks ``tokenmill estimate`` instead of training: a value *fits* when the predicted
+    peak reserved memory per GPU is within ``cap_mb`` (``--memory-cap-mb``, else the GPU's memory)."""
+
+    def __init__(self, cfg: C.Config, kind: str, gpu: str, nproc: int = 1, cap_mb: Optional[float] = None):
+        from tokenmill.estimate import gpu_spec
+
+        if kind not in ("batch", "model"):
+            raise ValueError(kind)
+        self.cfg, self.kind, self.nproc = cfg, kind, nproc
+        self.spec = gpu_spec(gpu) if isinstance(gpu, str) else gpu
+        self.cap_mb = cap_mb or self.spec.memory_mb
+
+    def __call__(self, value: Any) -> Probe:
+        from tokenmill.estimate import estimate
+
+        if self.kind == "batch":
+            cfg = with_overrides(self.cfg, {"train.batch_size": value})
+        else:
+            cfg = with_overrides(self.cfg, {"model.n_layer": value["n_layer"], "model.n_head": value["n_head"],
+                                            "model.n_embd": value["n_embd"]})
+        try:
+            est = estimate(cfg, self.spec, self.nproc)
+        except C.ConfigError as e:
+            return Probe(value=value if self.kind == "batch" else value["name"], status="error", reason=str(e))
+        fits = est.peak_reserved_mb <= self.cap_mb
+        return Probe(value=value if self.kind == "batch" else value["name"], status="fits" if fits else "too-big",
+                     reason=f"estimate: {est.peak_reserved_mb:,.0f} MiB reserved of {self.cap_mb:,.0f}",
+                     step_time_ms=round(est.step_ms, 2), tokens_per_sec=round(est.tokens_per_sec, 1),
+                     peak_alloc_mb=round(est.peak_alloc_mb, 1), peak_reserved_mb=round(est.peak_reserved_mb, 1),
+                     params=est.params)

@@ -189,7 +189,7 @@ class Trainer:
                         loss_sum += self.pipeline.train_step(x, y)
                     continue
                 with m.phase("forward"), autocast(t, device), offload_activations(self.cfg.memory, device):
-                    _, loss = self.model(x, y)
+                    loss = self.model(x, y)[1]  # the logits go at once: backward does not need them
                 if micro == 0 and self.cfg.optim.zero_grad == "after_forward":  # minGPT's placement
                     self.optimizer.zero_grad(set_to_none=True)
                 loss_sum += loss.detach().float()

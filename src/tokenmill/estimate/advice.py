@@ -1,0 +1,108 @@
+"""One sentence on memory for out-of-memory messages and the doctor: how much a config needs, and
+which switch brings it under the GPU's memory.
+
+    >>> memory_advice(cfg, "NVIDIA A100-SXM4-40GB")
+    'this needs about 28.1 GB per GPU (peak reserved, NVIDIA A100-SXM4-40GB has 39.6 GB); with
+     --memory.activation_checkpointing 1 it needs about 9.4 GB'
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from tokenmill import config as C
+from tokenmill.errors import ConfigError, TokenmillError
+from tokenmill.estimate.core import MB, estimate
+from tokenmill.estimate.gpus import GPU, GPUS, gpu_spec
+
+GB = 1024 * MB
+
+
+def candidate_switches(cfg: C.Config) -> list[tuple[str, dict]]:
+    """Memory-saving switches that ``cfg`` does not use yet: (command-line text, overrides)."""
+    t, m, mem = cfg.train, cfg.model, cfg.memory
+    out: list[tuple[str, dict]] = []
+    if mem.activation_checkpointing != 1:
+        out.append(("--memory.activation_checkpointing 1", {"memory.activation_checkpointing": 1}))
+    if t.batch_size > 1:
+        out.append((f"--train.batch_size {t.batch_size // 2} --train.grad_accum_steps {t.grad_accum_steps * 2}",
+                    {"train.batch_size": t.batch_size // 2, "train.grad_accum_steps": t.grad_accum_steps * 2}))
+    if t.precision == "fp32":
+        out.append(("--train.precision bf16-autocast", {"train.precision": "bf16-autocast"}))
+    if m.attention == "manual":
+        out.append(("--model.attention sdpa", {"model.attention": "sdpa"}))
+    if m.loss_impl == "full":
+        out.append(("--model.loss_impl chunked", {"model.loss_impl": "chunked"}))
+    if cfg.optim.impl == "foreach" and not (mem.optimizer_offload or mem.optimizer_8bit):
+        out.append(("--optim.impl for-loop", {"optim.impl": "for-loop"}))
+    single = cfg.parallel.dp_shard == 1 and cfg.parallel.tp == 1 and cfg.parallel.pp == 1
+    if single and not (mem.optimizer_offload or mem.optimizer_in_backward or mem.optimizer_8bit):
+        out.append(("--memory.optimizer_offload true", {"memory.optimizer_offload": True}))
+    return out
+
+
+def _with(cfg: C.Config, overrides: dict) -> Optional[C.Config]:
+    try:
+        return C.validate(C.apply_overrides(C.from_dict(cfg.to_dict()), overrides))
+    except ConfigError:
+        return None
+
+
+def memory_advice(cfg: C.Config, gpu: str = "h100-sxm", nproc: int = 1, capacity_mb: Optional[float] = None) -> str:
+    """``"this needs about X GB ...; with --switch it needs about Y GB"`` for ``cfg`` on ``nproc``
+    processes of ``gpu`` (a key of :data:`GPUS` or the name torch reports; an unknown name is modelled
+    as an H100 with ``capacity_mb``). The switch is the single one that fits (saving the most), else
+    the fewest switches, added greedily, that fit, else those that save the most. Takes a few seconds
+    (one estimate per candidate). Never raises: on an estimator failure the sentence says so."""
+    try:
+        spec = _spec(gpu, capacity_mb)
+        base = _reserved(cfg, spec, nproc)
+    except TokenmillError as e:
+        return f"no memory estimate for this config ({e})"
+    cap = spec.memory_mb * MB
+    head = f"this needs about {base / GB:.1f} GB per GPU (peak reserved"
+    head += f", {spec.name} has {cap / GB:.1f} GB)" if cap else ")"
+    chosen: list[str] = []
+    current, best = cfg, base
+    for _ in range(4):  # greedy: the switch that saves the most, until it fits
+        trials = []
+        for text, ov in candidate_switches(current):
+            c = _with(current, ov)
+            if c is None:
+                continue
+            try:
+                trials.append((_reserved(c, spec, nproc), text, c))
+            except TokenmillError:
+                continue
+        if not trials:
+            break
+        trials.sort(key=lambda x: x[0])
+        fitting = [t for t in trials if cap and t[0] <= cap]
+        value, text, c = fitting[0] if fitting and not chosen else trials[0]
+        if value >= best * 0.98:
+            break
+        chosen.append(text)
+        current, best = c, value
+        if cap and best <= cap:
+            break
+    if not chosen:
+        return head + "; no single switch of tokenmill's lowers it much: use more GPUs (parallel.dp_shard) or a smaller model"
+    tail = f"; with {' '.join(chosen)} it needs about {best / GB:.1f} GB"
+    if cap and best > cap:
+        tail += " (still more than the GPU has: shard over more GPUs with parallel.dp_shard)"
+    return head + tail
+
+
+def _spec(gpu: str, capacity_mb: Optional[float]) -> GPU:
+    try:
+        spec = gpu_spec(gpu)
+    except ConfigError:
+        base = GPUS["h100-sxm"]
+        spec = GPU("custom", gpu, capacity_mb or 0, base.hbm_gbs, base.link_gbs, base.link)
+    if capacity_mb:
+        spec = GPU(spec.key, spec.name, capacity_mb, spec.hbm_gbs, spec.link_gbs, spec.link)
+    return spec
+
+
+def _reserved(cfg: C.Config, spec: GPU, nproc: int) -> float:
+    return estimate(cfg, spec, nproc).peak_reserved_mb * MB

@@ -1,0 +1,103 @@
+"""``tokenmill estimate``: memory and speed of a config on a GPU, predicted on the CPU.
+
+    tokenmill estimate --preset gpt2-124m --gpu a100-40gb
+    tokenmill estimate --preset gpt2-xl --gpu h100-sxm --nproc 8 --parallel.dp_shard -1 --json
+    tokenmill estimate --gpus
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from tokenmill import config as C
+
+DEFAULT_GPU = "h100-sxm"
+
+
+def register(subparsers) -> None:
+    """Add the ``estimate`` sub-command."""
+    from tokenmill.args import add_config_args
+
+    p = subparsers.add_parser(
+        "estimate", help="predict per-GPU memory and step time of a config, without a GPU", allow_abbrev=False,
+        description="Predict the per-rank peak allocated and reserved GPU memory (with its breakdown) and the "
+                    "step time and tokens/s of a training config on a GPU, from the model's own code traced on "
+                    "the CPU (docs/estimate.md).")
+    g = p.add_argument_group("estimate")
+    g.add_argument("--gpu", default=DEFAULT_GPU, help=f"GPU key or name (default {DEFAULT_GPU}; --gpus lists them; "
+                                                      "'cpu' for a CPU run)")
+    g.add_argument("--nproc", type=int, default=1, help="processes (GPUs) of the run; parallel.* set the layout")
+    g.add_argument("--json", action="store_true", help="machine-readable output")
+    g.add_argument("--advice", action="store_true",
+                   help="also say which switch brings the memory under the GPU's (a few more seconds)")
+    g.add_argument("--gpus", action="store_true", help="list the GPUs and their figures, and exit")
+    add_config_args(p)
+    p.set_defaults(func=cmd_estimate)
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from tokenmill.args import config_from_args
+    from tokenmill.estimate import estimate
+    from tokenmill.estimate.gpus import gpu_table_markdown
+
+    if args.gpus:
+        print(gpu_table_markdown())
+        return 0
+    if args.resume or args.run_dir:
+        raise C.ConfigError("--run-dir / --resume have no meaning for estimate (nothing runs).")
+    cfg = config_from_args(args)
+    est = estimate(cfg, args.gpu, args.nproc)
+    advice = None
+    if args.advice or (est.fits is False and not args.json):
+        from tokenmill.estimate.advice import memory_advice
+
+        advice = memory_advice(cfg, args.gpu, args.nproc)
+    if args.json:
+        out = est.to_dict()
+        if advice:
+            out["advice"] = advice
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_estimate(est, cfg, advice))
+    return 0
+
+
+def _mb(v: float) -> str:
+    return f"{v:,.0f}"
+
+
+def format_estimate(est, cfg: C.Config, advice: str | None = None) -> str:
+    """The estimate as a short report."""
+    t, m = cfg.train, cfg.model
+    lines = [
+        f"tokenmill estimate: {est.params / 1e6:,.1f}M parameters, micro-batch {t.batch_size} x {m.block_size} tokens, "
+        f"{t.grad_accum_steps} accumulation step(s), {est.nproc} process(es): {est.layout}",
+        f"GPU: {est.gpu}" + (f" ({_mb(est.capacity_mb)} MiB)" if est.capacity_mb else "")
+        + f", precision {t.precision}" + (" + tf32" if t.tf32 else ""),
+        "",
+        "memory per rank (MiB, at the allocated peak: " + (est.at_peak or "?") + ")",
+    ]
+    for k, v in est.breakdown_mb.items():
+        if v >= 0.5:
+            lines.append(f"  {k:<24}{_mb(v):>10}")
+    lines.append(f"  {'peak allocated':<24}{_mb(est.peak_alloc_mb):>10}")
+    lines.append(f"  {'allocator slack':<24}{_mb(est.allocator_slack_mb):>10}")
+    fit = ""
+    if est.capacity_mb:
+        share = 100 * est.peak_reserved_mb / est.capacity_mb
+        fit = f"   {'fits' if est.fits else 'DOES NOT FIT'}: {share:.0f}% of {_mb(est.capacity_mb)} MiB"
+    lines.append(f"  {'peak reserved':<24}{_mb(est.peak_reserved_mb):>10}{fit}")
+    per_block = ", ".join(f"{v:,.1f} ({k})" for k, v in est.activations_per_block_mb.items())
+    lines.append(f"  activations kept per block: {per_block}")
+    if est.host_mb:
+        lines.append(f"  host (pinned) memory for the optimizer: {_mb(est.host_mb)} MiB")
+    mfu = f", MFU {100 * est.mfu:.0f}%" if est.mfu else ""
+    lines += ["", f"time per optimizer step: {est.step_ms:,.1f} ms -> {est.tokens_per_sec:,.0f} tokens/s{mfu}"]
+    parts = ", ".join(f"{k[:-3].replace('_', ' ')} {v:,.1f} ms" for k, v in est.time_breakdown_ms.items() if v >= 0.05)
+    lines.append(f"  {parts}")
+    for n in est.notes:
+        lines.append(f"note: {n}")
+    if advice:
+        lines += ["", f"advice: {advice}"]
+    return "\n".join(lines)

@@ -1,0 +1,202 @@
+"""``estimate(cfg, gpu, nproc)``: per-rank peak memory with its breakdown, and a step time.
+
+The memory comes from the model's own code traced on the ``meta`` device (:mod:`.trace`), strung into
+training steps per rank (:mod:`.timeline`) and replayed through a model of the CUDA caching allocator
+(:mod:`.allocator`); the time from a roofline over the same trace (:mod:`.roofline`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from tokenmill import config as C
+from tokenmill.errors import ConfigError, ParallelError
+from tokenmill.estimate.gpus import GPU, gpu_spec
+from tokenmill.estimate.step import PipelineStep, Plan, Step, rank_params
+from tokenmill.estimate.timeline import CATEGORIES, Layout, Memory
+from tokenmill.estimate.trace import Pieces, trace_pieces
+
+MB = 1024 * 1024
+
+
+@dataclass
+class Estimate:
+    """A prediction for one rank (the rank with the most memory)."""
+
+    gpu: str
+    nproc: int
+    layout: str
+    peak_alloc_mb: float
+    peak_reserved_mb: float
+    allocator_slack_mb: float  # reserved - allocated at their peaks: cached, fragmented blocks
+    breakdown_mb: dict[str, float]  # at the allocated peak; sums to peak_alloc_mb
+    activations_per_block_mb: dict[str, float]
+    host_mb: float
+    step_ms: float
+    tokens_per_sec: float
+    mfu: Optional[float]
+    time_breakdown_ms: dict[str, float]
+    params: int
+    capacity_mb: Optional[float]
+    fits: Optional[bool]
+    at_peak: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def short(self) -> dict[str, float]:
+        """The four figures a ladder rung records."""
+        return {"peak_alloc_mb": round(self.peak_alloc_mb, 1), "peak_reserved_mb": round(self.peak_reserved_mb, 1),
+                "step_ms": round(self.step_ms, 2), "tokens_per_sec": round(self.tokens_per_sec, 1)}
+
+
+def vocab_size_of(cfg: C.Config) -> int:
+    """The vocabulary the model will get: model.vocab_size, else the prepared data's, else the
+    tokenizer's (without preparing anything)."""
+    if cfg.model.vocab_size:
+        return cfg.model.vocab_size
+    d = cfg.data
+    if d.path:
+        meta = Path(d.path) / "meta.json"
+        if meta.is_file():
+            return int(json.loads(meta.read_text())["vocab_size"])
+        raise ConfigError(f"data.path '{d.path}' has no meta.json; prepare it first or set model.vocab_size.")
+    return {"bytes": 256, "gpt2": 50257}.get(d.tokenizer, d.bpe_vocab_size)
+
+
+def resolve_layout(cfg: C.Config, nproc: int) -> Layout:
+    """The degrees of ``cfg.parallel`` for ``nproc`` processes (-1 = the rest), as the trainer resolves them."""
+    from tokenmill.parallel.world import resolve_degrees
+
+    if nproc < 1:
+        raise ConfigError(f"--nproc must be >= 1, got {nproc}.")
+    rep, shard = resolve_degrees(cfg.parallel, nproc)
+    return Layout(nproc, rep, shard, cfg.parallel.tp, cfg.parallel.pp)
+
+
+def _check(cfg: C.Config, lay: Layout) -> None:
+    """The layout checks the trainer makes once processes exist (tokenmill.parallel), made here up front."""
+    if lay.dp_replicate > 1 and lay.dp_shard == 1 and (lay.tp > 1 or lay.pp > 1):
+        raise ParallelError(
+            f"data parallelism over {lay.dp_replicate} replicas with parallel.tp/pp runs through FSDP: set "
+            f"--parallel.dp_shard {lay.dp_replicate} --parallel.dp_replicate 1 (or HSDP with both > 1).")
+    if lay.nproc > 1 and (cfg.memory.optimizer_in_backward or cfg.memory.optimizer_offload):
+        raise ConfigError("memory.optimizer_in_backward / memory.optimizer_offload are single-process switches; "
+                          "for several GPUs shard instead (parallel.dp_shard, parallel.fsdp_cpu_offload, parallel.zero1).")
+    if lay.nproc == 1 and (cfg.parallel.zero1 or cfg.parallel.fsdp_cpu_offload):
+        raise ConfigError("parallel.zero1 / parallel.fsdp_cpu_offload need several processes: give --nproc N.")
+
+
+def estimate(cfg: C.Config, gpu: str | GPU = "h100-sxm", nproc: int = 1) -> Estimate:
+    """Predict one training step of ``cfg`` on ``nproc`` processes of ``gpu`` (a key or name from
+    :data:`tokenmill.estimate.gpus.GPUS`, 'cpu', or a :class:`GPU`). Runs on the CPU in about a second."""
+    from tokenmill.estimate.roofline import step_time
+
+    spec = gpu if isinstance(gpu, GPU) else gpu_spec(gpu)
+    lay = resolve_layout(cfg, nproc)
+    _check(cfg, lay)
+    vocab = vocab_size_of(cfg)
+    cuda = spec.key != "cpu"
+    memories, pieces_by_stage = [], []
+    for stage in range(lay.pp):
+        plan, pieces = _plan(cfg, lay, vocab, cuda, stage)
+        mem = _replay(plan, pieces, spec)
+        memories.append(mem)
+        pieces_by_stage.append((plan, pieces))
+    worst = max(range(lay.pp), key=lambda s: memories[s].peak_reserved)
+    mem = memories[worst]
+    plan, pieces = pieces_by_stage[worst]
+    n_params, n_flop = param_counts(cfg, vocab)
+    timing = step_time(cfg, lay, spec, pieces_by_stage, n_flop)
+    tokens = cfg.train.batch_size * cfg.train.grad_accum_steps * lay.dp * cfg.model.block_size
+    notes = _notes(cfg, lay, spec)
+    cap = spec.memory_mb if cuda else None
+    return Estimate(
+        gpu=spec.name, nproc=nproc, layout=lay.describe(),
+        peak_alloc_mb=mem.peak_alloc / MB, peak_reserved_mb=mem.peak_reserved / MB,
+        allocator_slack_mb=(mem.peak_reserved - mem.peak_alloc) / MB,
+        breakdown_mb={k: v / MB for k, v in mem.breakdown.items()},
+        activations_per_block_mb={k: v / MB for k, v in _per_block(pieces).items()},
+        host_mb=mem.host / MB,
+        step_ms=timing["step_ms"], tokens_per_sec=tokens / (timing["step_ms"] / 1000.0),
+        mfu=timing.get("mfu"), time_breakdown_ms={k: v for k, v in timing.items() if k.endswith("_ms") and k != "step_ms"},
+        params=n_params, capacity_mb=cap, fits=(mem.peak_reserved / MB <= cap) if cap else None,
+        at_peak=mem.at_peak, notes=notes,
+    )
+
+
+def _plan(cfg: C.Config, lay: Layout, vocab: int, cuda: bool, stage: int) -> tuple[Plan, Pieces]:
+    from tokenmill.parallel.pipeline import stage_layers
+
+    batch = cfg.train.batch_size
+    if lay.pp > 1:
+        batch = batch // (cfg.parallel.pp_microbatches or lay.pp)
+    pieces = trace_pieces(cfg, vocab, "cuda" if cuda else "cpu", batch=batch, tp=lay.tp, pipelined=lay.pp > 1)
+    blocks = list(stage_layers(cfg.model.n_layer, lay.pp)[stage]) if lay.pp > 1 else list(range(cfg.model.n_layer))
+    has_embed, has_head = stage == 0, stage == lay.pp - 1
+    params = rank_params(pieces, blocks, has_embed, has_head)
+    return Plan(cfg, lay, cuda, params, blocks, has_embed, has_head), pieces
+
+
+def _replay(plan: Plan, pieces: Pieces, spec: GPU) -> Memory:
+    if plan.layout.pp > 1:
+        step = PipelineStep(pieces, plan)
+    else:
+        step = Step(pieces, plan)
+    tl = step.run()
+    cap = int(spec.memory_mb * MB) if plan.cuda else None
+    mem = tl.replay(plan.cuda, plan.cfg.memory, cap)
+    mem.host = step.host
+    return mem
+
+
+def _per_block(pieces: Pieces) -> dict[str, int]:
+    """Bytes each kind of block keeps for its backward (alive at the end of its forward, output aside)."""
+    from tokenmill.estimate.timeline import _saved
+
+    out = {}
+    for kind, tr in pieces.blocks.items():
+        rnd = tr.rounds[0]
+        out[kind] = sum(tr.sizes[s] for s in _saved(rnd.fwd, {rnd.y, rnd.x}) if s not in tr.harness)
+    return out
+
+
+def param_counts(cfg: C.Config, vocab: int) -> tuple[int, int]:
+    """(parameters, matmul parameters N of the FLOPs convention) of ``cfg``'s model, counted on a one-block
+    model on ``meta`` (every block is the same), so even a 20B shape counts at once. N follows
+    :func:`tokenmill.model.flops.flop_params`: no token or position embeddings, the head's matrix over
+    the true vocabulary once, tied or not."""
+    import torch
+
+    from tokenmill.model import GPT
+
+    m = cfg.model
+    one = C.ModelConfig(**{**m.__dict__, "n_layer": 1, "norm": "native" if m.norm == "triton" else m.norm})
+    with torch.device("meta"):
+        model = GPT(one, vocab)
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    total = model.num_params() + (m.n_layer - 1) * block
+    body = total - model.wte.weight.numel() - model.wpe.weight.numel()
+    if not m.tie_embeddings:
+        body -= model.lm_head.weight.numel()
+    return total, body + vocab * m.n_embd
+
+
+def _notes(cfg: C.Config, lay: Layout, spec: GPU) -> list[str]:
+    notes = []
+    if cfg.compile.enabled:
+        notes.append("torch.compile: memory is modelled as eager (the compiled graph usually keeps somewhat "
+                     "fewer activations); its time as fused element-wise kernels (see docs/estimate.md)")
+    if cfg.memory.optimizer_8bit:
+        notes.append("8-bit AdamW (torchao): moments of 1 byte plus one fp32 scale per 256 values")
+    if spec.key == "cpu":
+        notes.append("cpu: no caching allocator (reserved = allocated); no CPU throughput figures, the time is a rough guide")
+    return notes
+
+
+def categories() -> tuple[str, ...]:
+    return CATEGORIES

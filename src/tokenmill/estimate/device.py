@@ -1,0 +1,216 @@
+"""How a ``meta`` trace behaves like the device it predicts, where the CPU kernels and CUDA's differ in
+memory (:class:`DeviceModel`, a ``TorchFunctionMode`` active while a piece is traced):
+
+- dropout keeps a 1-byte mask on CUDA (``native_dropout``); off CUDA PyTorch keeps a scaled copy of
+  the input (4 bytes per element in fp32);
+- ``scaled_dot_product_attention`` runs a fused kernel on CUDA (flash / memory-efficient / cuDNN) that
+  keeps only its output and a (B, H, T) fp32 log-sum-exp; the CPU uses its fused kernel only without
+  dropout and otherwise the explicit math, which keeps the T x T attention matrix (asked of the CPU);
+- autocast: the ``meta`` device has none, so its policy is applied here: CUDA's op lists
+  (ATen/autocast_mode.h) for a GPU, CPU autocast's (read from the CPU on tiny tensors) for a CPU,
+  with the cast cache for parameters that autocast keeps for the whole forward;
+- ``memory.offload_activations`` (``save_on_cpu``): saved tensors leave the device during the forward
+  and come back one node at a time in backward (on a CPU run they stay: ``.cpu()`` is a no-op).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from functools import lru_cache
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_ATEN = torch.ops.aten
+
+# CUDA autocast's op lists (ATen/autocast_mode.h) for the functions tokenmill's model calls
+_CUDA_LOWER = ("linear", "matmul", "bmm", "mm", "addmm", "baddbmm", "scaled_dot_product_attention")
+_CUDA_FP32 = ("layer_norm", "pow", "rsqrt", "softmax", "log_softmax", "cross_entropy", "nll_loss", "sum",
+              "exp", "log", "logsumexp")
+
+
+def _fn_name(func) -> str:
+    name = getattr(func, "__name__", "") or ""
+    return {"__matmul__": "matmul", "__rmatmul__": "matmul", "__pow__": "pow"}.get(name, name)
+
+
+@lru_cache(maxsize=4)
+def cpu_autocast_policy(dtype: torch.dtype) -> tuple[frozenset, frozenset]:
+    """(lower-precision, fp32) function names of CPU autocast, read from the CPU itself: each function
+    runs once on tiny tensors under ``torch.autocast('cpu')``."""
+    x32 = torch.ones(2, 4, 4)
+    xlo = x32.to(dtype)
+    w = torch.ones(4, 4)
+    probes = {
+        "linear": lambda x: F.linear(x, w.to(x.dtype)),
+        "matmul": lambda x: x @ x,
+        "bmm": lambda x: torch.bmm(x, x),
+        "mm": lambda x: torch.mm(x[0], x[0]),
+        "addmm": lambda x: torch.addmm(x[0], x[0], x[0]),
+        "baddbmm": lambda x: torch.baddbmm(x, x, x),
+        "scaled_dot_product_attention": lambda x: F.scaled_dot_product_attention(x[None], x[None], x[None]),
+        "layer_norm": lambda x: F.layer_norm(x, (4,)),
+        "pow": lambda x: x.pow(3),
+        "rsqrt": lambda x: torch.rsqrt(x),
+        "softmax": lambda x: F.softmax(x, -1),
+        "log_softmax": lambda x: F.log_softmax(x, -1),
+        "cross_entropy": lambda x: F.cross_entropy(x[0], torch.zeros(4, dtype=torch.long)),
+        "nll_loss": lambda x: F.nll_loss(x[0], torch.zeros(4, dtype=torch.long)),
+        "sum": lambda x: x.sum(),
+        "exp": lambda x: x.exp(),
+        "log": lambda x: x.log(),
+        "logsumexp": lambda x: x.logsumexp(-1),
+    }
+    lower, fp32 = set(), set()
+    with torch.autocast("cpu", dtype=dtype):
+        for name, fn in probes.items():
+            try:
+                if fn(x32).dtype == dtype:
+                    lower.add(name)
+                elif fn(xlo).dtype == torch.float32:
+                    fp32.add(name)
+            except RuntimeError:
+                continue
+    return frozenset(lower), frozenset(fp32)
+
+
+@lru_cache(maxsize=16)
+def cpu_sdpa_is_fused(dtype: torch.dtype, dropout_p: float) -> bool:
+    """Whether the CPU runs ``scaled_dot_product_attention`` (training, causal) with its fused flash
+    kernel for this dtype and dropout (else the explicit math, which keeps the attention matrix):
+    asked of the CPU itself, on tiny tensors."""
+    seen: list[str] = []
+
+    class _Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    q = torch.zeros(1, 2, 8, 16, dtype=dtype, requires_grad=True)
+    with _Ops():
+        F.scaled_dot_product_attention(q, q, q, dropout_p=dropout_p, is_causal=True)
+    return any("flash" in n for n in seen)
+
+
+class DeviceModel(TorchFunctionMode):
+    """Make a ``meta`` trace behave as ``device`` ('cuda' or 'cpu') where memory differs (module doc).
+
+    ``autocast``: None, torch.bfloat16 or torch.float16 (``train.precision`` \\*-autocast); active only
+    inside :meth:`autocast_region`, as the trainer's autocast covers the forward only.
+    """
+
+    def __init__(self, device: str, autocast: Optional[torch.dtype] = None, sdpa_backend: str = "auto",
+                 dropout: float = 0.0, offload_activations: bool = False):
+        super().__init__()
+        self.cuda = device == "cuda"
+        self.offload = offload_activations and self.cuda  # on a CPU run, save_on_cpu keeps the tensor itself
+        self.packed = 0  # bytes the offload put in host memory
+        # asked of the CPU now, outside any trace (a probe inside would be recorded)
+        self._cpu_fused = {} if self.cuda else {
+            dt: cpu_sdpa_is_fused(dt, dropout) for dt in (torch.float32, torch.bfloat16, torch.float16)}
+        self.autocast = autocast
+        self.sdpa_math = sdpa_backend == "math"
+        self._active = False
+        self._depth = 0
+        self._in_backward = False
+        self._cache: dict[int, torch.Tensor] = {}
+        if autocast is not None:
+            self.lower, self.fp32 = ((frozenset(_CUDA_LOWER), frozenset(_CUDA_FP32)) if self.cuda
+                                     else cpu_autocast_policy(autocast))
+
+    @contextlib.contextmanager
+    def autocast_region(self):
+        """The trainer's ``with autocast(...)`` around the forward (re-entrant)."""
+        self._depth += 1
+        self._active = self.autocast is not None
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                self._active = False
+                self._cache.clear()  # autocast empties its cast cache when the region ends
+
+    def saved_on_host(self):
+        """``memory.offload_activations`` (``torch.autograd.graph.save_on_cpu`` around the forward): every
+        tensor autograd saves is copied to the host, so the device copy lives only as long as the forward
+        needs it; backward brings each one back as a new device tensor while its node runs."""
+        if not self.offload:
+            return contextlib.nullcontext()
+
+        def pack(t: torch.Tensor):
+            self.packed += t.numel() * t.element_size()
+            return tuple(t.shape), t.dtype
+
+        def unpack(packed):
+            return torch.empty(packed[0], dtype=packed[1], device="meta")
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    @contextlib.contextmanager
+    def autocast_forward(self, module: nn.Module):
+        """Run ``module``'s forward inside :meth:`autocast_region`, also when activation checkpointing
+        recomputes it in backward (torch.utils.checkpoint restores the forward's autocast state)."""
+        orig = module.forward
+
+        def forward(*args, **kwargs):
+            # in a recomputation this mode is off (it handed Tensor.backward over): put it back
+            with self if self._in_backward else contextlib.nullcontext(), self.autocast_region():
+                return orig(*args, **kwargs)
+
+        module.forward = forward
+        try:
+            yield
+        finally:
+            del module.forward
+
+    def _cast(self, a: Any, dtype: torch.dtype, cache: bool) -> Any:
+        if not isinstance(a, torch.Tensor) or not a.is_floating_point() or a.dtype == dtype:
+            return a
+        if cache and a.is_leaf and a.requires_grad:  # autocast caches the casts of parameters
+            hit = self._cache.get(id(a))
+            if hit is None:
+                hit = self._cache[id(a)] = a.to(dtype)
+            return hit
+        return a.to(dtype)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = _fn_name(func)
+        if name == "backward":
+            self._in_backward = True
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self._in_backward = False
+        if self.cuda and name == "dropout" and func is F.dropout:
+            return self._dropout(*args, **kwargs)
+        if name == "scaled_dot_product_attention" and not self.sdpa_math:
+            if self._active and "scaled_dot_product_attention" in self.lower:
+                args = tuple(self._cast(a, self.autocast, False) for a in args)
+            if self.cuda or self._cpu_fused.get(args[0].dtype, False):
+                return self._fused_attention(*args, **kwargs)
+            return func(*args, **kwargs)
+        if self._active:
+            if name in self.lower:
+                args = tuple(self._cast(a, self.autocast, True) for a in args)
+                kwargs = {k: self._cast(v, self.autocast, True) for k, v in kwargs.items()}
+            elif name in self.fp32:
+                args = tuple(self._cast(a, torch.float32, False) for a in args)
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _dropout(input, p=0.5, training=True, inplace=False):
+        if not training or p <= 0.0:
+            return input
+        return torch.native_dropout(input, p, True)[0]  # CUDA: a 1-byte mask is kept, not a scaled copy
+
+    @staticmethod
+    def _fused_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **_):
+        # memory of the CUDA flash / memory-efficient kernels: the output and a (B, H, T) fp32
+        # log-sum-exp are kept for backward (plus, with dropout, the RNG seed and offset)
+        return _ATEN._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)[0]

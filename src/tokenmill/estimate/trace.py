@@ -1,0 +1,347 @@
+"""Tracing the model's own code on the ``meta`` device, one piece at a time.
+
+Nothing is computed and nothing is allocated: a ``meta`` tensor has a shape, a dtype and a storage
+size but no data, so one transformer block of gpt2-xl traces in milliseconds. The model is traced in
+*pieces* (:func:`trace_pieces`): the embeddings, one transformer block of each kind the config has
+(plain or activation-checkpointed) and the head with the loss, each under a :class:`Recorder`
+(:mod:`.recorder`: storage events and kernel costs) and a :class:`DeviceModel` (:mod:`.device`: CUDA's
+or the CPU's memory behaviour). Each piece runs forward and backward between boundary tensors made by
+the harness (its input, the gradient of its output), once with the gradients created and, where the
+step accumulates, a second time with them already there. :mod:`tokenmill.estimate.timeline` strings
+the pieces into whole training steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+
+from tokenmill import config as C
+from tokenmill.estimate.device import DeviceModel
+from tokenmill.estimate.recorder import OpCost, Recorder
+
+
+@dataclass
+class Round:
+    """One forward and backward of a piece: events (``fwd`` then ``bwd``) and op costs."""
+
+    fwd: list[tuple]
+    bwd: list[tuple]
+    fwd_costs: list[OpCost]
+    bwd_costs: list[OpCost]
+    grads: dict[str, int]  # parameter name -> storage id of its gradient after this round
+    x: Optional[int] = None  # boundary storages (see PieceTrace)
+    y: Optional[int] = None
+    gy: Optional[int] = None
+    gx: Optional[int] = None
+
+
+@dataclass
+class PieceTrace:
+    """A traced piece (see the module doc). Each round's boundary storage ids: ``x`` (its input; None
+    for the embeddings), ``y`` (its output: hidden states, or the logits of the head), ``gy`` (the
+    gradient of its output, made by the harness), ``gx`` (the gradient of its input). ``rounds[0]``:
+    gradients created; ``rounds[1]``: gradients accumulated."""
+
+    name: str
+    rounds: list[Round]
+    sizes: dict[int, int]
+    param_bytes: dict[str, int] = field(default_factory=dict)
+    param_dtype: dict[str, torch.dtype] = field(default_factory=dict)
+    param_shape: dict[str, tuple] = field(default_factory=dict)
+    harness: set[int] = field(default_factory=set)  # storages made by the harness, not the model
+    buffer_bytes: int = 0
+    host_bytes: int = 0  # saved tensors moved to the host by memory.offload_activations, per forward
+
+
+class _Source(torch.autograd.Function):
+    """The piece's input: a fresh (B, T, C) tensor whose gradient is recorded and then dropped."""
+
+    @staticmethod
+    def forward(ctx, anchor, shape, dtype, box):
+        ctx.box = box
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.box["gx"] = ctx.box["rec"].sid(g, "gx")
+        return None, None, None, None
+
+
+class _Sink(torch.autograd.Function):
+    """A scalar from the piece's output whose backward makes the output's gradient (as the next
+    piece's backward would hand it over)."""
+
+    @staticmethod
+    def forward(ctx, y, box):
+        ctx.box, ctx.shape, ctx.dtype = box, y.shape, y.dtype
+        return torch.zeros((), device="meta")
+
+    @staticmethod
+    def backward(ctx, g):
+        gy = torch.empty(ctx.shape, dtype=ctx.dtype, device="meta")
+        ctx.box["gy"] = ctx.box["rec"].sid(gy, "gy")
+        return gy, None
+
+
+def _named(model: nn.Module, module: nn.Module) -> dict[str, nn.Parameter]:
+    prefix = {m: n for n, m in model.named_modules()}[module]
+    return {f"{prefix}.{n}" if prefix else n: p for n, p in module.named_parameters()}
+
+
+def _external(model: nn.Module) -> set[int]:
+    return {t.untyped_storage()._cdata for t in list(model.parameters()) + list(model.buffers())}
+
+
+def _grads(rec: Recorder, params: dict[str, nn.Parameter]) -> dict[str, int]:
+    return {n: rec.sid(p.grad, "grad") for n, p in params.items() if p.grad is not None}
+
+
+def _finish(trace: PieceTrace, params: dict[str, nn.Parameter]) -> PieceTrace:
+    trace.param_bytes = {n: p.numel() * p.element_size() for n, p in params.items()}
+    trace.param_dtype = {n: p.dtype for n, p in params.items()}
+    trace.param_shape = {n: tuple(p.shape) for n, p in params.items()}
+    for p in params.values():
+        p.grad = None
+    return trace
+
+
+def trace_block(model: nn.Module, block: nn.Module, shape: tuple, act_dtype: torch.dtype,
+                devmode: DeviceModel, accum: int = 1, rounds: int = 2) -> PieceTrace:
+    """Forward and backward of one transformer block on a (B, T, C) input."""
+    params = _named(model, block)
+    rec = Recorder(_external(model))
+    anchor = torch.zeros((), device="meta", requires_grad=True)
+    trace, box = PieceTrace("block", [], rec.sizes), {"rec": rec}
+    trace.buffer_bytes = sum(b.numel() * b.element_size() for b in block.buffers())
+    inner = getattr(block, "_checkpoint_wrapped_module", block)
+    with devmode.autocast_forward(inner), devmode, rec:  # the recomputation runs under autocast too
+        for _ in range(rounds):
+            box.clear()
+            box["rec"] = rec
+            x = _Source.apply(anchor, shape, act_dtype, box)
+            bx = rec.sid(x, "x")
+            rec.mark("fwd")
+            devmode.packed = 0
+            with devmode.saved_on_host():
+                y = block(x)
+            trace.host_bytes = devmode.packed
+            by = rec.sid(y, "y")
+            del x
+            n_fwd = len(rec.costs)
+            s = _Sink.apply(y, box)
+            del y
+            rec.mark("bwd")
+            (s / accum).backward()
+            del s
+            rec.mark("end")
+            rnd = _split(rec, n_fwd, _grads(rec, params))
+            rnd.x, rnd.y, rnd.gy, rnd.gx = bx, by, box.get("gy"), box.get("gx")
+            trace.rounds.append(rnd)
+            rec.events, rec.costs = [], []
+    return _finish(trace, params)
+
+
+def trace_embed(model: nn.Module, batch: int, seq: int, devmode: DeviceModel, tied_grad: bool,
+                accum: int = 1, rounds: int = 2) -> PieceTrace:
+    """Token + position embeddings (and their dropout) of a (B, T) batch of ids."""
+    params = {n: p for n, p in model.named_parameters() if n.startswith(("wte.", "wpe."))}
+    rec = Recorder(_external(model))
+    trace, box = PieceTrace("embed", [], rec.sizes), {"rec": rec}
+    idx = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    rec.external.add(idx.untyped_storage()._cdata)  # the batch: counted by the timeline
+    blocks, ln_f = model.blocks, model.ln_f
+    model.blocks, model.ln_f = nn.ModuleList(), None  # trunk() = the embeddings only
+    try:
+        with devmode, rec:
+            for r in range(rounds):
+                box.clear()
+                box["rec"] = rec
+                if tied_grad and r == 0:  # the tied head's gradient is already there (the head ran first)
+                    model.wte.weight.grad = torch.zeros_like(model.wte.weight)
+                    trace.harness.add(rec.sid(model.wte.weight.grad, "grad"))
+                rec.mark("fwd")
+                devmode.packed = 0
+                with devmode.autocast_region(), devmode.saved_on_host():
+                    y = model.trunk(idx)
+                trace.host_bytes = devmode.packed
+                by = rec.sid(y, "y")
+                n_fwd = len(rec.costs)
+                s = _Sink.apply(y, box)
+                del y
+                rec.mark("bwd")
+                (s / accum).backward()
+                del s
+                rec.mark("end")
+                rnd = _split(rec, n_fwd, _grads(rec, params))
+                rnd.y, rnd.gy = by, box.get("gy")
+                trace.rounds.append(rnd)
+                rec.events, rec.costs = [], []
+    finally:
+        model.blocks, model.ln_f = blocks, ln_f
+    return _finish(trace, params)
+
+
+def trace_head(model: nn.Module, shape: tuple, act_dtype: torch.dtype, devmode: DeviceModel,
+               accum: int = 1, rounds: int = 2) -> PieceTrace:
+    """Final LayerNorm, head and loss on (B, T, C) hidden states; ``y`` = the logits the trainer keeps
+    until the end of the step (None with the chunked loss)."""
+    params = {n: p for n, p in model.named_parameters() if n.startswith(("ln_f.", "lm_head."))}
+    if model.cfg.tie_embeddings:
+        params["wte.weight"] = model.wte.weight
+    rec = Recorder(_external(model))
+    anchor = torch.zeros((), device="meta", requires_grad=True)
+    trace, box = PieceTrace("head", [], rec.sizes), {"rec": rec}
+    targets = torch.zeros(shape[0], shape[1], dtype=torch.long, device="meta")
+    rec.external.add(targets.untyped_storage()._cdata)
+    with devmode, rec:
+        for _ in range(rounds):
+            box.clear()
+            box["rec"] = rec
+            x = _Source.apply(anchor, shape, act_dtype, box)
+            bx = rec.sid(x, "x")
+            rec.mark("fwd")
+            devmode.packed = 0
+            with devmode.autocast_region(), devmode.saved_on_host():
+                logits, loss = model.head_loss(model.ln_f(x), targets)
+            trace.host_bytes = devmode.packed
+            del x
+            by = rec.sid(logits, "logits") if logits is not None else None
+            n_fwd = len(rec.costs)
+            rec.mark("bwd")
+            (loss / accum).backward()
+            del loss
+            rec.mark("end")
+            rnd = _split(rec, n_fwd, _grads(rec, params))
+            rnd.x, rnd.y, rnd.gx = bx, by, box.get("gx")
+            trace.rounds.append(rnd)
+            del logits
+            rec.events, rec.costs = [], []
+    return _finish(trace, params)
+
+
+def _split(rec: Recorder, n_fwd: int, grads: dict[str, int]) -> Round:
+    """Cut the recorded events at the 'bwd' marker."""
+    ev = rec.events
+    cut = next(i for i, e in enumerate(ev) if e[0] == "m" and e[1] == "bwd")
+    return Round(ev[:cut], ev[cut:], rec.costs[:n_fwd], rec.costs[n_fwd:], grads)
+
+
+# ----------------------------------------------------------------------------------------------
+# Building the traced model
+
+
+def meta_model(cfg: C.Config, vocab_size: int, n_layer: int, tp: int = 1) -> nn.Module:
+    """A GPT on ``meta`` with ``n_layer`` blocks, cast as ``train.precision`` casts it, its blocks
+    cut to one tensor-parallel rank's share when ``tp`` > 1 and wrapped for activation checkpointing
+    as the trainer wraps them (block i when i % n == 0)."""
+    from tokenmill.model import GPT
+
+    m = cfg.model
+    mcfg = C.ModelConfig(**{**m.__dict__, "n_layer": n_layer,
+                            "norm": "native" if m.norm == "triton" else m.norm})  # Triton LN: same memory
+    with torch.device("meta"):
+        model = GPT(mcfg, vocab_size)
+    if cfg.train.precision == "bf16":
+        model.to(torch.bfloat16)
+    if tp > 1:
+        for block in model.blocks:
+            _tp_local(block, tp)
+    every = cfg.memory.activation_checkpointing
+    if every > 0:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            CheckpointImpl,
+            checkpoint_wrapper,
+        )
+
+        for i in range(len(model.blocks)):
+            if i % every == 0:
+                model.blocks[i] = checkpoint_wrapper(model.blocks[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    model.train()
+    return model
+
+
+def _tp_local(block: nn.Module, tp: int) -> None:
+    """One tensor-parallel rank's block: q/k/v and the MLP's first layer keep 1/tp of their output
+    features, the two output projections 1/tp of their input features (tensor_parallel.block_plan)."""
+    def shrink(parent: nn.Module, name: str, cols: bool) -> None:
+        lin: nn.Linear = getattr(parent, name)
+        out_f, in_f = lin.out_features, lin.in_features
+        new = nn.Linear(in_f if cols else in_f // tp, out_f // tp if cols else out_f, bias=lin.bias is not None,
+                        device="meta", dtype=lin.weight.dtype)
+        setattr(parent, name, new)
+
+    for n in ("q_proj", "k_proj", "v_proj"):
+        if hasattr(block.attn, n):
+            shrink(block.attn, n, True)
+    shrink(block.attn, "c_proj", False)
+    shrink(block.mlp, "c_fc", True)
+    shrink(block.mlp, "c_proj", False)
+
+
+def activation_dtype(cfg: C.Config) -> torch.dtype:
+    """The dtype of the residual stream between blocks (bf16 only for pure bf16)."""
+    return torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+
+
+def autocast_dtype(cfg: C.Config) -> Optional[torch.dtype]:
+    return {"bf16-autocast": torch.bfloat16, "fp16-autocast": torch.float16}.get(cfg.train.precision)
+
+
+@dataclass
+class Pieces:
+    """Every piece of one rank's model, traced for a micro-batch of ``batch`` sequences."""
+
+    embed: PieceTrace
+    blocks: dict[str, PieceTrace]  # 'plain' and/or 'checkpointed'
+    head: PieceTrace
+    kinds: list[str]  # the kind of each block of the full model
+    batch: int
+    seq: int
+
+
+def trace_pieces(cfg: C.Config, vocab_size: int, device: str, batch: Optional[int] = None,
+                 tp: int = 1, pipelined: bool = False) -> Pieces:
+    """Trace the embeddings, each kind of block and the head of ``cfg``'s model for ``device``
+    ('cuda' or 'cpu') with micro-batches of ``batch`` sequences (default ``train.batch_size``).
+    Configs that differ only in what the trace does not see (optimizer, tf32, data, layout) share it."""
+    key = (tuple(sorted(cfg.model.__dict__.items())), cfg.train.precision, batch or cfg.train.batch_size,
+           cfg.train.grad_accum_steps > 1, cfg.memory.activation_checkpointing,
+           getattr(cfg.memory, "offload_activations", False), vocab_size, device, tp, pipelined)
+    hit = _CACHE.get(key)
+    if hit is None:
+        hit = _trace_pieces(cfg, vocab_size, device, batch, tp, pipelined)
+        _CACHE[key] = hit
+        while len(_CACHE) > 8:
+            _CACHE.pop(next(iter(_CACHE)))
+    return hit
+
+
+_CACHE: dict[tuple, Pieces] = {}
+
+
+def _trace_pieces(cfg: C.Config, vocab_size: int, device: str, batch: Optional[int], tp: int,
+                  pipelined: bool) -> Pieces:
+    m, t = cfg.model, cfg.train
+    B, T = batch or t.batch_size, m.block_size
+    every = cfg.memory.activation_checkpointing
+    kinds = ["checkpointed" if every > 0 and i % every == 0 else "plain" for i in range(m.n_layer)]
+    need = sorted(set(kinds))
+    model = meta_model(cfg, vocab_size, n_layer=1 if (every == 1 or every == 0) else 2, tp=tp)
+    devmode = DeviceModel(device, autocast_dtype(cfg), m.sdpa_backend, m.dropout,
+                          getattr(cfg.memory, "offload_activations", False))
+    dt = activation_dtype(cfg)
+    accum = t.grad_accum_steps
+    rounds = 2 if (accum > 1 or pipelined) else 1  # the second round: gradients accumulated
+    shape = (B, T, m.n_embd)
+    traced: dict[str, PieceTrace] = {}
+    for i, block in enumerate(model.blocks):
+        kind = "checkpointed" if every > 0 and i % every == 0 else "plain"
+        if kind in need and kind not in traced:
+            traced[kind] = trace_block(model, block, shape, dt, devmode, accum, rounds)
+    head = trace_head(model, shape, dt, devmode, accum, rounds)
+    embed = trace_embed(model, B, T, devmode, tied_grad=m.tie_embeddings, accum=accum, rounds=rounds)
+    return Pieces(embed, traced, head, kinds, B, T)
