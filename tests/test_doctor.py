@@ -848,3 +848,25 @@ def test_memory_savers_with_room_through_the_cli(tmp_path):
         "--memory.offload_activations false", "--parallel.sync_every_microbatch false"}
     tight = cuda_facts(config={"memory.offload_activations": True}, peak_reserved_mb=75000.0)
     assert "memory_savers_with_room" not in [x["key"] for x in rank(tight)]
+
+
+def test_garbage_metrics_are_called_unreadable(tmp_path, capsys):
+    """Nothing readable in metrics.jsonl: the doctor says so (not "train longer"), exit 1, no traceback."""
+    (tmp_path / "metrics.jsonl").write_bytes(b"garbage\n\x00\x01\nnot json {\n")
+    assert main(["doctor", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "metrics.jsonl' is unreadable" in err and "train longer" not in err and "Traceback" not in err
+
+
+def test_doctor_quotes_the_memory_estimate_when_memory_is_the_finding(tmp_path):
+    """A GPU run whose main finding is the optimizer state: the doctor quotes the estimator's advice."""
+    from tokenmill.profiling.cli import memory_estimate
+
+    cfg = C.resolve("gpt2-124m", overrides={"data.source": "synthetic", "train.batch_size": 8},
+                    overrides_from_string=False)
+    write_run(tmp_path, cfg=cfg, summary={"gpu_name": "NVIDIA A100-SXM4-40GB", "world_size": 1})
+    verdict = {"device": "cuda", "figures": {"memory_total_mb": 40536.0},
+               "findings": [{"key": "optimizer_state_memory", "minor": False}]}
+    text = memory_estimate(str(tmp_path), verdict)
+    assert text.startswith("this needs about ") and "GB per GPU" in text
+    assert memory_estimate(str(tmp_path), {**verdict, "findings": [{"key": "data_bound", "minor": False}]}) is None

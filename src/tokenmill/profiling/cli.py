@@ -94,6 +94,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
     try:
         verdict = diagnose(args.run_dir)
+        verdict["memory_estimate"] = memory_estimate(args.run_dir, verdict)
         for w in verdict["warnings"]:
             print(f"tokenmill: warning: {w}", file=sys.stderr)
         if args.try_n:
@@ -108,4 +109,29 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         print(f"tokenmill: error: {e}", file=sys.stderr)
         return 1
     print(json.dumps(verdict, indent=2) if args.json else format_verdict(verdict))
+    if verdict["memory_estimate"] and not args.json:
+        print(f"\nMemory estimate (tokenmill estimate): {verdict['memory_estimate']}")
     return 0
+
+
+MEMORY_RULES = ("logits_peak", "activation_memory", "optimizer_state_memory", "allocator_thrash")
+
+
+def memory_estimate(run_dir: str, verdict: dict) -> str | None:
+    """When memory is what the doctor names on a GPU run: the estimator's "this needs about X GB; with
+    --... it needs Y GB" for the run's config and GPU (None otherwise)."""
+    major = [f["key"] for f in verdict["findings"] if not f["minor"]]
+    gpu = verdict["figures"].get("memory_total_mb") and verdict["device"] == "cuda"
+    if not gpu or not any(k in MEMORY_RULES for k in major):
+        return None
+    from tokenmill import config as C
+    from tokenmill.estimate import memory_advice
+
+    summary_path = Path(run_dir) / "summary.json"
+    try:
+        cfg = C.from_dict(C.load_toml(Path(run_dir) / "config.toml"))
+        summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    except (C.ConfigError, ValueError, OSError):
+        return None
+    return memory_advice(cfg, summary.get("gpu_name") or "h100-sxm", int(summary.get("world_size") or 1),
+                         capacity_mb=verdict["figures"]["memory_total_mb"])

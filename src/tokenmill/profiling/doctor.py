@@ -23,8 +23,6 @@ from tokenmill.profiling import rules
 from tokenmill.profiling.trace import OUTSIDE
 from tokenmill.train.timing import PHASES
 
-MB = 1024**2
-
 HOW_TO_MAKE_A_RUN = ("make one with `tokenmill train ... --run-dir DIR` or `tokenmill profile ... --run-dir DIR`, "
                      "then run `tokenmill doctor DIR`")
 RERUN_PROFILE = "re-run `tokenmill profile` with this version to write a new one"
@@ -62,6 +60,8 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
             raise DoctorError(f"'{d / 'profile.json'}' is not valid JSON ({e}); {RERUN_PROFILE}.") from None
         if not isinstance(out["profile"], dict):
             raise DoctorError(f"'{d / 'profile.json'}' is not a tokenmill profile; {RERUN_PROFILE}.")
+    if not out["profile"] and not out["metrics"] and out["warnings"]:  # nothing readable: not "train longer"
+        raise DoctorError(f"'{d / 'metrics.jsonl'}' is unreadable ({'; '.join(out['warnings'])}).")
     if not out["profile"] and not any("step_ms" in r for r in out["metrics"]):
         raise DoctorError(
             f"'{d}' has neither profile.json nor timed rows in metrics.jsonl; train longer than "
@@ -256,7 +256,7 @@ def memory_facts(f: dict[str, Any], config: dict[str, Any], summary: dict[str, A
     if not params:
         return {}
     width = 2 if rules.config_value(config, "train.precision") == "bf16" else 4
-    param_mb = params * width / MB
+    param_mb = params * width / 1024**2
     out.update(param_mb=param_mb, grad_mb=param_mb, optimizer_state_mb=2 * param_mb)
     persistent = 3 * param_mb  # weights + AdamW state; gradients are freed (set_to_none) before forward
     if f.get("memory_device") == "cuda" and f.get("peak_mb"):
