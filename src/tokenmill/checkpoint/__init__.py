@@ -28,6 +28,7 @@ from tokenmill.checkpoint.files import (
     clean_state_dict,
     dcp_path,
     file_path,
+    first_line,
     read_file,
     rng_state,
     set_rng_state,
@@ -41,6 +42,9 @@ __all__ = [
     "checkpoint_dir", "clean_stale_tmp", "data_position", "global_batch", "list_checkpoints", "load_latest",
     "load_model", "read_latest", "read_state", "save_checkpoint", "saved_global_samples", "set_rng_state",
 ]
+
+
+_NOTHING_DELETED = " Nothing was deleted: put a good checkpoint back, or start a new run in another --run-dir."
 
 
 def _warn(msg: str) -> None:
@@ -128,8 +132,10 @@ def save_checkpoint(run_dir, step, model, optimizer, scheduler, scaler, cfg, wor
             state["optimizer"] = optim_sd
             path.parent.mkdir(parents=True, exist_ok=True)
             atomic_torch_save(state, path)
-    if world.is_rank0:
-        for _, old in list_checkpoints(run_dir)[: -cfg.checkpoint.keep_last]:
+    if world.is_rank0:  # keep the newest keep_last up to this step; a newer one (a damaged checkpoint the run
+        # fell back from) is neither counted nor deleted, so rotation never removes the checkpoint just written
+        kept = [p for s, p in list_checkpoints(run_dir) if s <= step]
+        for old in kept[: -cfg.checkpoint.keep_last]:
             shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)
     barrier(world)
     return path
@@ -139,7 +145,8 @@ def read_state(path: Path) -> dict[str, Any]:
     """A checkpoint's state without loading weights into a model: the whole file for a single file
     (model weights included), ``extra.pt`` (step, config, scheduler, ...) for a DCP folder."""
     if path.is_dir():
-        dcp.read_metadata(path)  # refuse a folder whose metadata would run code before reading anything
+        # refuse a folder whose metadata would run code, or whose weights are pickled objects, before reading
+        _refuse_object_weights(path, dcp.read_metadata(path))
         return read_file(path / "extra.pt")
     return read_file(path)
 
@@ -178,16 +185,30 @@ def load_latest(run_dir, model, optimizer, world: World,
                         f"{path} is a single-file checkpoint; resuming it with sharded parameters (FSDP, TP or PP) "
                         "is not supported. Resume it with one process or DDP (parallel.dp_shard=1, tp=1, pp=1)."
                     )
-                unwrap(model).load_state_dict(state["model"])
-                optimizer.load_state_dict(state["optimizer"])
+                _load_file_state(path, state, model, optimizer)
             return path, state
         except CheckpointError as e:
-            problems.append(str(e))
+            msg = str(e) if str(path) in str(e) else f"{path}: {e}"
+            problems.append(msg)
             if world.is_rank0:
-                _warn(f"{e} Trying the previous checkpoint (nothing is deleted).")
+                _warn(f"{msg} Trying the previous checkpoint (nothing is deleted).")
     if problems:
-        raise CheckpointError(f"no checkpoint of {run_dir} could be loaded: " + " | ".join(problems))
+        raise CheckpointError(f"no checkpoint of {run_dir} could be loaded: " + " | ".join(problems) + _NOTHING_DELETED)
     return None
+
+
+def _load_file_state(path: Path, state: dict[str, Any], model, optimizer) -> None:
+    """Load a single file's model and optimizer entries; one that does not fit is a :class:`CheckpointError`
+    (the caller tries the previous checkpoint)."""
+    missing = [k for k in ("model", "optimizer") if not isinstance(state.get(k), dict)]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} is damaged: it has no {' or '.join(missing)} entry.")
+    try:
+        unwrap(model).load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    except (KeyError, RuntimeError, ValueError, TypeError, IndexError) as e:
+        raise CheckpointError(f"checkpoint {path} does not fit this model or optimizer "
+                              f"({first_line(e)}).") from None
 
 
 def load_model(run_dir: str | Path, checkpoint: str | Path | None = None):
@@ -212,17 +233,56 @@ def load_model(run_dir: str | Path, checkpoint: str | Path | None = None):
             state = read_state(path)
             cfg = C.from_dict(state["config"])
             vocab = state.get("vocab_size") or cfg.model.vocab_size or _data_vocab(cfg)
+            _check_shapes(path, state, cfg, vocab)  # before allocating: a bad config could ask for any size
             model = GPT(cfg.model, vocab)
             weights = dcp.load_model_weights(path, model) if path.is_dir() else state["model"]
             model.load_state_dict(weights)
             return model, cfg, path
         except (CheckpointError, ConfigError) as e:
-            problems.append(str(e))
+            msg = str(e) if str(path) in str(e) else f"{path}: {e}"
+            problems.append(msg)
             if len(candidates) > 1:
-                _warn(f"{e} Trying the previous checkpoint (nothing is deleted).")
-        except (KeyError, RuntimeError, TypeError) as e:
-            problems.append(f"checkpoint {path} does not match its config ({str(e).splitlines()[0][:200]})")
-    raise CheckpointError("no checkpoint could be loaded: " + " | ".join(problems))
+                _warn(f"{msg} Trying the previous checkpoint (nothing is deleted).")
+        except (KeyError, RuntimeError, TypeError, ValueError, IndexError) as e:
+            problems.append(f"checkpoint {path} does not match its config ({first_line(e)})")
+            if len(candidates) > 1:
+                _warn(f"{problems[-1]}. Trying the previous checkpoint (nothing is deleted).")
+    raise CheckpointError("no checkpoint could be loaded: " + " | ".join(problems) + _NOTHING_DELETED)
+
+
+def _refuse_object_weights(path: Path, metadata):
+    """A DCP folder's metadata, checked: every model entry must be a tensor. A pickled object where a weight
+    belongs is refused without reading it (it could run code); returns ``metadata``."""
+    objects = [k for k, m in metadata.state_dict_metadata.items() if k.startswith("model.") and not hasattr(m, "size")]
+    if objects:
+        raise CheckpointError(f"refused to load {path}: its entry '{objects[0]}' is a pickled object where a "
+                              "weight belongs, which could run code. Only load checkpoints you trust.")
+    return metadata
+
+
+def _check_shapes(path: Path, state: dict[str, Any], cfg: C.Config, vocab: Any) -> None:
+    """Refuse a checkpoint whose recorded config does not describe its own weights (compared on the
+    ``meta`` device, so nothing is allocated for a config that asks for an absurd size)."""
+    import torch
+
+    from tokenmill.model import GPT
+
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+        raise CheckpointError(f"checkpoint {path} is damaged: its vocabulary size is {vocab!r}.")
+    with torch.device("meta"):
+        want = {k: tuple(v.shape) for k, v in GPT(cfg.model, vocab).state_dict().items()}
+    if path.is_dir():
+        md = _refuse_object_weights(path, dcp.read_metadata(path)).state_dict_metadata
+        have = {k[len("model."):]: tuple(m.size) for k, m in md.items() if k.startswith("model.")}
+    else:
+        weights = state.get("model")
+        if not isinstance(weights, dict):
+            raise CheckpointError(f"checkpoint {path} is damaged: it has no model entry.")
+        have = {k: tuple(v.shape) for k, v in weights.items() if isinstance(v, torch.Tensor)}
+    bad = [f"{k} {have.get(k)} vs {shape}" for k, shape in want.items() if have.get(k) != shape]
+    if bad:
+        raise CheckpointError(f"checkpoint {path} does not match its own config (weights vs config: "
+                              f"{'; '.join(bad[:3])}{'; ...' if len(bad) > 3 else ''}).")
 
 
 def _data_vocab(cfg: C.Config) -> int:

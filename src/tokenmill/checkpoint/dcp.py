@@ -26,7 +26,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from tokenmill.checkpoint.files import fsync_dir
+from tokenmill.checkpoint.files import first_line, fsync_dir, refused_message, unpickling_detail
 from tokenmill.errors import CheckpointError
 from tokenmill.parallel.world import World, barrier
 
@@ -57,7 +57,9 @@ class _MetadataUnpickler(pickle.Unpickler):
             obj = getattr(__import__(module, fromlist=[name]), name, None)
             if isinstance(obj, type) and (hasattr(obj, "__dataclass_fields__") or issubclass(obj, enum.Enum)):
                 return obj
-        raise pickle.UnpicklingError(f"'{module}.{name}' is not allowed in checkpoint metadata")
+        refused = pickle.UnpicklingError(f"'{module}.{name}' is not allowed in checkpoint metadata")
+        refused.refused = True  # hostile, not damaged (a damaged pickle raises UnpicklingError too)
+        raise refused
 
 
 def read_metadata(path: Path):
@@ -67,11 +69,18 @@ def read_metadata(path: Path):
         with open(meta, "rb") as f:
             return _MetadataUnpickler(f).load()
     except pickle.UnpicklingError as e:
-        raise CheckpointError(
-            f"refused to load {meta}: {e}; it could run code. Only load checkpoints you trust."
-        ) from None
-    except (OSError, EOFError, ValueError, AttributeError, ImportError, IndexError, TypeError) as e:
-        raise CheckpointError(f"checkpoint {meta} is damaged or missing ({str(e).splitlines()[0][:200]}).") from None
+        if getattr(e, "refused", False):
+            raise CheckpointError(
+                f"refused to load {meta}: {e}; it could run code. Only load checkpoints you trust."
+            ) from None
+        raise CheckpointError(f"checkpoint {meta} is damaged ({first_line(e)}).") from None
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path} is incomplete: it has no {meta.name} file.") from None
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {meta} cannot be read: {e.strerror or e}.") from None
+    except (EOFError, ValueError, AttributeError, ImportError, IndexError, TypeError,
+            KeyError, MemoryError, RecursionError) as e:
+        raise CheckpointError(f"checkpoint {meta} is damaged ({first_line(e)}).") from None
 
 
 class SafeReader(FileSystemReader):
@@ -88,16 +97,22 @@ class SafeReader(FileSystemReader):
 
 
 class SafePlanner(DefaultLoadPlanner):
-    """DCP's load planner with non-tensor entries read by ``torch.load(weights_only=True)``."""
+    """DCP's load planner with non-tensor entries read by ``torch.load(weights_only=True)``; ``path``
+    (the checkpoint folder) names it in errors."""
+
+    def __init__(self, path: str | Path | None = None, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.path = path
 
     def load_bytes(self, read_item, value) -> None:
+        entry = f"entry '{read_item.dest_index.fqn}' of checkpoint {self.path}"
         try:
-            obj = torch.load(value, weights_only=True)
+            obj = torch.load(value, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as e:
-            raise CheckpointError(
-                f"refused a checkpoint entry '{read_item.dest_index.fqn}': it holds objects other than plain "
-                f"data ({str(e).splitlines()[0][:160]}). Only load checkpoints you trust."
-            ) from None
+            raise CheckpointError(refused_message(entry, e) or f"{entry} is damaged ({unpickling_detail(e)}).") \
+                from None
+        except (RuntimeError, EOFError, ValueError, OSError, KeyError, IndexError, TypeError) as e:
+            raise CheckpointError(f"{entry} is damaged ({first_line(e)}).") from None
         if self.flatten_state_dict:
             from torch.distributed.checkpoint._traverse import set_element
 
@@ -110,11 +125,36 @@ def _load(state: dict, path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
     try:
-        dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafePlanner())
+        dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafePlanner(path))
     except CheckpointError:
         raise
-    except Exception as e:  # noqa: BLE001 - a damaged or foreign folder: name it
-        raise CheckpointError(f"checkpoint {path} could not be read ({str(e).splitlines()[0][:200]}).") from None
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - a damaged or foreign folder: name it (DCP's CheckpointException
+        inner = _inner_errors(e)  # derives from BaseException, not Exception)
+        ours = [x for x in inner if isinstance(x, CheckpointError)]
+        if ours:  # DCP wraps errors raised in the reader and planner
+            raise ours[0] from None
+        cause = inner[-1] if inner else e  # the innermost: e.g. FileNotFoundError of a missing shard file
+        raise CheckpointError(f"checkpoint {path} could not be read ({type(cause).__name__}: {first_line(cause)}).") \
+            from None
+
+
+def _inner_errors(e: BaseException) -> list[BaseException]:
+    """``e`` and the errors inside it, outermost first: causes, contexts, and the per-rank failures of
+    torch's ``CheckpointException``."""
+    seen, out, stack = set(), [], [e]
+    while stack:
+        x = stack.pop(0)
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        out.append(x)
+        failures = getattr(x, "failures", None)  # torch's CheckpointException: {rank: (exception, traceback)}
+        if isinstance(failures, dict):
+            stack += [v[0] if isinstance(v, tuple) else v for v in failures.values()]
+        stack += [x.__cause__, x.__context__]
+    return out
 
 
 def save_dcp(final: Path, model, optimizer, world: World) -> Path:

@@ -72,9 +72,10 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
     except OSError as e:
         e.filename = path
         raise CheckpointError(describe_os_error(e, "could not write checkpoint")) from None
-    except RuntimeError as e:  # torch's zip writer reports a full disk as "unexpected pos ..."
+    except RuntimeError as e:  # torch's zip writer reports a failed write as "unexpected pos ..." (no errno)
         raise CheckpointError(
-            f"could not write checkpoint {path}: {e}; the disk may be full: free space and resume with --resume."
+            f"could not write checkpoint {path} ({first_line(e)}): the disk may be full or the file over a size "
+            "limit; free space, then continue the run with --resume (the previous checkpoint is intact)."
         ) from None
     finally:
         try:
@@ -84,6 +85,46 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
     fsync_dir(path.parent)
 
 
+def first_line(e: BaseException, limit: int = 200) -> str:
+    """The gist of an exception's message: its first sentence of its first line (its type's name when the
+    message is empty, e.g. EOFError)."""
+    lines = str(e).strip().splitlines()
+    if not lines:
+        return type(e).__name__
+    line = lines[0]
+    if len(line) > 100 and ". " in line:  # torch's long explanations: keep the statement
+        line = line.split(". ", 1)[0]
+    return line[:limit]
+
+
+def refused_global(e: pickle.UnpicklingError) -> str | None:
+    """What a ``weights_only`` load refused (e.g. ``'io.open'``: a callable that would have run), or None
+    when the unpickling failed because the bytes are not a valid pickle (a damaged file, not a hostile one)."""
+    text = str(e)
+    m = re.search(r"GLOBAL ([\w.]+)", text)
+    if m:
+        return m.group(1)
+    if "Can only create new object" in text or "Can only build" in text:
+        return "an object other than tensors and plain containers"
+    return None
+
+
+def unpickling_detail(e: pickle.UnpicklingError) -> str:
+    """What the weights-only unpickler found wrong, without torch's advice to load with weights_only=False."""
+    tail = str(e).split("WeightsUnpickler error:", 1)[-1]
+    lines = [line.strip() for line in tail.splitlines() if line.strip()]
+    return lines[0][:200] if lines else type(e).__name__
+
+
+def refused_message(what: str | Path, e: pickle.UnpicklingError) -> str | None:
+    """The refusal message for a load that would have run code, else None (the bytes are damaged)."""
+    name = refused_global(e)
+    if name is None:
+        return None
+    return (f"refused to load {what}: it holds {name} (only tensors and plain containers are allowed); loading it "
+            "could run code. Only load checkpoints you trust.")
+
+
 def read_file(path: str | Path) -> dict[str, Any]:
     """A checkpoint file's content, on the CPU, data only; :class:`CheckpointError` names the file and
     what is wrong with it (damaged, empty, or holding objects other than tensors and containers)."""
@@ -91,16 +132,27 @@ def read_file(path: str | Path) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        raise CheckpointError(
-            f"refused to load {path}: it holds objects other than tensors and plain containers, which could "
-            f"run code ({str(e).splitlines()[0][:200]}). Only load checkpoints you trust."
-        ) from None
-    except (OSError, RuntimeError, EOFError, ValueError, KeyError, AttributeError, ImportError) as e:
-        raise CheckpointError(f"checkpoint {path} is damaged or not a checkpoint ({str(e).splitlines()[0][:200]}).") \
+        msg = refused_message(path, e)
+        raise CheckpointError(msg or f"checkpoint {path} is damaged or not a checkpoint ({unpickling_detail(e)}).") \
             from None
+    except OSError as e:  # unreadable (permissions), vanished, an I/O error: not damaged
+        e.filename = None
+        raise CheckpointError(f"checkpoint {path} cannot be read: {describe_os_error(e)}") from None
+    except (RuntimeError, EOFError, ValueError, KeyError, AttributeError, ImportError, IndexError,
+            TypeError, UnicodeDecodeError, MemoryError) as e:
+        if isinstance(e, EOFError) and _size(path) == 0:
+            raise CheckpointError(f"checkpoint {path} is empty (0 bytes).") from None
+        raise CheckpointError(f"checkpoint {path} is damaged or not a checkpoint ({first_line(e)}).") from None
     if not isinstance(state, dict) or "step" not in state:
         raise CheckpointError(f"checkpoint {path} is not a tokenmill checkpoint (no 'step' entry).")
     return state
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return -1
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:

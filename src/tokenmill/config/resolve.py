@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 import sys
 import typing
 from importlib import resources
@@ -126,6 +127,8 @@ def flatten(tree: dict[str, Any], origin: str = "") -> dict[str, Any]:
 
 def load_toml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"config file '{p}' is a folder; give the path of a .toml file.")
     if not p.is_file():
         raise ConfigError(f"config file '{p}' does not exist.")
     try:
@@ -135,6 +138,8 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file '{p}' is not valid TOML: {e}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"config file '{p}' is not UTF-8 text; save it as UTF-8 TOML.") from None
+    except OSError as e:  # unreadable (permissions), or vanished meanwhile
+        raise ConfigError(f"config file '{p}' cannot be read: {e.strerror or e}.") from None
 
 
 def preset_names() -> list[str]:
@@ -160,6 +165,8 @@ def check_ranges(cfg: Config) -> None:
             continue
         if isinstance(v, float) and not math.isfinite(v):
             raise ConfigError(f"{key} must be a finite number, got {v}.")
+        if isinstance(v, int) and not -(2**63) <= v < 2**63:  # torch, numpy and the data stream use int64
+            raise ConfigError(f"{key} must fit in a signed 64-bit integer, got {v}.")
         r = bounds[key]
         ok = all((("ge" not in r) or v >= r["ge"], ("gt" not in r) or v > r["gt"],
                   ("le" not in r) or v <= r["le"], ("lt" not in r) or v < r["lt"]))
@@ -290,7 +297,16 @@ def to_toml(cfg: Config) -> str:
 
 
 def save(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text("# tokenmill resolved config: feed back with --config to reproduce this run\n" + to_toml(cfg))
+    """Write ``cfg`` as TOML to ``path`` atomically (a temporary sibling renamed into place), so a crash or a
+    full disk never leaves a half-written config.toml in a run directory."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text("# tokenmill resolved config: feed back with --config to reproduce this run\n" + to_toml(cfg),
+                       encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def from_dict(tree: dict[str, Any]) -> Config:

@@ -52,6 +52,20 @@ def write_text_atomic(path: Path, text: str) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside ``path`` durable (a no-op where folders cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - e.g. Windows
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover - some file systems refuse fsync on folders
+        pass
+    finally:
+        os.close(fd)
+
+
 def sha256_file(path: Path, chunk_bytes: int = 1 << 24) -> str:
     """Hex sha256 of a file, read in chunks."""
     h = hashlib.sha256()
@@ -124,5 +138,11 @@ def read_meta(folder: str | Path) -> dict[str, Any]:
         if need:
             raise DataError(
                 f"'{meta_path}': split '{name}' lacks {need}. Fix: prepare the folder again ({PREPARE_HINT})."
+            )
+        file = entry["file"]
+        if not isinstance(file, str) or not file or Path(file).name != file or file in (".", ".."):
+            raise DataError(  # a token file lives in the folder itself: never read a path elsewhere
+                f"'{meta_path}': split '{name}' names the file {file!r}; it must be a file name inside the "
+                f"folder (e.g. '{name}.bin'). Fix: prepare the folder again ({PREPARE_HINT})."
             )
     return meta

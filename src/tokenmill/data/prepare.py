@@ -21,7 +21,9 @@ import math
 import mmap
 import multiprocessing as mp
 import os
+import shutil
 import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,6 +38,7 @@ from .meta import (
     META_NAME,
     VERSION,
     dtype_for_vocab,
+    fsync_dir,
     sha256_file,
     tmp_name,
     write_text_atomic,
@@ -189,7 +192,12 @@ def prepare(
     """
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}. Fix: e.g. --val-fraction 0.1.")
-    out = Path(out_dir)
+    given = Path(out_dir)
+    if given.exists() and not given.is_dir():
+        raise DataError(f"--out '{given}' exists and is not a folder. Fix: choose another --out, or move the file "
+                        "away.")
+    # the folder itself (a link: the folder it points to, the link stays), as an absolute path
+    out = given.resolve() if given.is_symlink() else Path(os.path.abspath(given))
     docs, source = _collect_input(input, glob, max_files)
     docs = [(p, k, p.stat().st_size) for p, k in docs]
     docs = [d for d in docs if d[2] > 0]
@@ -197,8 +205,22 @@ def prepare(
         raise DataError(f"input {source} holds only empty files. Fix: pass files with text.")
     is_val = _is_val([k for _, k, _ in docs], val_fraction, seed)
 
-    out.mkdir(parents=True, exist_ok=True)
-    (out / META_NAME).unlink(missing_ok=True)  # the folder is incomplete until the new meta.json lands
+    # Everything is written into a temporary folder and swapped into place once complete: a failure
+    # (bad input, interrupt, full disk) leaves an existing ``out`` exactly as it was.
+    build = _build_folder(out)
+    try:
+        _prepare_into(build, docs, is_val, source, tokenizer, vocab_size, val_fraction, workers, seed, progress,
+                      tokenizer_from)
+        _swap_into_place(build, out)
+    finally:
+        if build.exists():
+            shutil.rmtree(build, ignore_errors=True)
+    return given
+
+
+def _prepare_into(out: Path, docs, is_val, source, tokenizer, vocab_size, val_fraction, workers, seed, progress,
+                  tokenizer_from) -> None:
+    """Tokenize ``docs`` into the (new, empty) folder ``out``: the body of :func:`prepare`."""
     if isinstance(tokenizer, str) and tokenizer == "bpe":
         train_docs = [p for (p, _, _), v in zip(docs, is_val) if not v]
         tok = train_bpe(train_docs, vocab_size, out / TOKENIZER_FILE)
@@ -262,8 +284,6 @@ def prepare(
         if isinstance(tok, BpeTokenizer):
             if tok.path is None or Path(tok.path).resolve() != (out / TOKENIZER_FILE).resolve():
                 tok.save(out / TOKENIZER_FILE)  # a BPE tokenizer passed in: keep a copy beside the data
-        else:
-            (out / TOKENIZER_FILE).unlink(missing_ok=True)  # stale, from an earlier bpe preparation
         for split in ("train", "val"):
             os.replace(tmp[split], out / f"{split}.bin")
     finally:
@@ -285,7 +305,77 @@ def prepare(
         "prepare": {"val_fraction": val_fraction, "seed": seed, "documents": len(docs)},
     }
     write_text_atomic(out / META_NAME, json.dumps(meta, indent=2) + "\n")
-    return out
+
+
+# files a preparation writes; anything else in an existing output folder is the user's and is kept
+_OUTPUTS = ("train.bin", "val.bin", TOKENIZER_FILE, META_NAME)
+
+
+def _build_folder(out: Path) -> Path:
+    """A new temporary folder beside ``out`` (inside it when its parent is not writable); stale ones
+    left by a killed ``prepare`` of the same folder are removed first."""
+    parent = out.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    prefix = f".{out.name}.prepare-"
+    for p in parent.glob(prefix + "*"):
+        pid = p.name[len(prefix):].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+    name = f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        (parent / name).mkdir()
+        return parent / name
+    except PermissionError:  # a writable folder in a read-only parent: build inside it
+        out.mkdir(exist_ok=True)
+        (out / name).mkdir()
+        return out / name
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _swap_into_place(build: Path, out: Path) -> None:
+    """Put the complete folder ``build`` in place of ``out``. An existing ``out`` is renamed aside,
+    ``build`` renamed to ``out``, and files of the old folder that a preparation does not write (the
+    user's) moved back in; where folders cannot be renamed (a mount point, ``build`` inside ``out``)
+    the files are replaced one by one, meta.json removed first and written last."""
+    parent = out.parent
+    cwd = Path.cwd().resolve()
+    holds_cwd = cwd == out.resolve() or out.resolve() in cwd.parents  # never rename the working directory away
+    if build.parent == parent and not holds_cwd:
+        if not out.exists():
+            os.replace(build, out)
+            fsync_dir(parent)
+            return
+        old = parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            os.replace(out, old)
+        except OSError:
+            old = None
+        if old is not None:
+            os.replace(build, out)
+            for p in old.iterdir():
+                if p.name not in _OUTPUTS:
+                    os.replace(p, out / p.name)
+            shutil.rmtree(old, ignore_errors=True)
+            fsync_dir(parent)
+            return
+    (out / META_NAME).unlink(missing_ok=True)  # the folder is incomplete until the new meta.json lands
+    for name in _OUTPUTS:
+        if name != META_NAME:
+            if (build / name).exists():
+                os.replace(build / name, out / name)
+            else:
+                (out / name).unlink(missing_ok=True)  # e.g. a stale tokenizer.json of an earlier bpe folder
+    os.replace(build / META_NAME, out / META_NAME)
+    fsync_dir(out)
 
 
 def _move_tail(train: Path, val: Path, val_fraction: float, itemsize: int) -> None:

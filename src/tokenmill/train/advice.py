@@ -1,10 +1,17 @@
-"""What to tell the user when a run stops: out of memory, or a loss that is no longer finite."""
+"""What to tell the user when a run stops: out of memory (also before anything is allocated, for a size
+that cannot fit), or a loss that is no longer finite."""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
 
 import torch
 
 from tokenmill import config as C
+from tokenmill.errors import TrainingError
+from tokenmill.parallel.world import World
 from tokenmill.train.device import memory_stats
 
 
@@ -28,9 +35,15 @@ def oom_message(cfg: C.Config, device: torch.device, err: BaseException) -> str:
     if cfg.optim.impl != "for-loop":
         tips.append("--optim.impl for-loop (smaller optimizer temporaries)")
     lines = "\n".join(f"  {x}" for x in tips)
+    estimate = ""
+    if device.type == "cuda":  # the estimator's figure for this config and GPU, and the switch that fits
+        from tokenmill.estimate import memory_advice
+
+        nproc = int(os.environ.get("WORLD_SIZE", "1"))
+        estimate = f"Estimate: {memory_advice(cfg, torch.cuda.get_device_name(device), nproc)}.\n"
     return (
         f"out of memory on {device} at batch_size={t.batch_size}, block_size={m.block_size} "
-        f"(peak allocated {peak_s}).\nSwitches that reduce memory:\n{lines}\n"
+        f"(peak allocated {peak_s}).\nSwitches that reduce memory:\n{lines}\n{estimate}"
         f"Find the largest batch that fits with `tokenmill bench max-batch`. ({str(err).splitlines()[0]})"
     )
 
@@ -43,3 +56,103 @@ def nan_message(cfg: C.Config, value: float, step: int, last_good: str | None) -
         hints.append("--train.precision bf16-autocast (fp16 overflows)")
     return (f"loss became {value} at step {step}; the run was stopped and {keep} (resume with --resume after "
             f"changing a setting). Try: {', '.join(hints)}.")
+
+
+# ------------------------------------------------------------------------------------------------
+# Before anything is allocated: can the training state fit at all?
+
+
+def state_bytes(cfg: C.Config, n_params: int, world: World) -> tuple[int, int]:
+    """A lower bound of this rank's training state (weights, gradients, AdamW moments; activations and
+    temporaries not counted): ``(device bytes, host bytes)``. Sharding (FSDP, TP, PP, ZeRO-1) divides it;
+    offloading moves parts to the host; on a CPU run everything is host memory."""
+    mem, par = cfg.memory, cfg.parallel
+    per = 2 if cfg.train.precision == "bf16" else 4  # bytes per weight (and per gradient)
+    shard = max(1, world.dp_shard) * max(1, world.tp) * max(1, world.pp)
+    n = n_params / shard
+    weights = grads = n * per
+    moments = n * (2 if mem.optimizer_8bit else 2 * per)
+    if par.zero1:
+        moments /= max(1, world.dp_size)
+    if world.device.type != "cuda":
+        return 0, int(weights + grads + moments)
+    if par.fsdp_cpu_offload:
+        return 0, int(weights + grads + moments)
+    if mem.optimizer_offload:  # fp32 master weights and moments on the host; gradients too with offload_gradients
+        host = n * 4 + n * 8 + (grads if mem.offload_gradients else 0)
+        return int(weights + (0 if mem.offload_gradients else grads)), int(host)
+    return int(weights + grads + moments), 0
+
+
+def available_memory(device: torch.device) -> tuple[Optional[int], Optional[int]]:
+    """Free bytes ``(on the device, in host RAM)``; None where this system does not say (then no check)."""
+    dev = None
+    if device.type == "cuda":
+        try:
+            dev = torch.cuda.mem_get_info(device)[0]
+        except (RuntimeError, AssertionError):  # pragma: no cover - a broken driver: let the run report it
+            dev = None
+    host = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                host = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):  # not Linux
+        host = None
+    return dev, host
+
+
+def check_fits(cfg: C.Config, vocab_size: int, world: World) -> None:
+    """Stop with the out-of-memory message before building a model whose weights, gradients and
+    optimizer state alone cannot fit (e.g. ``--model.vocab_size 1000000000000``), instead of an
+    allocator traceback or a machine swapping for minutes. Counts parameters on the ``meta`` device."""
+    from tokenmill.train.parallelize import count_params
+
+    n = count_params(cfg.model, vocab_size)
+    need_dev, need_host = state_bytes(cfg, n, world)
+    free_dev, free_host = available_memory(world.device)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if world.size > 1 else 1  # ranks sharing this host
+    where = None
+    if free_dev is not None and need_dev > free_dev:
+        where, need, free = f"on {world.device}", need_dev, free_dev
+    elif free_host is not None and need_host * local > free_host:
+        where, need, free = "in this machine's memory", need_host * local, free_host
+    if where is None:
+        return
+    raise TrainingError(too_big_message(cfg, vocab_size, n, need, free, where, world))
+
+
+def _size(b: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB", "EB"):
+        if abs(b) < 1024 or unit == "EB":
+            return f"{b:,.1f} {unit}" if unit != "B" else f"{b:,.0f} B"
+        b /= 1024
+    return f"{b:,.1f} EB"  # pragma: no cover
+
+
+def too_big_message(cfg: C.Config, vocab_size: int, n: int, need: int, free: int, where: str, world: World) -> str:
+    """The message of :func:`check_fits`: what was asked for, how much it needs, what is free, what to try."""
+    m, mem = cfg.model, cfg.memory
+    parts = {
+        "token embedding": vocab_size * m.n_embd,
+        "position embedding": m.block_size * m.n_embd,
+        "blocks": max(0, n - vocab_size * m.n_embd - m.block_size * m.n_embd),
+    }
+    biggest = max(parts, key=parts.get)
+    shape = (f"model.vocab_size {vocab_size:,}, block_size {m.block_size:,}, n_layer {m.n_layer}, n_embd "
+             f"{m.n_embd:,}")
+    tips = ["a smaller model: --model.vocab_size / --model.block_size / --model.n_layer / --model.n_embd "
+            f"(the {biggest} alone holds {parts[biggest]:,} parameters)"]
+    if cfg.train.precision != "bf16":
+        tips.append("--train.precision bf16 (half-size weights, gradients and optimizer state)")
+    if world.device.type == "cuda":
+        if not mem.optimizer_8bit and not mem.optimizer_offload:
+            tips.append("--memory.optimizer_8bit true (8-bit AdamW state) or --memory.optimizer_offload true "
+                        "(AdamW state in CPU memory)")
+        if world.dp_shard <= 1:
+            tips.append("more GPUs with FSDP: torchrun --nproc-per-node N -m tokenmill train ... "
+                        "--parallel.dp_shard -1")
+    lines = "\n".join(f"  {t}" for t in tips)
+    return (f"out of memory before the first step: the model asked for ({shape}) has {n:,} parameters; its "
+            f"weights, gradients and AdamW state alone need at least {_size(need)} {where}, where {_size(free)} "
+            f"is available.\nSwitches that reduce memory:\n{lines}")

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from tokenmill import checkpoint
 from tokenmill import config as C
-from tokenmill.errors import AlreadyTrained, TrainingError
+from tokenmill.errors import AlreadyTrained, CheckpointError, TrainingError
 from tokenmill.optim import hyperparameters, load_scheduler_state, reapply_hyperparameters
 from tokenmill.parallel.world import World, barrier
 from tokenmill.train.metrics import read_metrics
@@ -32,6 +32,11 @@ def resume(run_dir: Path, model, optimizer, scheduler, scaler, cfg: C.Config, wo
     built = hyperparameters(optimizer)
 
     def check(saved: dict) -> None:
+        missing = [k for k in ("scheduler", "rng", "config") if not isinstance(saved.get(k), dict)]
+        if missing:  # a damaged or foreign file: the loader reports it and tries the previous one
+            raise CheckpointError(f"the checkpoint is damaged: it has no {', '.join(missing)} entry.")
+        if not isinstance(saved["step"], int) or isinstance(saved["step"], bool) or saved["step"] < 0:
+            raise CheckpointError(f"the checkpoint is damaged: its step is {saved['step']!r}.")
         check_same_model(saved.get("config", {}), cfg)
         if int(saved["step"]) >= cfg.train.max_steps:
             raise AlreadyTrained(f"{run_dir} is already at step {int(saved['step'])} (train.max_steps is "

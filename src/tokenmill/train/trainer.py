@@ -32,13 +32,14 @@ from tokenmill import checkpoint
 from tokenmill import config as C
 from tokenmill.data import build_datasets, build_train_loader, to_device, val_batches
 from tokenmill.data.loader import DevicePrefetcher
+from tokenmill.data.meta import write_text_atomic
 from tokenmill.errors import AlreadyTrained, TrainingError
 from tokenmill.model import flop_params, flops_per_token, math_mode, peak_flops
 from tokenmill.optim import build_optimizer, build_scheduler, optimizer_step
 from tokenmill.parallel import World, grad_sync, init_world, is_elastic_restart, shutdown, unwrap
 from tokenmill.parallel.pipeline import Pipeline
 from tokenmill.parallel.world import global_mean, rank0_first
-from tokenmill.train.advice import nan_message, oom_message
+from tokenmill.train.advice import check_fits, nan_message, oom_message
 from tokenmill.train.device import (
     apply_allocator_settings,
     device_info,
@@ -122,6 +123,7 @@ class Trainer:
             self.data = build_datasets(cfg.data, cfg.model.block_size, t.seed, cfg.model.vocab_size,
                                        with_val=t.eval_batches > 0, progress=not quiet and rank0)
         vocab_size = cfg.model.vocab_size or self.data.vocab_size
+        check_fits(cfg, vocab_size, world)  # an absurd size: the out-of-memory message, not an allocator traceback
         self.model = build_model(cfg, vocab_size, device, world,  # train.init_from: weights before the switches
                                  self.init and self.init.load(cfg.model, vocab_size, self.data))
         if self.cb.on_model_built:
@@ -328,7 +330,7 @@ class Trainer:
                         "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1"))},
         }
         if rank0:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            write_text_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2))
         if t.sample_at_end and self.data.data_dir is not None and not self.quiet and rank0 and not self.world.sharded:
             from tokenmill.train.sample import sample_text
 
