@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from tokenmill.data.meta import fsync_dir  # noqa: F401 (also used by checkpoint.dcp)
 from tokenmill.errors import CheckpointError, describe_os_error
 
 FILE_NAME = re.compile(r"^step_(\d{8})\.pt$")
@@ -45,17 +46,6 @@ def clean_state_dict(sd: dict[str, Any]) -> dict[str, Any]:
             k = k.replace(p, "")
         out[k] = v
     return out
-
-
-def fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - e.g. Windows
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
