@@ -87,30 +87,40 @@ def _kernels() -> tuple[Any, Any]:
         tl.store(Rstd + row, rstd)
 
     @triton.jit
-    def ln_bwd(DY, X, W, Mean, Rstd, DX, DWp, DBp, stride, M, C, n_prog, BLOCK: tl.constexpr):
+    def ln_bwd(DY, X, W, Mean, Rstd, DX, DWp, DBp, stride, M, C, n_prog, ROWS: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < C
         w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
         dw = tl.full((BLOCK,), 0.0, tl.float32)
         db = tl.full((BLOCK,), 0.0, tl.float32)
-        for row in range(pid, M, n_prog):
-            x = tl.load(X + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(DY + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
-            mean = tl.load(Mean + row)
-            rstd = tl.load(Rstd + row)
-            xhat = tl.where(mask, (x - mean) * rstd, 0.0)
+        # rows pid, pid + n_prog, ...: ROWS = ceil(M / n_prog) iterations, a compile-time bound (Triton's
+        # interpreter before 3.9 takes no runtime value as a range bound), the rows past M masked off
+        for i in range(0, ROWS):
+            row = pid + i * n_prog
+            rmask = mask & (cols * 0 + row < M)  # the row's columns, none past the last row
+            safe = tl.minimum(row, M - 1)  # a row that exists, for the per-row statistics
+            x = tl.load(X + row * stride + cols, mask=rmask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + row * stride + cols, mask=rmask, other=0.0).to(tl.float32)
+            mean = tl.load(Mean + safe)
+            rstd = tl.load(Rstd + safe)
+            xhat = tl.where(rmask, (x - mean) * rstd, 0.0)
             g = w * dy
             c1 = tl.reduce(g * xhat, 0, tl.standard._sum_combine) / C
             c2 = tl.reduce(g, 0, tl.standard._sum_combine) / C
             dx = (g - (xhat * c1 + c2)) * rstd
-            tl.store(DX + row * stride + cols, dx.to(DX.dtype.element_ty), mask=mask)
+            tl.store(DX + row * stride + cols, dx.to(DX.dtype.element_ty), mask=rmask)
             dw += dy * xhat
             db += dy
         tl.store(DWp + pid * C + cols, dw, mask=mask)
         tl.store(DBp + pid * C + cols, db, mask=mask)
 
     return ln_fwd, ln_bwd
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for positive ints (the rows each backward program walks)."""
+    return -(-a // b)
 
 
 def _block(C: int) -> int:
@@ -169,7 +179,8 @@ class _LayerNormFn(torch.autograd.Function):
         db_part = torch.zeros(P, C, dtype=torch.float32, device=x2.device)
         if M:
             with _on(x2.device):
-                bwd[(P,)](dy2, x2, w, mean, rstd, dx, dw_part, db_part, x2.stride(0), M, C, P, BLOCK=_block(C))
+                bwd[(P,)](dy2, x2, w, mean, rstd, dx, dw_part, db_part, x2.stride(0), M, C, P,
+                          ROWS=triton_cdiv(M, P), BLOCK=_block(C))
         dw = dw_part.sum(0).to(w.dtype)
         db = db_part.sum(0).to(w.dtype) if ctx.has_bias else None
         return dx.view(ctx.shape), dw, db, None
