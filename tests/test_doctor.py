@@ -647,7 +647,7 @@ def test_micro_batch_and_threads_planted_through_the_cli(tmp_path):
         cli_quiet("profile", *TINY_ARGS, *PROFILE_ARGS, "--run-dir", str(tmp_path / "threads"))
     finally:
         torch.set_num_threads(1)
-    host = json.loads((tmp_path / "threads" / "profile.json").read_text())["host"]
+    host = json.loads((tmp_path / "threads" / "summary.json").read_text())["threads"]  # the trainer records them
     assert host == {**host, "intra_op": 2 * cores, "cpu_count": cores}
     v = cli_json(str(tmp_path / "threads"))
     assert v["main"] == "thread_oversubscription", v["findings"][:2]

@@ -205,28 +205,12 @@ def search_max_model(shapes: list[dict[str, Any]], probe: ProbeFn,
 # Real probes
 
 
-def data_vocab_size(cfg: C.Config) -> int:
-    """The vocabulary the model will get: model.vocab_size, else the data's (without preparing it)."""
-    if cfg.model.vocab_size:
-        return cfg.model.vocab_size
-    d = cfg.data
-    if d.path:
-        meta = Path(d.path) / "meta.json"
-        if meta.is_file():
-            return int(json.loads(meta.read_text())["vocab_size"])
-        raise C.ConfigError(f"data.path '{d.path}' has no meta.json; prepare it first or set model.vocab_size.")
-    return {"bytes": 256, "gpt2": 50257}.get(d.tokenizer, d.bpe_vocab_size)
-
-
 def count_params(cfg: C.Config) -> int:
-    """Parameters of ``cfg``'s model, built on the meta device (no memory is allocated)."""
-    import torch
+    """Parameters of ``cfg``'s model, counted on the meta device (no memory is allocated)."""
+    from tokenmill.estimate import vocab_size_of
+    from tokenmill.train.parallelize import count_params as model_params
 
-    from tokenmill.model import GPT
-
-    with torch.device("meta"):
-        model = GPT(cfg.model, data_vocab_size(cfg))
-    return model.num_params()
+    return model_params(cfg.model, vocab_size_of(cfg))
 
 
 def with_overrides(cfg: C.Config, overrides: dict[str, Any]) -> C.Config:

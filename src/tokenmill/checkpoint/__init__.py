@@ -41,6 +41,7 @@ from tokenmill.parallel.world import barrier
 __all__ = [
     "checkpoint_dir", "clean_stale_tmp", "data_position", "global_batch", "list_checkpoints", "load_latest",
     "load_model", "read_latest", "read_state", "save_checkpoint", "saved_global_samples", "set_rng_state",
+    "tokenizer_dir",
 ]
 
 
@@ -292,3 +293,18 @@ def _data_vocab(cfg: C.Config) -> int:
     data_dir = Path(cfg.data.path) if cfg.data.path else ensure_embedded_corpus(cfg.data)
     return load_tokenizer_for_data(data_dir).vocab_size
 
+
+TOKENIZER_DIR = "tokenizer"  # RUN/tokenizer: the copy of the data's meta.json and tokenizer files
+
+
+def tokenizer_dir(run_dir: str | Path, cfg: C.Config, progress: bool = True) -> Path:
+    """Where a run's tokenizer loads from: its own copy (``RUN/tokenizer``), else the recorded data
+    folder (older runs), else the embedded corpus (prepared again, identically, if it is gone)."""
+    own = Path(run_dir) / TOKENIZER_DIR
+    if (own / "meta.json").is_file():
+        return own
+    if cfg.data.path:
+        return Path(cfg.data.path)
+    from tokenmill.data import ensure_embedded_corpus
+
+    return ensure_embedded_corpus(cfg.data, progress=progress)

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from tokenmill import config as C
 from tokenmill.errors import CheckpointError
 
 __all__ = ["ExportResult", "export_hf"]
@@ -38,29 +37,13 @@ class ExportResult:
     tokenizer_skipped: Optional[str] = None
 
 
-def _tokenizer_dir(run_dir: Path, cfg: C.Config) -> Optional[Path]:
-    """Where the run's tokenizer loads from: its own copy (RUN/tokenizer), else the recorded data folder,
-    else the embedded corpus; None for synthetic tokens. (The same order as
-    ``tokenmill.train.run_dir.tokenizer_dir``, which sits a floor above.)"""
-    if cfg.data.source == "synthetic":
-        return None
-    own = run_dir / "tokenizer"
-    if (own / "meta.json").is_file():
-        return own
-    if cfg.data.path:
-        return Path(cfg.data.path)
-    from tokenmill.data import ensure_embedded_corpus
-
-    return ensure_embedded_corpus(cfg.data, progress=False)
-
-
 def export_hf(run_dir: str | Path, out_dir: str | Path, checkpoint: str | Path | None = None,
               overwrite: bool = False) -> ExportResult:
     """Write the model of ``run_dir``'s newest good checkpoint (or ``checkpoint``) as a Hugging Face
     GPT-2 folder ``out_dir``; see the module docstring. Raises :class:`CheckpointError` for a model
     GPT-2 cannot express, a non-empty ``out_dir`` without ``overwrite``, or a checkpoint that does not
     load."""
-    from tokenmill.checkpoint import load_model
+    from tokenmill.checkpoint import load_model, tokenizer_dir
     from tokenmill.data.tokenizers import load_tokenizer_for_data, write_hf_tokenizer_for_data
     from tokenmill.errors import DataError
     from tokenmill.model import hf
@@ -71,7 +54,7 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, checkpoint: str | Path |
                               "replace it (it is replaced only once the export is complete).")
     model, cfg, path = load_model(run_dir, checkpoint)
     hf.check_exportable(cfg.model)  # before anything is written
-    tok_dir = _tokenizer_dir(run_dir, cfg)
+    tok_dir = None if cfg.data.source == "synthetic" else tokenizer_dir(run_dir, cfg, progress=False)
     eot = None
     if tok_dir is not None:
         try:

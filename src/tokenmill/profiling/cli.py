@@ -61,11 +61,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else (
         Path("runs") / f"profile-{args.preset or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
     )
-    result = run_profile(cfg, run_dir, opts, quiet=args.quiet)
-    # the threads the run had, for the doctor's over-subscription rule (summary.json's `threads` when the
-    # trainer records them)
-    result["host"] = host_threads()
-    (run_dir / "profile.json").write_text(json.dumps(result, indent=2))
+    result = run_profile(cfg, run_dir, opts, quiet=args.quiet)  # the threads are in summary.json
     b = result["breakdown"]["share"]
     print(
         f"tokenmill: profile written to {run_dir}/profile.md (trace: {run_dir}/trace.json); step split: "
@@ -73,17 +69,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
     )
     print(f"tokenmill: next: tokenmill doctor {run_dir}")
     return 0
-
-
-def host_threads() -> dict:
-    """The threads this process trains with and the cores it may use."""
-    import os
-
-    import torch
-
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"intra_op": torch.get_num_threads(), "inter_op": torch.get_num_interop_threads(), "cpu_count": cores,
-            "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1"))}
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

@@ -204,8 +204,6 @@ def _profile_facts(p: dict[str, Any]) -> dict[str, Any]:
         f["recompute_share"] = f["recompute_ms"] / ms["step"]
         f["recompute_source"] = ("measured in the profile: device time of the forward kernels launched inside "
                                  "backward" if cuda else "measured in the profile: forward operators inside backward")
-    if p.get("host"):
-        f["threads"] = p["host"]
     f["host_mean_op_us"] = p["host_busy"]["mean_op_us"]
     # matrix products' share of the host operators' time (CPU; CUDA reads it from the kernels below)
     f["host_matmul_share"] = sum(r["share"] for r in p.get("top_ops", []) if _is_matmul(r["name"]))

@@ -102,13 +102,14 @@ def available_memory(device: torch.device) -> tuple[Optional[int], Optional[int]
     return dev, host
 
 
-def check_fits(cfg: C.Config, vocab_size: int, world: World) -> None:
+def check_fits(cfg: C.Config, vocab_size: int, world: World, n_params: Optional[int] = None) -> None:
     """Stop with the out-of-memory message before building a model whose weights, gradients and
     optimizer state alone cannot fit (e.g. ``--model.vocab_size 1000000000000``), instead of an
-    allocator traceback or a machine swapping for minutes. Counts parameters on the ``meta`` device."""
+    allocator traceback or a machine swapping for minutes. ``n_params``: the model's parameters (counted
+    on the ``meta`` device when not given)."""
     from tokenmill.train.parallelize import count_params
 
-    n = count_params(cfg.model, vocab_size)
+    n = n_params if n_params is not None else count_params(cfg.model, vocab_size)
     need_dev, need_host = state_bytes(cfg, n, world)
     free_dev, free_host = available_memory(world.device)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if world.size > 1 else 1  # ranks sharing this host

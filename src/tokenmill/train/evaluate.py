@@ -166,7 +166,7 @@ def evaluate_run(run_dir: str | Path, data_path: Optional[str | Path] = None, ba
     """Evaluate the newest good checkpoint of ``run_dir`` (or ``checkpoint_path``) on the validation split
     (see the module docstring); returns the result and writes it to ``RUN/eval.json`` (``write``).
     ``batch_size``: default the run's ``train.batch_size``."""
-    from tokenmill.train.run_dir import tokenizer_dir
+    from tokenmill.checkpoint import tokenizer_dir
 
     run_dir = Path(run_dir)
     model, cfg, path = checkpoint.load_model(run_dir, checkpoint_path)

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Optional
 
 from tokenmill import config as C
+from tokenmill.checkpoint import TOKENIZER_DIR
 from tokenmill.errors import TrainingError
 
 LOCK_NAME = ".lock"
-TOKENIZER_DIR = "tokenizer"
 
 
 def open_run_dir(run_dir: Path) -> Path:
@@ -91,16 +91,3 @@ def save_tokenizer(run_dir: Path, data_dir: Optional[Path]) -> None:
             shutil.copy2(p, tmp / p.name)
     shutil.rmtree(dst, ignore_errors=True)
     os.replace(tmp, dst)
-
-
-def tokenizer_dir(run_dir: Path, cfg: C.Config) -> Path:
-    """Where a run's tokenizer can be loaded from: its own copy, else the recorded data folder (older
-    runs), else the embedded corpus."""
-    own = run_dir / TOKENIZER_DIR
-    if (own / "meta.json").is_file():
-        return own
-    if cfg.data.path:
-        return Path(cfg.data.path)
-    from tokenmill.data import ensure_embedded_corpus
-
-    return ensure_embedded_corpus(cfg.data)

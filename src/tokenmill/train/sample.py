@@ -49,7 +49,7 @@ def load_run(run_dir: str | Path, device: str = "cpu", checkpoint_path: str | Pa
              ) -> tuple[GPT, C.Config, Path]:
     """The model of a run directory's newest good checkpoint (or ``checkpoint_path``), with the run's
     config and the folder its tokenizer loads from (the run's own copy when it has one)."""
-    from tokenmill.train.run_dir import tokenizer_dir
+    from tokenmill.checkpoint import tokenizer_dir
 
     model, cfg, _ = checkpoint.load_model(run_dir, checkpoint_path)
     if cfg.data.source == "synthetic":

@@ -123,12 +123,12 @@ class Trainer:
             self.data = build_datasets(cfg.data, cfg.model.block_size, t.seed, cfg.model.vocab_size,
                                        with_val=t.eval_batches > 0, progress=not quiet and rank0)
         vocab_size = cfg.model.vocab_size or self.data.vocab_size
-        check_fits(cfg, vocab_size, world)  # an absurd size: the out-of-memory message, not an allocator traceback
+        self.n_params = count_params(cfg.model, vocab_size)  # on meta: nothing allocated
+        check_fits(cfg, vocab_size, world, self.n_params)  # an absurd size: the OOM message, not a traceback
         self.model = build_model(cfg, vocab_size, device, world,  # train.init_from: weights before the switches
                                  self.init and self.init.load(cfg.model, vocab_size, self.data))
         if self.cb.on_model_built:
             self.cb.on_model_built(self.model)
-        self.n_params = count_params(cfg.model, vocab_size)
         self.fpt = flops_per_token(cfg.model, flop_params(cfg.model, vocab_size), cfg.model.block_size)
         self.pipeline = Pipeline(self.model, world, cfg.parallel, t.grad_accum_steps) if world.pp > 1 else None
         self.optimizer = build_optimizer(self.model, cfg, world)
