@@ -233,7 +233,7 @@ def load_model(run_dir: str | Path, checkpoint: str | Path | None = None):
         try:
             state = read_state(path)
             cfg = C.from_dict(state["config"])
-            vocab = state.get("vocab_size") or cfg.model.vocab_size or _data_vocab(cfg)
+            vocab = state.get("vocab_size") or cfg.model.vocab_size or _data_vocab(run_dir, cfg)
             _check_shapes(path, state, cfg, vocab)  # before allocating: a bad config could ask for any size
             model = GPT(cfg.model, vocab)
             weights = dcp.load_model_weights(path, model) if path.is_dir() else state["model"]
@@ -286,14 +286,6 @@ def _check_shapes(path: Path, state: dict[str, Any], cfg: C.Config, vocab: Any) 
                               f"{'; '.join(bad[:3])}{'; ...' if len(bad) > 3 else ''}).")
 
 
-def _data_vocab(cfg: C.Config) -> int:
-    """The vocabulary of the run's data (checkpoints written before the vocabulary was recorded)."""
-    from tokenmill.data import ensure_embedded_corpus, load_tokenizer_for_data
-
-    data_dir = Path(cfg.data.path) if cfg.data.path else ensure_embedded_corpus(cfg.data)
-    return load_tokenizer_for_data(data_dir).vocab_size
-
-
 TOKENIZER_DIR = "tokenizer"  # RUN/tokenizer: the copy of the data's meta.json and tokenizer files
 
 
@@ -308,3 +300,10 @@ def tokenizer_dir(run_dir: str | Path, cfg: C.Config, progress: bool = True) -> 
     from tokenmill.data import ensure_embedded_corpus
 
     return ensure_embedded_corpus(cfg.data, progress=progress)
+
+
+def _data_vocab(run_dir: Path, cfg: C.Config) -> int:
+    """The vocabulary of the run's tokenizer (checkpoints written before the vocabulary was recorded)."""
+    from tokenmill.data import load_tokenizer_for_data
+
+    return load_tokenizer_for_data(tokenizer_dir(run_dir, cfg)).vocab_size
