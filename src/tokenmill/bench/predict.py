@@ -223,17 +223,13 @@ def markdown(doc: dict[str, Any]) -> str:
         if info.get("note"):
             out.append(f"- {info['note']}")
     out.append(f"- {error_line(doc)}")
-    if doc["cli_set"]:
-        out.append(f"- --set: {doc['cli_set']}")
-    out += ["", markdown_table(doc), "", "## Rungs", ""]
-    for r in doc["rungs"]:
-        what = ", ".join(f"`{k} = {v!r}`" for k, v in r["set"].items()) or "(baseline)"
-        line = f"{r['index']}. **{r['name']}**: {r['explain']} {what}"
-        d = r.get("estimate_detail")
-        if d:
-            top = sorted(((v, k) for k, v in d["breakdown_mb"].items() if v >= 1), reverse=True)[:3]
-            line += " — at the peak: " + ", ".join(f"{k} {v / 1024:.2f} GB" for v, k in top)
-        elif r["status"] != "estimated":
-            line += f" — {r['status']}: {r['reason']}"
-        out.append(line)
-    return "\n".join(out) + "\n"
+    return "\n".join(out + report.table_and_rungs(doc, "estimated", markdown_table, _peak_parts)) + "\n"
+
+
+def _peak_parts(r: dict[str, Any]) -> Optional[str]:
+    """The three largest parts of a rung's estimated peak."""
+    d = r.get("estimate_detail")
+    if not d:
+        return None
+    top = sorted(((v, k) for k, v in d["breakdown_mb"].items() if v >= 1), reverse=True)[:3]
+    return " — at the peak: " + ", ".join(f"{k} {v / 1024:.2f} GB" for v, k in top)

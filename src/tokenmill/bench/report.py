@@ -368,16 +368,24 @@ def markdown(doc: dict[str, Any]) -> str:
         out.append(line)
         if info.get("note"):
             out.append(f"- {info['note']}")
-    if doc["cli_set"]:
-        out.append(f"- --set: {doc['cli_set']}")
-    out += ["", markdown_table(doc), "", "## Rungs", ""]
+    return "\n".join(out + table_and_rungs(doc, "measured")) + "\n"
+
+
+def table_and_rungs(doc: dict[str, Any], done: str, table=None, detail=None) -> list[str]:
+    """The ``--set`` line, the table and the "Rungs" list (each rung's switches; the status and reason of
+    a rung that is not ``done``, or ``detail(rung)`` where that gives text) of a ladder's Markdown."""
+    out = [f"- --set: {doc['cli_set']}"] if doc["cli_set"] else []
+    out += ["", (table or markdown_table)(doc), "", "## Rungs", ""]
     for r in doc["rungs"]:
         what = ", ".join(f"`{k} = {v!r}`" for k, v in r["set"].items()) or "(baseline)"
         line = f"{r['index']}. **{r['name']}**: {r['explain']} {what}"
-        if r["status"] != "measured":
+        extra = detail(r) if detail else None
+        if extra:
+            line += extra
+        elif r["status"] != done:
             line += f" — {r['status']}: {r['reason']}"
         out.append(line)
-    return "\n".join(out) + "\n"
+    return out
 
 
 def write_outputs(doc: dict[str, Any], out: Path, log: Callable[[str], None]) -> None:
