@@ -43,11 +43,11 @@ def test_greedy_same_with_and_without_kv_cache(attention, fused):
     seq = cached[:, :BS]
     with torch.no_grad():
         full = m(seq)[0]
-    from tokenmill.model.gpt import _KVCache
+    from tokenmill.model.gpt import KVCache
 
-    cache = _KVCache(m.cfg.n_layer)
+    cache = KVCache(m.cfg.n_layer, BS)
     with torch.inference_mode():
-        steps = [m._forward_cached(seq[:, :4], cache)] + [m._forward_cached(seq[:, t : t + 1], cache) for t in range(4, BS)]
+        steps = [m._last_logits(seq[:, :4], cache)] + [m._last_logits(seq[:, t : t + 1], cache) for t in range(4, BS)]
     torch.testing.assert_close(torch.stack(steps, 1), full[:, 3:], atol=1e-5, rtol=1e-5)
 
 

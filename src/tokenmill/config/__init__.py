@@ -41,6 +41,7 @@ from tokenmill.config.schema import (
     field_ranges,
     field_specs,
     sections,
+    shape_fields,
 )
 from tokenmill.errors import ConfigError
 
@@ -48,5 +49,5 @@ __all__ = [
     "F", "CheckpointConfig", "CompileConfig", "Config", "ConfigError", "DataConfig", "LogConfig", "MemoryConfig",
     "ModelConfig", "OptimConfig", "ParallelConfig", "TrainConfig", "_closest", "apply_overrides", "describe_range",
     "field_ranges", "field_specs", "flatten", "from_dict", "load_preset", "load_toml", "preset_names",
-    "reference_markdown", "resolve", "save", "sections", "to_toml", "tomllib", "validate",
+    "reference_markdown", "resolve", "save", "sections", "shape_fields", "to_toml", "tomllib", "validate",
 ]

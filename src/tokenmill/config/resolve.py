@@ -178,11 +178,12 @@ def validate(cfg: Config) -> Config:
     """Declared ranges (:func:`check_ranges`), then cross-field checks that single fields cannot express."""
     check_ranges(cfg)
     m = cfg.model
-    if m.n_embd % m.n_head:
+    if m.n_embd % m.n_head and m.head_dim is None:
         raise ConfigError(
-            f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head}); "
+            f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head}) (or set model.head_dim); "
             f"try model.n_head={_divisor_near(m.n_embd, m.n_head)}."
         )
+    _validate_architecture(m)
     if cfg.data.source == "synthetic" and m.vocab_size is None:
         raise ConfigError("data.source='synthetic' needs model.vocab_size (e.g. --model.vocab_size 50257).")
     if cfg.compile.loss_outside and cfg.compile.scope != "model":
@@ -190,6 +191,24 @@ def validate(cfg: Config) -> Config:
                           "compile.scope='model' (per-block compilation leaves the loss outside anyway).")
     _validate_memory_and_parallel(cfg)
     return cfg
+
+
+def _validate_architecture(m) -> None:
+    """Family switches that only make sense together."""
+    if m.n_head % m.kv_heads:
+        raise ConfigError(f"model.n_kv_head ({m.n_kv_head}) must divide model.n_head ({m.n_head}) "
+                          f"(grouped-query attention: each k/v head serves n_head / n_kv_head query heads).")
+    if m.pos_emb == "rope" and m.head_width % 2:
+        raise ConfigError(f"model.pos_emb='rope' rotates pairs of features: the head width ({m.head_width}) must be even.")
+    if m.norm == "triton" and m.norm_type != "layernorm":
+        raise ConfigError("model.norm='triton' is a LayerNorm kernel; with model.norm_type='rmsnorm' use "
+                          "--model.norm native (or manual).")
+    if m.rope_scaling != "none" and m.pos_emb != "rope":
+        raise ConfigError(f"model.rope_scaling={m.rope_scaling!r} scales rotary embeddings: it needs "
+                          "--model.pos_emb rope.")
+    if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
+        raise ConfigError(f"model.rope_high_freq_factor ({m.rope_high_freq_factor}) must be greater than "
+                          f"model.rope_low_freq_factor ({m.rope_low_freq_factor}).")
 
 
 def _validate_memory_and_parallel(cfg: Config) -> None:
@@ -235,8 +254,9 @@ def _validate_model_parallel(cfg: Config) -> None:
                 "parallel.tp > 1 splits q, k and v by heads, which the fused [q; k; v] matrix cannot do "
                 "evenly: add --model.fused_qkv false (same math, three matrices)."
             )
-        if m.n_head % p.tp:
-            raise ConfigError(f"model.n_head ({m.n_head}) must be divisible by parallel.tp ({p.tp}).")
+        if m.n_head % p.tp or m.kv_heads % p.tp:
+            raise ConfigError(f"model.n_head ({m.n_head}) and the key/value heads ({m.kv_heads}) must be "
+                              f"divisible by parallel.tp ({p.tp}): each rank keeps whole heads.")
     if p.tp > 1 or p.pp > 1:
         if p.zero1:
             raise ConfigError("parallel.zero1 works with DDP only; with parallel.tp/pp shard with parallel.dp_shard.")

@@ -8,91 +8,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-
-def F(default: Any, doc: str, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
-      lt: float | None = None, **kw: Any) -> Any:
-    """A config field with its documentation and, for numbers, its valid range (``ge`` >=, ``gt`` >,
-    ``le`` <=, ``lt`` <), checked for every field in one place (:func:`tokenmill.config.validate`)."""
-    bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
-    meta = {"doc": doc, "range": bounds}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata=meta, **kw)
-    return field(default=default, metadata=meta, **kw)
-
-
-@dataclass
-class ModelConfig:
-    """The GPT model. Baseline and optimised forms differ only by these fields."""
-
-    vocab_size: Optional[int] = F(
-        None, "Vocabulary size. None: taken from the data's metadata. Must be >= the data's vocabulary.",
-        ge=1,
-    )
-    vocab_pad_multiple: int = F(
-        1,
-        "Pad the embedding/output vocabulary up to a multiple of this (64 for tensor cores; 1 = no padding). "
-        "The head is computed on the padded matrix and the padded columns are sliced off the logits, so "
-        "they are never predicted and do not change the loss.",
-        ge=1,
-    )
-    block_size: int = F(1024, "Context length in tokens (sequence length of every training window).", ge=1)
-    n_layer: int = F(12, "Number of transformer blocks.", ge=1)
-    n_head: int = F(12, "Number of attention heads.", ge=1)
-    n_embd: int = F(768, "Embedding (model) width; must be divisible by n_head.", ge=1)
-    dropout: float = F(0.0, "Dropout probability on embeddings, attention weights and residual branches.", ge=0, lt=1)
-    bias: bool = F(True, "Bias in Linear layers (other than q/k/v) and LayerNorms.")
-    qkv_bias: bool = F(True, "Bias in the query/key/value projections.")
-    tie_embeddings: bool = F(True, "Share the token-embedding matrix with the output head (GPT-2 style).")
-    attention: Literal["manual", "sdpa"] = F(
-        "sdpa",
-        "Attention kernel: 'manual' = explicit q@k^T, causal mask, softmax, @v; 'sdpa' = "
-        "torch.nn.functional.scaled_dot_product_attention (flash / memory-efficient / cuDNN kernels).",
-    )
-    sdpa_backend: Literal["auto", "flash", "efficient", "cudnn", "math"] = F(
-        "auto", "Force one SDPA backend (attention='sdpa' only); 'auto' lets PyTorch pick."
-    )
-    causal_mask: Literal["buffer", "on_the_fly"] = F(
-        "on_the_fly",
-        "Manual attention only: 'buffer' keeps a (block_size x block_size) triu mask as a registered "
-        "buffer; 'on_the_fly' builds it for the current length each forward.",
-    )
-    fused_qkv: bool = F(True, "One fused Linear for q, k, v instead of three separate ones.")
-    norm: Literal["native", "manual", "triton"] = F(
-        "native",
-        "LayerNorm: 'native' = nn.LayerNorm (fused kernel); 'manual' = hand-written mean/var module; "
-        "'triton' = tokenmill's fused Triton forward and backward kernels (model/kernels; needs the triton "
-        "package and a CUDA GPU). All three: same parameters, same math.",
-    )
-    gelu: Literal["native", "manual"] = F(
-        "native", "tanh-GELU: 'native' = nn.GELU(approximate='tanh'); 'manual' = hand-written formula."
-    )
-    init_std: float = F(
-        0.02, "GPT-2 initialisation: std of Linear/Embedding weights; residual projections get std/sqrt(2*n_layer).",
-        gt=0,
-    )
-    loss_impl: Literal["full", "chunked"] = F(
-        "full",
-        "'full' = head over all tokens, then cross-entropy on the (B*T, vocab) logits; 'chunked' = head + "
-        "cross-entropy over model.loss_chunk_size tokens at a time, gradients computed chunk by chunk, so "
-        "the full logits are never materialised (training returns no logits). Same loss and gradients.",
-    )
-    loss_chunk_size: int = F(1024, "Tokens per chunk for model.loss_impl='chunked'.", ge=1)
-    fp32_islands: bool = F(
-        True,
-        "Compute the numerically sensitive ops in fp32 when the model runs in bf16/fp16 weights: the "
-        "hand-written LayerNorm (model.norm='manual'), the manual attention's softmax and the "
-        "cross-entropy (on fp32 logits). False = everything in the model's dtype, as the LLM-training-speed "
-        "README's pure-bf16 rungs run (less memory and traffic, less accurate loss). No effect in fp32 or "
-        "under autocast, nor on the native/triton LayerNorm and SDPA kernels (fp32 statistics inside) or "
-        "the chunked loss (fp32 chunks).",
-    )
-    loss_over_padded_vocab: bool = F(
-        False,
-        "With vocabulary padding: compute the cross-entropy over all padded_vocab columns, as the "
-        "LLM-training-speed README's vocab-padding rung does (its padded columns then join the softmax "
-        "and are trained towards -inf). False (correct): the padded columns are sliced off first and "
-        "never touch the loss.",
-    )
+from tokenmill.config.field import F
+from tokenmill.config.model import ModelConfig
 
 
 @dataclass
@@ -443,6 +360,14 @@ def field_ranges() -> dict[str, dict[str, float]]:
         for f in dataclasses.fields(scls):
             out[f"{sname}.{f.name}"] = dict(f.metadata.get("range", {}))
     return out
+
+
+def shape_fields(layout: bool = False) -> tuple[str, ...]:
+    """The model fields that fix its architecture (``shape='arch'``), plus with ``layout`` those that fix
+    its state-dict layout (``shape='layout'``): what a fine-tuning source decides, and what a checkpoint
+    must match to resume."""
+    kinds = ("arch", "layout") if layout else ("arch",)
+    return tuple(f.name for f in dataclasses.fields(ModelConfig) if f.metadata.get("shape") in kinds)
 
 
 _SYMBOL = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}

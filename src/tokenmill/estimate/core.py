@@ -166,24 +166,12 @@ def _per_block(pieces: Pieces) -> dict[str, int]:
 
 
 def param_counts(cfg: C.Config, vocab: int) -> tuple[int, int]:
-    """(parameters, matmul parameters N of the FLOPs convention) of ``cfg``'s model, counted on a one-block
-    model on ``meta`` (every block is the same), so even a 20B shape counts at once. N follows
-    :func:`tokenmill.model.flops.flop_params`: no token or position embeddings, the head's matrix over
-    the true vocabulary once, tied or not."""
-    import torch
+    """(parameters, matmul parameters N of the FLOPs convention) of ``cfg``'s model: the trainer's own
+    counts (:func:`tokenmill.model.build.count_params`, :func:`tokenmill.model.flops.flop_params`)."""
+    from tokenmill.model.build import count_params
+    from tokenmill.model.flops import flop_params
 
-    from tokenmill.model import GPT
-
-    m = cfg.model
-    one = C.ModelConfig(**{**m.__dict__, "n_layer": 1, "norm": "native" if m.norm == "triton" else m.norm})
-    with torch.device("meta"):
-        model = GPT(one, vocab)
-    block = sum(p.numel() for p in model.blocks[0].parameters())
-    total = model.num_params() + (m.n_layer - 1) * block
-    body = total - model.wte.weight.numel() - model.wpe.weight.numel()
-    if not m.tie_embeddings:
-        body -= model.lm_head.weight.numel()
-    return total, body + vocab * m.n_embd
+    return count_params(cfg.model, vocab), flop_params(cfg.model, vocab)
 
 
 def _notes(cfg: C.Config, lay: Layout, spec: GPU) -> list[str]:

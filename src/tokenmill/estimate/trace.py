@@ -118,6 +118,7 @@ def trace_block(model: nn.Module, block: nn.Module, shape: tuple, act_dtype: tor
     trace, box = PieceTrace("block", [], rec.sizes), {"rec": rec}
     trace.buffer_bytes = sum(b.numel() * b.element_size() for b in block.buffers())
     inner = getattr(block, "_checkpoint_wrapped_module", block)
+    rope = (model.rope_cos, model.rope_sin) if model.cfg.pos_emb == "rope" else None
     with devmode.autocast_forward(inner), devmode, rec:  # the recomputation runs under autocast too
         for _ in range(rounds):
             box.clear()
@@ -127,7 +128,7 @@ def trace_block(model: nn.Module, block: nn.Module, shape: tuple, act_dtype: tor
             rec.mark("fwd")
             devmode.packed = 0
             with devmode.saved_on_host():
-                y = block(x)
+                y = block(x, rope)
             trace.host_bytes = devmode.packed
             by = rec.sid(y, "y")
             del x
@@ -235,51 +236,40 @@ def _split(rec: Recorder, n_fwd: int, grads: dict[str, int]) -> Round:
 
 
 def meta_model(cfg: C.Config, vocab_size: int, n_layer: int, tp: int = 1) -> nn.Module:
-    """A GPT on ``meta`` with ``n_layer`` blocks, cast as ``train.precision`` casts it, its blocks
-    cut to one tensor-parallel rank's share when ``tp`` > 1 and wrapped for activation checkpointing
-    as the trainer wraps them (block i when i % n == 0)."""
-    from tokenmill.model import GPT
+    """A GPT on ``meta`` with ``n_layer`` blocks, with the trainer's own switches applied
+    (:mod:`tokenmill.model.build`: the precision cast, activation checkpointing of block i when
+    i % n == 0) and its blocks cut to one tensor-parallel rank's share of the model's own plan when
+    ``tp`` > 1."""
+    from tokenmill.model.build import apply_activation_checkpointing, apply_precision, build_gpt
 
     m = cfg.model
     mcfg = C.ModelConfig(**{**m.__dict__, "n_layer": n_layer,
                             "norm": "native" if m.norm == "triton" else m.norm})  # Triton LN: same memory
-    with torch.device("meta"):
-        model = GPT(mcfg, vocab_size)
-    if cfg.train.precision == "bf16":
-        model.to(torch.bfloat16)
+    model = build_gpt(mcfg, vocab_size, "meta")
+    apply_precision(model, cfg.train)
     if tp > 1:
+        plan = model.tp_plan(tp)
         for block in model.blocks:
-            _tp_local(block, tp)
-    every = cfg.memory.activation_checkpointing
-    if every > 0:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-            CheckpointImpl,
-            checkpoint_wrapper,
-        )
-
-        for i in range(len(model.blocks)):
-            if i % every == 0:
-                model.blocks[i] = checkpoint_wrapper(model.blocks[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+            _tp_local(block, plan, tp)
+    apply_activation_checkpointing(model, cfg.memory.activation_checkpointing)
     model.train()
     return model
 
 
-def _tp_local(block: nn.Module, tp: int) -> None:
-    """One tensor-parallel rank's block: q/k/v and the MLP's first layer keep 1/tp of their output
-    features, the two output projections 1/tp of their input features (tensor_parallel.block_plan)."""
-    def shrink(parent: nn.Module, name: str, cols: bool) -> None:
-        lin: nn.Linear = getattr(parent, name)
-        out_f, in_f = lin.out_features, lin.in_features
-        new = nn.Linear(in_f if cols else in_f // tp, out_f // tp if cols else out_f, bias=lin.bias is not None,
-                        device="meta", dtype=lin.weight.dtype)
+def _tp_local(block: nn.Module, plan: dict[str, str], tp: int) -> None:
+    """One tensor-parallel rank's block under the model's plan: a 'colwise' Linear keeps 1/tp of its
+    output features, a 'rowwise' one 1/tp of its input features."""
+    for path, kind in plan.items():
+        parent_path, _, name = path.rpartition(".")
+        parent = block.get_submodule(parent_path)
+        lin = getattr(parent, name, None)
+        if lin is None:
+            continue
+        cols = kind == "colwise"
+        new = nn.Linear(lin.in_features if cols else lin.in_features // tp,
+                        lin.out_features // tp if cols else lin.out_features,
+                        bias=lin.bias is not None, device="meta", dtype=lin.weight.dtype)
         setattr(parent, name, new)
-
-    for n in ("q_proj", "k_proj", "v_proj"):
-        if hasattr(block.attn, n):
-            shrink(block.attn, n, True)
-    shrink(block.attn, "c_proj", False)
-    shrink(block.mlp, "c_fc", True)
-    shrink(block.mlp, "c_proj", False)
 
 
 def activation_dtype(cfg: C.Config) -> torch.dtype:
@@ -327,8 +317,10 @@ def _trace_pieces(cfg: C.Config, vocab_size: int, device: str, batch: Optional[i
                   pipelined: bool) -> Pieces:
     m, t = cfg.model, cfg.train
     B, T = batch or t.batch_size, m.block_size
+    from tokenmill.model.build import checkpointed_blocks
+
     every = cfg.memory.activation_checkpointing
-    kinds = ["checkpointed" if every > 0 and i % every == 0 else "plain" for i in range(m.n_layer)]
+    kinds = ["checkpointed" if c else "plain" for c in checkpointed_blocks(m.n_layer, every)]
     need = sorted(set(kinds))
     model = meta_model(cfg, vocab_size, n_layer=1 if (every == 1 or every == 0) else 2, tp=tp)
     devmode = DeviceModel(device, autocast_dtype(cfg), m.sdpa_backend, m.dropout,
@@ -338,8 +330,8 @@ def _trace_pieces(cfg: C.Config, vocab_size: int, device: str, batch: Optional[i
     rounds = 2 if (accum > 1 or pipelined) else 1  # the second round: gradients accumulated
     shape = (B, T, m.n_embd)
     traced: dict[str, PieceTrace] = {}
-    for i, block in enumerate(model.blocks):
-        kind = "checkpointed" if every > 0 and i % every == 0 else "plain"
+    for block, checkpointed in zip(model.blocks, checkpointed_blocks(len(model.blocks), every)):
+        kind = "checkpointed" if checkpointed else "plain"
         if kind in need and kind not in traced:
             traced[kind] = trace_block(model, block, shape, dt, devmode, accum, rounds)
     head = trace_head(model, shape, dt, devmode, accum, rounds)

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import re
 
-import torch
-
 from tokenmill.config import ModelConfig
 
 __all__ = ["flops_per_token", "flop_params", "PEAK_FLOPS", "peak_flops", "math_mode"]
@@ -33,16 +31,13 @@ def flop_params(cfg: ModelConfig, vocab_size: int) -> int:
 
     Every parameter except the token and position embeddings (lookups, no matmul), plus the head's
     ``vocab_size x n_embd`` matrix once, tied or not; padding rows (``model.vocab_pad_multiple``) are
-    not counted. Counted on a ``meta`` model, so it follows the model's layout (biases, norms).
+    not counted. From the model's own parameter count (:func:`tokenmill.model.build.param_counts`), so it
+    follows the model's layout (biases, norms, grouped k/v, SwiGLU's three matrices).
     """
-    from tokenmill.model.gpt import GPT  # gpt.py does not import this module: no cycle
+    from tokenmill.model.build import param_counts  # build.py does not import this module: no cycle
 
-    with torch.device("meta"):
-        model = GPT(cfg, vocab_size)
-    body = model.num_params(exclude_embeddings=True)  # blocks + ln_f (+ an untied head, padded)
-    if not cfg.tie_embeddings:
-        body -= model.lm_head.weight.numel()  # counted below, without padding
-    return body + vocab_size * cfg.n_embd
+    c = param_counts(cfg, vocab_size)
+    return c.total - c.token_embedding - c.position_embedding - c.untied_head + vocab_size * cfg.n_embd
 
 
 def flops_per_token(cfg: ModelConfig, n_flop_params: int, seq_len: int) -> float:
@@ -54,7 +49,7 @@ def flops_per_token(cfg: ModelConfig, n_flop_params: int, seq_len: int) -> float
     L layers, H heads, head dim Q, length T, counted over the full T x T matrix as in the PaLM paper's
     MFU. GPT-2 124M, T=1024: 855.2 MFLOP, tied or untied (see the module docstring).
     """
-    L, H, Q = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head
+    L, H, Q = cfg.n_layer, cfg.n_head, cfg.head_width  # query heads (grouped k/v heads do no extra work)
     return 6.0 * n_flop_params + 12.0 * L * H * Q * seq_len
 
 

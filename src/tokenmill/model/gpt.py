@@ -1,6 +1,12 @@
-"""The GPT model: token + position embeddings, a stack of pre-norm blocks, final LayerNorm, head.
+"""The GPT model: token embeddings (+ learned positions, or rotary embeddings inside attention), a stack
+of pre-norm blocks, a final norm, the head. One class for the families tokenmill trains: GPT-2
+(learned positions, LayerNorm, GELU, biases) and Llama / Qwen / SmolLM / Mistral (RoPE, RMSNorm,
+SwiGLU, grouped-query attention, no biases or q/k/v biases only, q/k norm), chosen by ModelConfig
+fields; see ``layers.py`` for the blocks.
 
-Every field of :class:`~tokenmill.config.ModelConfig` is honoured; see ``layers.py`` for the blocks.
+The model owns its structure, so the mechanism packages never name its modules: its tensor-parallel
+plan (:meth:`GPT.tp_plan`), what a pipeline stage keeps (:meth:`GPT.keep_stage`), the blocks a rank
+holds (:meth:`GPT.present_blocks`), its KV cache (generation runs the one attention forward).
 
 Initialisation (GPT-2): Linear and Embedding weights ~ N(0, init_std), biases 0, LayerNorm weight 1
 and bias 0, the residual projections (``attn.c_proj``, ``mlp.c_proj``) ~ N(0, init_std / sqrt(2 *
@@ -31,10 +37,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tokenmill.config import ModelConfig
-from tokenmill.errors import SampleError
-from tokenmill.model.layers import NORMS, Block, causal_mask, make_norm, upcast
+from tokenmill.errors import ParallelError, SampleError
+from tokenmill.model.layers import NORMS, Block, KVCache, causal_mask, make_norm, rope_tables, upcast
 
-__all__ = ["GPT", "Block", "adapt_state_dict", "sample_next_token"]
+__all__ = ["GPT", "Block", "KVCache", "adapt_state_dict", "sample_next_token"]
 
 
 class GPT(nn.Module):
@@ -53,7 +59,7 @@ class GPT(nn.Module):
         super().__init__()
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
-        if cfg.n_embd % cfg.n_head:
+        if cfg.n_embd % cfg.n_head and cfg.head_dim is None:
             raise ValueError(f"model.n_embd ({cfg.n_embd}) must be divisible by model.n_head ({cfg.n_head})")
         self.cfg = cfg
         self.vocab_size = vocab_size
@@ -67,9 +73,14 @@ class GPT(nn.Module):
             # _weight: no reset_parameters on meta (normal_ there goes through torch._refs and imports
             # torch._dynamo: ~2 s at every process start); init_weights draws the values
             self.wte = nn.Embedding(self.padded_vocab, cfg.n_embd, _weight=torch.empty(self.padded_vocab, cfg.n_embd))
-            self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd, _weight=torch.empty(cfg.block_size, cfg.n_embd))
+            if cfg.pos_emb == "learned":
+                self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd, _weight=torch.empty(cfg.block_size, cfg.n_embd))
+            else:  # rotary: (cos, sin) tables of every position, not parameters (not in the state dict)
+                self.wpe = None
+                self.register_buffer("rope_cos", torch.empty(cfg.block_size, cfg.head_width), persistent=False)
+                self.register_buffer("rope_sin", torch.empty(cfg.block_size, cfg.head_width), persistent=False)
             self.drop = nn.Dropout(cfg.dropout)
-            self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+            self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
             self.ln_f = make_norm(cfg)
             self.lm_head = nn.Linear(cfg.n_embd, self.padded_vocab, bias=False)
         if device.type != "meta":  # on meta the modules already are where they belong
@@ -102,7 +113,7 @@ class GPT(nn.Module):
             elif isinstance(m, nn.Linear):
                 s = proj_std if name.endswith("c_proj") else std
                 if name.endswith("c_attn"):  # fused [q; k; v]: draw the parts in turn, as 3 Linears do
-                    for part in m.weight.chunk(3, dim=0):
+                    for part in m.weight.split(_qkv_rows(self.cfg), dim=0):
                         part.normal_(0.0, s)
                 else:
                     m.weight.normal_(0.0, s)
@@ -110,10 +121,19 @@ class GPT(nn.Module):
                     m.bias.zero_()
             elif isinstance(m, NORMS):
                 m.weight.fill_(1.0)
-                if m.bias is not None:
+                if getattr(m, "bias", None) is not None:
                     m.bias.zero_()
             if getattr(m, "use_mask_buffer", False):
                 m.mask.copy_(causal_mask(m.mask.size(0), m.mask.device))
+        self.reset_rope()
+
+    @torch.no_grad()
+    def reset_rope(self) -> None:
+        """Fill the rotary tables (computed in fp32, stored in the buffers' dtype)."""
+        if self.cfg.pos_emb == "rope" and not self.rope_cos.is_meta:
+            cos, sin = rope_tables(self.cfg, self.rope_cos.device)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None
@@ -137,23 +157,30 @@ class GPT(nn.Module):
             return x
         return self.head_loss(x, targets)
 
-    def trunk(self, idx: torch.Tensor) -> torch.Tensor:
+    def trunk(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Everything before the head: embeddings (or, on a later pipeline stage, the previous stage's
-        hidden states), the blocks and the final LayerNorm (when this model holds it).
+        hidden states), the blocks and the final norm (when this model holds it).
 
         :meth:`forward` calls ``self.trunk``, so compiling only this part (``model.trunk =
         torch.compile(model.trunk)``) leaves the head and the loss outside the compiled graph, eager,
         as a seed that compiles the model and computes the loss on its output does.
+        ``cache`` (generation): ``idx`` holds the positions ``cache.pos ...`` only (see :meth:`generate`).
         """
-        T = idx.shape[1]
-        if T > self.cfg.block_size:
-            raise ValueError(f"sequence length {T} exceeds model.block_size {self.cfg.block_size}")
+        T, P = idx.shape[1], (cache.pos if cache is not None else 0)
+        if P + T > self.cfg.block_size:
+            raise ValueError(f"sequence length {P + T} exceeds model.block_size {self.cfg.block_size}")
         if self.wte is not None:
-            x = self.drop(self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))
+            x = self.wte(idx)
+            if self.wpe is not None:
+                x = x + self.wpe(torch.arange(P, P + T, device=idx.device))
+            x = self.drop(x)
         else:  # a later pipeline stage: idx holds the previous stage's hidden states
             x = idx
-        for block in self.blocks:
-            x = block(x)
+        rope = (self.rope_cos, self.rope_sin) if self.cfg.pos_emb == "rope" else None
+        for _, block in self.present_blocks():
+            x = block(x, rope, cache) if cache is not None else block(x, rope)
+        if cache is not None:
+            cache.pos += T
         return self.ln_f(x) if self.ln_f is not None else x
 
     def head_loss(self, x: torch.Tensor, targets: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -182,6 +209,37 @@ class GPT(nn.Module):
         """``(index, block)`` of the blocks this model holds (a pipeline stage replaces the blocks of
         other stages by ``nn.Identity``, keeping the indices and so the parameter names)."""
         return [(i, b) for i, b in enumerate(self.blocks) if not isinstance(b, nn.Identity)]
+
+    # --- structure the parallel mechanisms ask the model for
+
+    def keep_stage(self, keep: range, first: bool, last: bool) -> None:
+        """Become one pipeline stage (in place): the blocks outside ``keep`` become ``nn.Identity``
+        (indices, hence parameter names, stay those of the whole model); only the ``first`` stage keeps
+        the embeddings; only the ``last`` keeps the final norm and the head, and returns the normalised
+        hidden states (the schedule's loss function applies :meth:`head_loss`); the others return their
+        hidden states. Every stage keeps the rotary tables (buffers, not parameters)."""
+        for i in range(len(self.blocks)):
+            if i not in keep:
+                self.blocks[i] = nn.Identity()
+        if not first:
+            self.wte = self.wpe = None
+        if not last:
+            self.ln_f = self.lm_head = None
+        else:
+            self.hidden_output = True
+
+    def tp_plan(self, tp: int) -> dict[str, str]:
+        """The tensor-parallel plan of every block (:meth:`~tokenmill.model.layers.Block.tp_plan`: module
+        path -> 'colwise' | 'rowwise'), after checking that this model splits into ``tp`` whole-head
+        shares. Embeddings, norms and the head stay replicated."""
+        cfg = self.cfg
+        if cfg.fused_qkv:
+            raise ParallelError("parallel.tp > 1 needs --model.fused_qkv false (q, k, v are split by heads).")
+        if cfg.n_head % tp or cfg.kv_heads % tp:
+            raise ParallelError(f"model.n_head ({cfg.n_head}) and the key/value heads ({cfg.kv_heads}) must be "
+                                f"divisible by parallel.tp ({tp}).")
+        blocks = self.present_blocks()
+        return blocks[0][1].tp_plan() if blocks else {}
 
     @torch.inference_mode()
     def generate(
@@ -221,14 +279,12 @@ class GPT(nn.Module):
         self.eval()
         try:
             bs = self.cfg.block_size
-            cache: _KVCache | None = None
+            cache: KVCache | None = None
             for _ in range(max_new_tokens):
                 if use_cache and idx.size(1) <= bs:  # positions are stable: only new tokens run
                     if cache is None:
-                        cache = _KVCache(self.cfg.n_layer)
-                        logits = self._forward_cached(idx, cache)
-                    else:
-                        logits = self._forward_cached(idx[:, -1:], cache)
+                        cache = KVCache(len(self.blocks), bs)
+                    logits = self._last_logits(idx[:, cache.pos:], cache)
                 else:
                     logits = self(idx[:, -bs:])[0][:, -1, :]
                 nxt = sample_next_token(logits, temperature, top_k, top_p, generator)
@@ -237,18 +293,12 @@ class GPT(nn.Module):
             self.train(was_training)
         return idx
 
-    def _forward_cached(self, idx: torch.Tensor, cache: _KVCache) -> torch.Tensor:
+    def _last_logits(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Logits (B, vocab_size) of the last position, running only the new tokens ``idx`` (B, T) at
-        positions ``cache.pos ...`` and attending to the cached keys/values (which it extends)."""
-        T, P = idx.size(1), cache.pos
-        x = self.drop(self.wte(idx) + self.wpe(torch.arange(P, P + T, device=idx.device)))
-        for i, block in self.present_blocks():
-            block = _unwrap(block)
-            x = x + _cached_attention(_unwrap(block.attn), _unwrap(block.ln_1)(x), cache, i, self.cfg.block_size)
-            x = x + _unwrap(block.mlp)(_unwrap(block.ln_2)(x))
-        cache.pos += T
-        logits = self.lm_head(self.ln_f(x[:, -1, :]))
-        return logits[..., : self.vocab_size]
+        positions ``cache.pos ...`` through the same forward as training, attending to (and extending)
+        the cached keys and values."""
+        x = self.trunk(idx, cache)
+        return self.lm_head(x[:, -1, :])[..., : self.vocab_size]
 
     def num_params(self, exclude_embeddings: bool = False, exclude_position: bool = False) -> int:
         """Number of unique parameters (a tied head/embedding matrix counts once; padding rows count).
@@ -259,11 +309,16 @@ class GPT(nn.Module):
         embedding and is excluded too; an untied head is an ordinary projection and stays counted.
         """
         n = sum(p.numel() for p in self.parameters())
-        if exclude_position or exclude_embeddings:
+        if (exclude_position or exclude_embeddings) and self.wpe is not None:
             n -= self.wpe.weight.numel()
         if exclude_embeddings:
             n -= self.wte.weight.numel()
         return n
+
+
+def _qkv_rows(cfg: ModelConfig) -> list[int]:
+    """Rows of q, k and v in the fused ``c_attn`` matrix (grouped-query: k and v have fewer)."""
+    return [cfg.n_head * cfg.head_width, cfg.kv_heads * cfg.head_width, cfg.kv_heads * cfg.head_width]
 
 
 def _normal_rows(w: torch.Tensor, rows: int, std: float) -> None:
@@ -274,55 +329,6 @@ def _normal_rows(w: torch.Tensor, rows: int, std: float) -> None:
 
 # ----------------------------------------------------------------------------------------------
 # Generation: KV cache and sampling
-
-
-class _KVCache:
-    """Per-layer keys and values (B, heads, block_size, head_dim) of the positions seen so far."""
-
-    def __init__(self, n_layer: int):
-        self.k: list[torch.Tensor | None] = [None] * n_layer
-        self.v: list[torch.Tensor | None] = [None] * n_layer
-        self.pos = 0  # positions filled
-
-
-def _unwrap(m: nn.Module) -> nn.Module:
-    """The module inside torch.compile / activation-checkpoint wrappers (their attributes are hidden)."""
-    for attr in ("_orig_mod", "_checkpoint_wrapped_module"):
-        while hasattr(m, attr) and isinstance(getattr(m, attr), nn.Module):
-            m = getattr(m, attr)
-    return m
-
-
-def _cached_attention(attn: nn.Module, x: torch.Tensor, cache: _KVCache, layer: int, block_size: int) -> torch.Tensor:
-    """The output of ``attn`` (a :class:`~tokenmill.model.layers.CausalSelfAttention`, eval mode) for
-    the new positions ``x`` (B, T, C), with the keys/values of earlier positions taken from ``cache``.
-    The same projections and math as its forward; manual attention keeps its fp32 softmax."""
-    B, T, _ = x.shape
-    if attn.fused_qkv:
-        q, k, v = attn.c_attn(x).chunk(3, dim=2)
-    else:
-        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-    q, k, v = (t.view(B, T, -1, attn.head_dim).transpose(1, 2) for t in (q, k, v))
-    P = cache.pos
-    if cache.k[layer] is None:
-        shape = (B, k.size(1), block_size, attn.head_dim)
-        cache.k[layer] = k.new_empty(shape)
-        cache.v[layer] = v.new_empty(shape)
-    cache.k[layer][:, :, P : P + T] = k
-    cache.v[layer][:, :, P : P + T] = v
-    k, v = cache.k[layer][:, :, : P + T], cache.v[layer][:, :, : P + T]
-    # new query i sits at position P + i and may see keys 0 .. P + i
-    mask = causal_mask(P + T, q.device)[P:] if T > 1 else None
-    if attn.attention == "manual":
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
-        if mask is not None:
-            att = att.masked_fill(mask, float("-inf"))
-        soft_in = att.float() if getattr(attn, "fp32_islands", True) else att
-        y = F.softmax(soft_in, dim=-1).to(q.dtype) @ v
-    else:
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else ~mask)
-    y = y.transpose(1, 2).contiguous().view(B, T, -1)
-    return attn.resid_dropout(attn.c_proj(y))
 
 
 def _check_sampling(top_k: int | None, top_p: float | None) -> None:
@@ -377,7 +383,7 @@ def adapt_state_dict(state_dict: Mapping[str, torch.Tensor], model: GPT) -> dict
         for kind in ("weight", "bias"):
             if not fused and key.endswith(f"attn.c_attn.{kind}"):
                 base = key[: -len(f"c_attn.{kind}")]
-                for n, part in zip("qkv", sd.pop(key).chunk(3, dim=0)):
+                for n, part in zip("qkv", sd.pop(key).split(_qkv_rows(model.cfg), dim=0)):
                     sd[f"{base}{n}_proj.{kind}"] = part
             elif fused and key.endswith(f"attn.q_proj.{kind}"):
                 base = key[: -len(f"q_proj.{kind}")]

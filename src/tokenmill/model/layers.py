@@ -1,4 +1,7 @@
-"""The pieces of a GPT block: LayerNorm, GELU, causal self-attention, MLP and the block itself.
+"""The pieces of a decoder block: norms (LayerNorm, RMSNorm), GELU, rotary embeddings, causal
+self-attention (multi-head, grouped-query, with an optional KV cache), the MLPs (GELU, SwiGLU) and the
+block itself. Which pieces a block gets is the model family (GPT-2: learned positions, LayerNorm,
+GELU; Llama/Qwen/SmolLM: RoPE, RMSNorm, SwiGLU, grouped-query attention), chosen by ModelConfig fields.
 
 Every switch in :class:`~tokenmill.config.ModelConfig` that changes *how* something is computed (not
 *what*) picks one of its forms here (the Triton LayerNorm lives in ``model/kernels``). The forms of a
@@ -68,21 +71,87 @@ class GELU(nn.Module):
         return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3))))
 
 
-NORMS = (nn.LayerNorm, LayerNorm, TritonLayerNorm)  # the module types make_norm can return
+class RMSNorm(nn.Module):
+    """Hand-written RMSNorm (``model.norm_type='rmsnorm'``, ``model.norm='manual'``): ``x / sqrt(mean(x^2) +
+    eps) * weight``, the same parameter name (``weight``) as ``nn.RMSNorm``. As the Llama/Qwen reference
+    code: the statistics in fp32, the result cast back to the input dtype before the weight is applied.
+    With ``fp32_islands=False`` every op runs in the input dtype."""
+
+    def __init__(self, ndim: int, eps: float = 1e-6, fp32_islands: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.fp32_islands = fp32_islands
+        self.weight = nn.Parameter(torch.ones(ndim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = upcast(x, self.fp32_islands)
+        y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return self.weight * y.to(x.dtype)
 
 
-def make_norm(cfg: ModelConfig) -> nn.Module:
-    """The LayerNorm chosen by ``cfg.norm`` (bias per ``cfg.bias``)."""
+NORMS = (nn.LayerNorm, LayerNorm, TritonLayerNorm, nn.RMSNorm, RMSNorm)  # the module types make_norm returns
+
+
+def make_norm(cfg: ModelConfig, width: int | None = None) -> nn.Module:
+    """The norm of ``cfg.norm_type`` in the form ``cfg.norm`` (native kernel, hand-written, Triton) over
+    ``width`` features (default ``n_embd``); a LayerNorm's bias per ``cfg.bias``, eps ``cfg.norm_eps``."""
+    C, eps = width or cfg.n_embd, cfg.norm_eps
+    if cfg.norm_type == "rmsnorm":
+        if cfg.norm == "native":
+            return nn.RMSNorm(C, eps=eps)
+        if cfg.norm == "triton":
+            raise ConfigError("model.norm='triton' is a LayerNorm kernel; with model.norm_type='rmsnorm' use "
+                              "--model.norm native (or manual).")
+        return RMSNorm(C, eps=eps, fp32_islands=cfg.fp32_islands)
     if cfg.norm == "native":
-        return nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        return nn.LayerNorm(C, eps=eps, bias=cfg.bias)
     if cfg.norm == "triton":
-        return TritonLayerNorm(cfg.n_embd, bias=cfg.bias)
-    return LayerNorm(cfg.n_embd, bias=cfg.bias, fp32_islands=cfg.fp32_islands)
+        return TritonLayerNorm(C, bias=cfg.bias, eps=eps)
+    return LayerNorm(C, bias=cfg.bias, eps=eps, fp32_islands=cfg.fp32_islands)
 
 
 def make_gelu(cfg: ModelConfig) -> nn.Module:
     """The tanh-GELU chosen by ``cfg.gelu``."""
     return nn.GELU(approximate="tanh") if cfg.gelu == "native" else GELU()
+
+
+# ----------------------------------------------------------------------------------------------
+# Rotary position embeddings
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """The rotary frequencies (head_width / 2,) in fp32: ``rope_theta ** (-2i / head_width)``, scaled as
+    ``model.rope_scaling`` says ('llama3': long wavelengths divided by ``rope_factor``, short ones kept,
+    a smooth blend between, as Llama 3.1 defines it)."""
+    d = cfg.head_width
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if cfg.rope_scaling == "llama3":
+        old, lo, hi, f = cfg.rope_original_context, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / f, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        blended = (1 - smooth) * scaled / f + smooth * scaled
+        medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+        inv = torch.where(medium, blended, scaled)
+    return inv
+
+
+def rope_tables(cfg: ModelConfig, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)``, each (block_size, head_width) fp32: the angle of position p and frequency i, the
+    frequencies repeated for the two halves of a head (the rotate-half layout of the Llama/Qwen weights)."""
+    inv = rope_inv_freq(cfg).to(device)
+    angles = torch.outer(torch.arange(cfg.block_size, device=device, dtype=torch.float32), inv)
+    emb = torch.cat((angles, angles), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (B, heads, T, head_width) by the angles ``cos``/``sin`` (T, head_width) of its
+    positions: ``x * cos + rotate_half(x) * sin``, in ``x``'s dtype (the tables are cast to it)."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    half = x.size(-1) // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
 
 
 # ----------------------------------------------------------------------------------------------
@@ -103,36 +172,69 @@ def _sdpa_backends() -> dict[str, object]:
     return {k: getattr(SDPBackend, v) for k, v in names.items() if hasattr(SDPBackend, v)}
 
 
+class KVCache:
+    """Keys and values (B, kv heads, capacity, head_width) of every layer for the positions seen so far,
+    for generation: the attention forward stores the new positions' keys and values and attends to all
+    of them (:meth:`update`); the model advances :attr:`pos` once all layers ran."""
+
+    def __init__(self, n_layer: int, capacity: int):
+        self.k: list[torch.Tensor | None] = [None] * n_layer
+        self.v: list[torch.Tensor | None] = [None] * n_layer
+        self.capacity = capacity
+        self.pos = 0  # positions filled
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        P, T = self.pos, k.size(2)
+        if self.k[layer] is None:
+            shape = (k.size(0), k.size(1), self.capacity, k.size(3))
+            self.k[layer], self.v[layer] = k.new_empty(shape), v.new_empty(shape)
+        self.k[layer][:, :, P : P + T] = k
+        self.v[layer][:, :, P : P + T] = v
+        return self.k[layer][:, :, : P + T], self.v[layer][:, :, : P + T]
+
+
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention.
+    """Causal self-attention: multi-head, or grouped-query when ``model.n_kv_head`` < ``n_head`` (each
+    key/value head serves ``n_head / n_kv_head`` query heads), with learned positions outside it or
+    rotary embeddings applied to q and k here, and an optional RMSNorm over each head of q and k
+    (``model.qk_norm``, Qwen3).
 
     ``model.attention='manual'``: ``softmax(q @ k^T / sqrt(d) + causal mask) @ v`` with dropout on the
-    attention weights. The softmax runs in fp32 (cast back to the input dtype), as the fused kernels
-    do internally, unless ``model.fp32_islands`` is False (then in the input dtype). The mask is a registered (block_size x block_size) buffer (``causal_mask='buffer'``)
-    or built for the current length each call (``'on_the_fly'``).
+    attention weights (grouped keys and values repeated per query head). The softmax runs in fp32 (cast
+    back to the input dtype), as the fused kernels do internally, unless ``model.fp32_islands`` is False.
+    The mask is a registered (block_size x block_size) buffer (``causal_mask='buffer'``) or built for the
+    current length each call (``'on_the_fly'``).
 
-    ``model.attention='sdpa'``: ``F.scaled_dot_product_attention(is_causal=True)``; ``sdpa_backend``
-    other than 'auto' forces one kernel and fails with a clear message where it cannot run.
+    ``model.attention='sdpa'``: ``F.scaled_dot_product_attention`` (``enable_gqa`` for grouped heads);
+    ``sdpa_backend`` other than 'auto' forces one kernel and fails with a clear message where it cannot.
+
+    ``forward(x, rope, cache)``: ``rope`` = the model's (cos, sin) tables (None: learned positions);
+    ``cache`` (:class:`KVCache`, generation) = keys and values of earlier positions: ``x`` then holds the
+    new positions ``cache.pos ...`` only.
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
         super().__init__()
-        C = cfg.n_embd
-        self.n_head = cfg.n_head
-        self.head_dim = C // cfg.n_head
-        self.n_embd = C
+        C, hd = cfg.n_embd, cfg.head_width
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, hd
+        self.layer_idx = layer_idx
         self.dropout = cfg.dropout
         self.attention = cfg.attention
         self.sdpa_backend = cfg.sdpa_backend
         self.fused_qkv = cfg.fused_qkv
         self.fp32_islands = cfg.fp32_islands
+        q_out, kv_out = cfg.n_head * hd, cfg.kv_heads * hd
         if cfg.fused_qkv:
-            self.c_attn = nn.Linear(C, 3 * C, bias=cfg.qkv_bias)  # rows: [q; k; v]
+            self.c_attn = nn.Linear(C, q_out + 2 * kv_out, bias=cfg.qkv_bias)  # rows: [q; k; v]
         else:
-            self.q_proj = nn.Linear(C, C, bias=cfg.qkv_bias)
-            self.k_proj = nn.Linear(C, C, bias=cfg.qkv_bias)
-            self.v_proj = nn.Linear(C, C, bias=cfg.qkv_bias)
-        self.c_proj = nn.Linear(C, C, bias=cfg.bias)  # residual projection (scaled init)
+            self.q_proj = nn.Linear(C, q_out, bias=cfg.qkv_bias)
+            self.k_proj = nn.Linear(C, kv_out, bias=cfg.qkv_bias)
+            self.v_proj = nn.Linear(C, kv_out, bias=cfg.qkv_bias)
+        if cfg.qk_norm:
+            self.q_norm = make_norm(cfg, hd)
+            self.k_norm = make_norm(cfg, hd)
+        self.qk_norm = cfg.qk_norm
+        self.c_proj = nn.Linear(q_out, C, bias=cfg.bias)  # residual projection (scaled init)
         self.attn_dropout = nn.Dropout(cfg.dropout)
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.use_mask_buffer = cfg.attention == "manual" and cfg.causal_mask == "buffer"
@@ -147,43 +249,62 @@ class CausalSelfAttention(nn.Module):
                 )
             self._backend = backends[cfg.sdpa_backend]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def split_sizes(self) -> list[int]:
+        """Rows of the fused ``c_attn`` matrix: q, k, v."""
+        return [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim]
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         if self.fused_qkv:
-            q, k, v = self.c_attn(x).chunk(3, dim=2)
+            q, k, v = self.c_attn(x).split(self.split_sizes(), dim=2)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        # (B, T, heads * head_dim) -> (B, heads, T, head_dim). Under tensor parallelism the projections
-        # hold this rank's heads only, hence -1 (see parallel/tensor_parallel.py).
-        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        if self.attention == "manual":
-            y = self._manual(q, k, v)
-        else:
-            y = self._sdpa(q, k, v)
+        # (B, T, heads * head_dim) -> (B, T, heads, head_dim). Under tensor parallelism the projections
+        # hold this rank's heads only, hence -1 (see Block.tp_plan).
+        q, k, v = (t.view(B, T, -1, self.head_dim) for t in (q, k, v))
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        P = cache.pos if cache is not None else 0
+        if rope is not None:
+            cos, sin = rope[0][P : P + T], rope[1][P : P + T]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        mask = None  # None: causal from position 0; else True where a new query may not look
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)
+            if P > 0:
+                mask = causal_mask(P + T, q.device)[P:] if T > 1 else torch.zeros(1, P + 1, dtype=torch.bool,
+                                                                                   device=q.device)
+        y = self._manual(q, k, v, mask) if self.attention == "manual" else self._sdpa(q, k, v, mask)
         y = y.transpose(1, 2).contiguous().view(B, T, -1)
         return self.resid_dropout(self.c_proj(y))
 
-    def _manual(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _manual(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        groups = q.size(1) // k.size(1)
+        if groups > 1:  # grouped-query: each key/value head serves `groups` query heads
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         T = q.size(-2)
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
-        if self.use_mask_buffer:
-            mask = self.mask[:T, :T]
-        else:
-            mask = causal_mask(T, q.device)
+        if mask is None:
+            mask = self.mask[:T, :T] if self.use_mask_buffer else causal_mask(T, q.device)
         att = att.masked_fill(mask, float("-inf"))
         att = F.softmax(upcast(att, self.fp32_islands), dim=-1).to(q.dtype)
         att = self.attn_dropout(att)
         return att @ v
 
-    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
+        kw = {"dropout_p": p, "is_causal": mask is None, "attn_mask": None if mask is None else ~mask}
+        if q.size(1) != k.size(1):
+            kw["enable_gqa"] = True
         if self.sdpa_backend == "auto":
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, **kw)
         from torch.nn.attention import sdpa_kernel
 
         with sdpa_kernel(self._backend):
             try:
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+                return F.scaled_dot_product_attention(q, k, v, **kw)
             except RuntimeError as e:
                 raise ConfigError(
                     f"model.sdpa_backend={self.sdpa_backend!r} cannot run here (device {q.device.type}, "
@@ -197,31 +318,59 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """Position-wise feed-forward: Linear(C, 4C) -> tanh-GELU -> Linear(4C, C) -> dropout."""
+    """GPT-2's feed-forward (``model.mlp='gelu'``): Linear(C, I) -> tanh-GELU -> Linear(I, C) -> dropout."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.c_fc = nn.Linear(cfg.n_embd, cfg.mlp_width, bias=cfg.bias)
         self.gelu = make_gelu(cfg)
-        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)  # residual projection
+        self.c_proj = nn.Linear(cfg.mlp_width, cfg.n_embd, bias=cfg.bias)  # residual projection
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
-class Block(nn.Module):
-    """One pre-norm transformer block, self-contained: ``forward(x) -> x`` of the same shape, so it
-    can be wrapped for activation checkpointing, compiled or sharded on its own."""
+class SwiGLU(nn.Module):
+    """The gated feed-forward of Llama, Qwen and SmolLM (``model.mlp='swiglu'``):
+    ``c_proj(silu(c_gate(x)) * c_fc(x))`` -> dropout; ``c_gate``/``c_fc``/``c_proj`` are Hugging Face's
+    ``gate_proj``/``up_proj``/``down_proj``."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.ln_1 = make_norm(cfg)
-        self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = make_norm(cfg)
-        self.mlp = MLP(cfg)
+        self.c_gate = nn.Linear(cfg.n_embd, cfg.mlp_width, bias=cfg.bias)
+        self.c_fc = nn.Linear(cfg.n_embd, cfg.mlp_width, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.mlp_width, cfg.n_embd, bias=cfg.bias)  # residual projection
+        self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+        return self.dropout(self.c_proj(F.silu(self.c_gate(x)) * self.c_fc(x)))
+
+
+class Block(nn.Module):
+    """One pre-norm transformer block, self-contained: ``forward(x, rope=None, cache=None) -> x`` of the
+    same shape, so it can be wrapped for activation checkpointing, compiled or sharded on its own."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
+        super().__init__()
+        self.ln_1 = make_norm(cfg)
+        self.attn = CausalSelfAttention(cfg, layer_idx)
+        self.ln_2 = make_norm(cfg)
+        self.mlp = SwiGLU(cfg) if cfg.mlp == "swiglu" else MLP(cfg)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), rope, cache)
         x = x + self.mlp(self.ln_2(x))
         return x
+
+    def tp_plan(self) -> dict[str, str]:
+        """The block's tensor-parallel plan, module path -> 'colwise' | 'rowwise' (Megatron style): the
+        projections into heads and into the MLP's hidden units split by output features, so each rank
+        computes whole heads and a slice of the hidden units; the two projections back to the residual
+        stream split by input features (one all-reduce each). Norms and q/k norms stay replicated."""
+        plan = {f"attn.{n}": "colwise" for n in ("q_proj", "k_proj", "v_proj")}
+        plan["attn.c_proj"] = "rowwise"
+        plan.update({f"mlp.{n}": "colwise" for n in ("c_gate", "c_fc") if hasattr(self.mlp, n)})
+        plan["mlp.c_proj"] = "rowwise"
+        return plan

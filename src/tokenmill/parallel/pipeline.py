@@ -2,10 +2,9 @@
 
 :func:`apply_pipeline_split` turns the full GPT (built and initialised identically on every rank, so
 the weights equal the single-process run's) into this rank's stage by removing what other stages
-hold: blocks outside the stage become ``nn.Identity`` (the others keep their indices, so parameter
-names, and checkpoints, are those of the full model); the first stage keeps the embeddings, the last
-keeps the final norm and the head. Blocks are divided as evenly as possible, earlier stages taking
-one more when they do not divide.
+hold (the model says how: ``GPT.keep_stage``; blocks outside the stage become ``nn.Identity``, so
+parameter names, and checkpoints, are those of the full model). Blocks are divided as evenly as
+possible, earlier stages taking one more when they do not divide.
 
 :class:`Pipeline` drives a stage with ``torch.distributed.pipelining``: each ``train.batch_size``
 batch is cut into ``parallel.pp_microbatches`` micro-batches that flow through the stages under the
@@ -38,20 +37,12 @@ def stage_layers(n_layer: int, pp: int) -> list[range]:
 
 
 def apply_pipeline_split(model: nn.Module, world: World) -> nn.Module:
-    """Keep only this rank's stage of ``model`` (in place; pp == 1: unchanged)."""
+    """Keep only this rank's stage of ``model`` (in place; pp == 1: unchanged); what a stage keeps is
+    the model's to say (``model.keep_stage``)."""
     if world.pp == 1:
         return model
     stage = world.pp_rank
-    keep = stage_layers(len(model.blocks), world.pp)[stage]
-    for i in range(len(model.blocks)):
-        if i not in keep:
-            model.blocks[i] = nn.Identity()
-    if stage > 0:
-        model.wte = model.wpe = None
-    if stage < world.pp - 1:
-        model.ln_f = model.lm_head = None
-    else:
-        model.hidden_output = True
+    model.keep_stage(stage_layers(len(model.blocks), world.pp)[stage], first=stage == 0, last=stage == world.pp - 1)
     return model
 
 

@@ -46,16 +46,14 @@ from tokenmill.errors import CheckpointError, ConfigError, DataError
 from tokenmill.model import GPT, hf
 from tokenmill.model.gpt import adapt_state_dict
 
-__all__ = ["SHAPE_FIELDS", "InitSource", "adopt_shape", "explicit_keys", "find_source", "prepare_init_from"]
+__all__ = ["InitSource", "adopt_shape", "explicit_keys", "find_source", "prepare_init_from"]
 
-# model fields the source fixes (block_size: at most the source's)
-SHAPE_FIELDS = ("vocab_size", "n_layer", "n_head", "n_embd", "bias", "qkv_bias", "tie_embeddings")
 
 
 @dataclass
 class InitSource:
     """A model to start from: ``kind`` 'hf' (a Hugging Face GPT-2 folder) or 'run' (a tokenmill run's
-    ``checkpoint``); ``fields``: its shape (:data:`SHAPE_FIELDS` and ``block_size``, its context);
+    ``checkpoint``); ``fields``: its shape (:data:`C.shape_fields()` and ``block_size``, its context);
     ``tokenizer_json``: the source's ``tokenizer.json``, when it has one."""
 
     path: Path
@@ -137,7 +135,7 @@ def find_source(path: str | Path) -> InitSource:
     vocab = state.get("vocab_size") or cfg.model.vocab_size
     if vocab is None:
         raise CheckpointError(f"train.init_from: checkpoint {ckpt} does not record its vocabulary size.")
-    fields = {k: getattr(cfg.model, k) for k in SHAPE_FIELDS}
+    fields = {k: getattr(cfg.model, k) for k in C.shape_fields()}
     fields.update(vocab_size=int(vocab), block_size=cfg.model.block_size)
     own = [run_dir / "tokenizer", *([Path(cfg.data.path)] if cfg.data.path else [])]
     tok_json = next((f / "tokenizer.json" for f in own if (f / "meta.json").is_file()), None)

@@ -14,8 +14,10 @@ model-level switch, in one fixed order:
 6. ``apply_data_parallel`` (``parallel.dp_replicate``/``dp_shard``): DDP or FSDP2 last, over the final
    modules (FSDP composes with TP's DTensors into 2-D sharding).
 
-The pipeline schedule (:class:`~tokenmill.parallel.pipeline.Pipeline`) runs the split model; the
-trainer builds it.
+Building, the precision cast, activation checkpointing, compile and the parameter count live in
+:mod:`tokenmill.model.build`, below the estimator, which applies the same functions to the model it
+traces. The pipeline schedule (:class:`~tokenmill.parallel.pipeline.Pipeline`) runs the split model;
+the trainer builds it.
 """
 
 from __future__ import annotations
@@ -25,14 +27,20 @@ from typing import Optional
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
 from tokenmill import config as C
-from tokenmill.model import GPT
+from tokenmill.model.build import (
+    apply_activation_checkpointing,
+    apply_compile,
+    apply_precision,
+    build_gpt,
+    count_params,
+)
 from tokenmill.parallel import World, apply_data_parallel
 from tokenmill.parallel.pipeline import apply_pipeline_split
 from tokenmill.parallel.tensor_parallel import apply_tensor_parallel
-from tokenmill.train.precision import apply_precision
+
+__all__ = ["build_model", "count_params", "parallelize", "seed_dropout"]
 
 
 def build_model(cfg: C.Config, vocab_size: int, device: torch.device, world: Optional[World] = None,
@@ -44,14 +52,8 @@ def build_model(cfg: C.Config, vocab_size: int, device: torch.device, world: Opt
     plain GPT, loaded before any switch, so the pipeline split, tensor parallelism and FSDP split the
     loaded values."""
     torch.manual_seed(cfg.train.seed)
-    if cfg.train.precision == "bf16":  # allocate in bf16 at once: no fp32 copy inflating reserved memory
-        with torch.device("meta"):
-            model = GPT(cfg.model, vocab_size)
-        model.to(torch.bfloat16).to_empty(device=device)
-        model.init_weights()
-    else:
-        with torch.device(device):
-            model = GPT(cfg.model, vocab_size)
+    dtype = torch.bfloat16 if cfg.train.precision == "bf16" else None
+    model = build_gpt(cfg.model, vocab_size, device, dtype)
     if weights is not None:
         model.load_state_dict(weights)  # strict: the source matches this GPT's names and shapes
     return parallelize(model, cfg, world or World(device=device))
@@ -73,12 +75,6 @@ def seed_dropout(seed: int, dp_rank: int, start_step: int = 0) -> None:
         torch.manual_seed(seed + dp_rank + _RESUME_SEED_STRIDE * start_step)
 
 
-def count_params(cfg: C.ModelConfig, vocab_size: int) -> int:
-    """Parameters of the whole model (every stage and shard), counted on ``meta`` (nothing allocated)."""
-    with torch.device("meta"):
-        return GPT(cfg, vocab_size).num_params()
-
-
 def parallelize(model: nn.Module, cfg: C.Config, world: World) -> nn.Module:
     """Apply the switches in the order of the module docstring; returns the model to train."""
     apply_pipeline_split(model, world)
@@ -87,32 +83,3 @@ def parallelize(model: nn.Module, cfg: C.Config, world: World) -> nn.Module:
     apply_activation_checkpointing(model, cfg.memory.activation_checkpointing)
     apply_compile(model, cfg.compile)
     return apply_data_parallel(model, world, cfg.parallel)
-
-
-def apply_activation_checkpointing(model: nn.Module, every_n: int) -> nn.Module:
-    """``memory.activation_checkpointing``: wrap blocks 0, n, 2n, ... so that their activations are
-    recomputed in backward instead of stored (non-reentrant ``torch.utils.checkpoint``; 0 = off). The
-    wrapper strips its prefix from state dicts, so checkpoints keep the plain parameter names."""
-    if every_n <= 0:
-        return model
-    for i, block in model.present_blocks():
-        if i % every_n == 0:
-            model.blocks[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
-    return model
-
-
-def apply_compile(model: nn.Module, cfg: C.CompileConfig) -> nn.Module:
-    """``compile.*``: torch.compile in place (``nn.Module.compile``), so parameter names and checkpoints
-    never carry ``_orig_mod.`` prefixes; ``compile.scope='block'`` compiles each block separately;
-    ``compile.loss_outside`` compiles the trunk and leaves the head and the loss eager."""
-    if not cfg.enabled:
-        return model
-    kwargs = {"mode": cfg.mode, "fullgraph": cfg.fullgraph, "dynamic": cfg.dynamic}
-    if cfg.loss_outside:  # the seed's form: compile up to the final LayerNorm, head and loss run eagerly
-        model.trunk = torch.compile(model.trunk, **kwargs)
-    elif cfg.scope == "block":
-        for _, block in model.present_blocks():
-            block.compile(**kwargs)
-    else:
-        model.compile(**kwargs)
-    return model

@@ -1,4 +1,5 @@
-"""Numeric precision: the one place where ``train.precision`` and ``train.tf32`` are applied.
+"""Numeric precision: where ``train.precision`` and ``train.tf32`` are applied to the process (TF32,
+autocast, the GradScaler); the pure-bf16 cast of the model is ``tokenmill.model.build.apply_precision``.
 
 - ``fp32``: plain float32.
 - ``train.tf32``: TF32 tensor-core matmuls for fp32 math (CUDA only).
@@ -14,7 +15,6 @@ import contextlib
 import warnings
 
 import torch
-from torch import nn
 
 from tokenmill.config import TrainConfig
 from tokenmill.errors import PrecisionError
@@ -37,13 +37,6 @@ def apply_tf32(cfg: TrainConfig, device: torch.device) -> None:
     torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
     torch.backends.cudnn.allow_tf32 = cfg.tf32
     torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")
-
-
-def apply_precision(model: nn.Module, cfg: TrainConfig) -> nn.Module:
-    """Cast the whole model for pure bf16; other modes keep fp32 weights."""
-    if cfg.precision == "bf16":
-        model.to(torch.bfloat16)
-    return model
 
 
 def autocast(cfg: TrainConfig, device: torch.device):

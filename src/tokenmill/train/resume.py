@@ -15,11 +15,6 @@ from tokenmill.optim import hyperparameters, load_scheduler_state, reapply_hyper
 from tokenmill.parallel.world import World, barrier
 from tokenmill.train.metrics import read_metrics
 
-SHAPE_FIELDS = {
-    "vocab_size", "vocab_pad_multiple", "block_size", "n_layer", "n_head", "n_embd",
-    "bias", "qkv_bias", "tie_embeddings", "fused_qkv",
-}
-
 
 def resume(run_dir: Path, model, optimizer, scheduler, scaler, cfg: C.Config, world: World,
            quiet: bool) -> tuple[int, Any, Optional[int]]:
@@ -85,7 +80,7 @@ def check_same_model(saved: dict[str, Any], cfg: C.Config) -> None:
     """Refuse to resume into a model whose shape differs from the checkpoint's, naming the flags to use."""
     saved_model = saved.get("model", {})
     now = dataclasses.asdict(cfg.model)
-    diff = [k for k in now if k in saved_model and saved_model[k] != now[k] and k in SHAPE_FIELDS]
+    diff = [k for k in now if k in saved_model and saved_model[k] != now[k] and k in C.shape_fields(layout=True)]
     if diff:
         pairs = ", ".join(f"model.{k}: checkpoint {saved_model[k]!r} vs now {now[k]!r}" for k in diff)
         keep = " ".join(f"--model.{k} {cli_value(saved_model[k])}" for k in diff)

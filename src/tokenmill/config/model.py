@@ -1,0 +1,153 @@
+"""The model section of the config: the architecture (the family) and how each part runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from tokenmill.config.field import F
+
+
+@dataclass
+class ModelConfig:
+    """The GPT model. Baseline and optimised forms differ only by these fields."""
+
+    vocab_size: Optional[int] = F(
+        None, "Vocabulary size. None: taken from the data's metadata. Must be >= the data's vocabulary.",
+        ge=1, shape="arch",
+    )
+    vocab_pad_multiple: int = F(
+        1,
+        "Pad the embedding/output vocabulary up to a multiple of this (64 for tensor cores; 1 = no padding). "
+        "The head is computed on the padded matrix and the padded columns are sliced off the logits, so "
+        "they are never predicted and do not change the loss.",
+        ge=1, shape="layout",
+    )
+    block_size: int = F(1024, "Context length in tokens (sequence length of every training window).", ge=1, shape="layout")
+    n_layer: int = F(12, "Number of transformer blocks.", ge=1, shape="arch")
+    n_head: int = F(12, "Number of attention (query) heads.", ge=1, shape="arch")
+    n_embd: int = F(
+        768, "Embedding (model) width; must be divisible by n_head unless model.head_dim is set.", ge=1, shape="arch")
+    dropout: float = F(0.0, "Dropout probability on embeddings, attention weights and residual branches.", ge=0, lt=1)
+    bias: bool = F(True, "Bias in Linear layers (other than q/k/v) and LayerNorms.", shape="arch")
+    qkv_bias: bool = F(True, "Bias in the query/key/value projections (Qwen2: true with bias false).", shape="arch")
+    tie_embeddings: bool = F(
+        True, "Share the token-embedding matrix with the output head (GPT-2, Llama 3.2, Qwen 0.5-4B, SmolLM).",
+        shape="arch")
+    attention: Literal["manual", "sdpa"] = F(
+        "sdpa",
+        "Attention kernel: 'manual' = explicit q@k^T, causal mask, softmax, @v; 'sdpa' = "
+        "torch.nn.functional.scaled_dot_product_attention (flash / memory-efficient / cuDNN kernels).",
+    )
+    sdpa_backend: Literal["auto", "flash", "efficient", "cudnn", "math"] = F(
+        "auto", "Force one SDPA backend (attention='sdpa' only); 'auto' lets PyTorch pick."
+    )
+    causal_mask: Literal["buffer", "on_the_fly"] = F(
+        "on_the_fly",
+        "Manual attention only: 'buffer' keeps a (block_size x block_size) triu mask as a registered "
+        "buffer; 'on_the_fly' builds it for the current length each forward.",
+    )
+    fused_qkv: bool = F(
+        True, "One fused Linear for q, k, v instead of three separate ones.", shape="layout")
+    norm: Literal["native", "manual", "triton"] = F(
+        "native",
+        "LayerNorm: 'native' = nn.LayerNorm (fused kernel); 'manual' = hand-written mean/var module; "
+        "'triton' = tokenmill's fused Triton forward and backward kernels (model/kernels; needs the triton "
+        "package and a CUDA GPU). All three: same parameters, same math.",
+    )
+    gelu: Literal["native", "manual"] = F(
+        "native", "tanh-GELU: 'native' = nn.GELU(approximate='tanh'); 'manual' = hand-written formula."
+    )
+    init_std: float = F(
+        0.02, "GPT-2 initialisation: std of Linear/Embedding weights; residual projections get std/sqrt(2*n_layer).",
+        gt=0,
+    )
+    loss_impl: Literal["full", "chunked"] = F(
+        "full",
+        "'full' = head over all tokens, then cross-entropy on the (B*T, vocab) logits; 'chunked' = head + "
+        "cross-entropy over model.loss_chunk_size tokens at a time, gradients computed chunk by chunk, so "
+        "the full logits are never materialised (training returns no logits). Same loss and gradients.",
+    )
+    loss_chunk_size: int = F(1024, "Tokens per chunk for model.loss_impl='chunked'.", ge=1)
+    fp32_islands: bool = F(
+        True,
+        "Compute the numerically sensitive ops in fp32 when the model runs in bf16/fp16 weights: the "
+        "hand-written LayerNorm (model.norm='manual'), the manual attention's softmax and the "
+        "cross-entropy (on fp32 logits). False = everything in the model's dtype, as the LLM-training-speed "
+        "README's pure-bf16 rungs run (less memory and traffic, less accurate loss). No effect in fp32 or "
+        "under autocast, nor on the native/triton LayerNorm and SDPA kernels (fp32 statistics inside) or "
+        "the chunked loss (fp32 chunks).",
+    )
+    # --- architecture (the family): GPT-2 = the defaults; Llama/Qwen/SmolLM = rope + rmsnorm + swiglu
+    pos_emb: Literal["learned", "rope"] = F(
+        "learned",
+        "Positions: 'learned' = a block_size x n_embd position embedding added to the tokens (GPT-2); 'rope' "
+        "= rotary embeddings applied to q and k in every attention (Llama, Qwen, SmolLM; no position "
+        "parameters).",
+        shape="arch",
+    )
+    rope_theta: float = F(10000.0, "RoPE base frequency (model.pos_emb='rope'; Llama 3: 500000).", gt=0, shape="arch")
+    rope_scaling: Literal["none", "llama3"] = F(
+        "none",
+        "RoPE frequency scaling: 'none'; 'llama3' = the frequency-dependent scaling Llama 3.1/3.2 declare in "
+        "their config.json rope_scaling (rope_type 'llama3', with model.rope_factor, rope_low_freq_factor, "
+        "rope_high_freq_factor and rope_original_context).",
+        shape="arch",
+    )
+    rope_factor: float = F(8.0, "model.rope_scaling='llama3': the scaling factor.", ge=1, shape="arch")
+    rope_low_freq_factor: float = F(1.0, "model.rope_scaling='llama3': low_freq_factor.", gt=0, shape="arch")
+    rope_high_freq_factor: float = F(4.0, "model.rope_scaling='llama3': high_freq_factor.", gt=0, shape="arch")
+    rope_original_context: int = F(
+        8192, "model.rope_scaling='llama3': original_max_position_embeddings.", ge=1, shape="arch")
+    norm_type: Literal["layernorm", "rmsnorm"] = F(
+        "layernorm",
+        "Normalisation: 'layernorm' (mean and variance, weight and bias per model.bias; GPT-2) or 'rmsnorm' "
+        "(root mean square, weight only; Llama, Qwen). model.norm picks how it runs (native / manual).",
+        shape="arch",
+    )
+    norm_eps: float = F(1e-5, "Epsilon of every norm (GPT-2 1e-5; Llama 3 and Qwen 1e-5 or 1e-6).", gt=0, shape="arch")
+    mlp: Literal["gelu", "swiglu"] = F(
+        "gelu",
+        "Feed-forward: 'gelu' = Linear(C, I) -> tanh-GELU -> Linear(I, C) (GPT-2); 'swiglu' = "
+        "Linear(I, C)(silu(gate(x)) * up(x)) (Llama, Qwen, SmolLM).",
+        shape="arch",
+    )
+    intermediate_size: Optional[int] = F(
+        None, "Hidden width I of the MLP. None: 4 * n_embd.", ge=1, shape="arch")
+    n_kv_head: Optional[int] = F(
+        None,
+        "Key/value heads: None = n_head (multi-head attention); fewer = grouped-query attention (each k/v "
+        "head serves n_head / n_kv_head query heads; 1 = multi-query). Must divide n_head.",
+        ge=1, shape="arch",
+    )
+    head_dim: Optional[int] = F(
+        None, "Width of one attention head. None: n_embd / n_head (Qwen3 declares its own, e.g. 128).",
+        ge=1, shape="arch",
+    )
+    qk_norm: bool = F(
+        False, "RMSNorm over each head of q and k before RoPE (Qwen3), with its own weight of head_dim.",
+        shape="arch",
+    )
+    loss_over_padded_vocab: bool = F(
+        False,
+        "With vocabulary padding: compute the cross-entropy over all padded_vocab columns, as the "
+        "LLM-training-speed README's vocab-padding rung does (its padded columns then join the softmax "
+        "and are trained towards -inf). False (correct): the padded columns are sliced off first and "
+        "never touch the loss.",
+    )
+
+    # derived sizes: the one place the None defaults are read
+    @property
+    def head_width(self) -> int:
+        """Width of one attention head: model.head_dim, else n_embd / n_head."""
+        return self.head_dim or self.n_embd // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: model.n_kv_head, else n_head."""
+        return self.n_kv_head or self.n_head
+
+    @property
+    def mlp_width(self) -> int:
+        """Hidden width of the MLP: model.intermediate_size, else 4 * n_embd."""
+        return self.intermediate_size or 4 * self.n_embd
