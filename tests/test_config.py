@@ -78,3 +78,36 @@ def test_readme_config_reference_in_sync():
     assert body == C.reference_markdown().strip(), (
         "README config reference is stale: regenerate it from `tokenmill config --reference`"
     )
+
+
+@pytest.mark.parametrize("argv, meant", [
+    (["--train.block_size", "64"], "model.block_size"),  # the right field in the wrong section
+    (["--train.lr", "1e-3"], "optim.lr"),
+    (["--optim.learning_rate", "1e-3"], "optim.lr"),  # nanoGPT / Hugging Face names
+    (["--train.max_iters", "10"], "train.max_steps"),
+    (["--model.n_layers", "2"], "model.n_layer"),
+    (["--model.hidden_size", "64"], "model.n_embd"),
+    (["--model.num_key_value_heads", "2"], "model.n_kv_head"),
+    (["--train.micro_batch_size", "4"], "train.batch_size"),  # litgpt
+    (["--train.batchsize", "4"], "train.batch_size"),  # a typo
+    (["--lr", "1e-3"], "--optim.lr"),  # a bare name from another tool
+    (["--max_iters", "10"], "--train.max_steps"),
+    (["--seq_len", "128"], "--model.block_size"),  # torchtitan
+])
+def test_did_you_mean_knows_other_sections_and_other_tools(capsys, argv, meant):
+    assert main(["train", "--preset", "tiny", *argv]) == 2
+    err = capsys.readouterr().err
+    assert f"Did you mean '{meant}'?" in err and "Traceback" not in err, err
+
+
+def test_did_you_mean_in_a_config_file(tmp_path, capsys):
+    f = tmp_path / "run.toml"
+    f.write_text("[train]\nlearning_rate = 0.001\n")
+    assert main(["config", "--preset", "tiny", "--config", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert "train.learning_rate" in err and "Did you mean 'optim.lr'?" in err
+
+
+def test_every_alias_names_a_real_key():
+    keys = set(C.field_specs())
+    assert {v for v in C.ALIASES.values()} <= keys

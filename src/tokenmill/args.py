@@ -40,6 +40,9 @@ def parse_config_args(parser: argparse.ArgumentParser, argv: list[str]) -> argpa
     if extra:
         bad = extra[0].split("=")[0]
         if bad.startswith("--") and "." in bad:
-            raise ConfigError(f"unknown config key '{bad[2:]}'.{C._closest(bad[2:], list(C.field_specs()))}")
+            raise ConfigError(f"unknown config key '{bad[2:]}'.{C.suggest(bad[2:], list(C.field_specs()))}")
+        key = C.closest_key(bad.lstrip("-"), list(C.field_specs())) if bad.startswith("--") else None
+        if key:  # a bare field name from another tool (--lr, --max_iters): name the tokenmill key
+            raise ConfigError(f"unknown option '{bad}'. Did you mean '--{key}'? (config keys are --section.field)")
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return args

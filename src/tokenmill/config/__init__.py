@@ -43,11 +43,12 @@ from tokenmill.config.schema import (
     sections,
     shape_fields,
 )
+from tokenmill.config.suggest import ALIASES, closest_key, suggest
 from tokenmill.errors import ConfigError
 
 __all__ = [
     "F", "CheckpointConfig", "CompileConfig", "Config", "ConfigError", "DataConfig", "LogConfig", "MemoryConfig",
     "ModelConfig", "OptimConfig", "ParallelConfig", "TrainConfig", "_closest", "apply_overrides", "describe_range",
     "field_ranges", "field_specs", "flatten", "from_dict", "load_preset", "load_toml", "preset_names",
-    "reference_markdown", "resolve", "save", "sections", "shape_fields", "to_toml", "tomllib", "validate",
+    "reference_markdown", "resolve", "save", "sections", "shape_fields", "suggest", "closest_key", "ALIASES", "to_toml", "tomllib", "validate",
 ]

@@ -20,16 +20,13 @@ else:  # pragma: no cover
 import tomli_w
 
 from tokenmill.config.schema import Config, describe_range, field_ranges, field_specs, sections
+from tokenmill.config.suggest import suggest
 from tokenmill.errors import ConfigError
 
 
 def _closest(name: str, options: list[str]) -> str:
+    """`` Did you mean 'x'?`` for a mistyped value or section name (config keys: :func:`suggest_key`)."""
     m = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
-    if not m:
-        # compare the last component too: 'train.batchsize' -> 'train.batch_size'
-        tail = {o.split(".")[-1]: o for o in options}
-        m2 = difflib.get_close_matches(name.split(".")[-1], list(tail), n=1, cutoff=0.5)
-        m = [tail[m2[0]]] if m2 else []
     return f" Did you mean '{m[0]}'?" if m else ""
 
 
@@ -101,7 +98,7 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any], from_string: bool = 
     where = f" (in {origin})" if origin else ""
     for key, value in overrides.items():
         if key not in specs:
-            raise ConfigError(f"unknown config key '{key}'{where}.{_closest(key, list(specs))}")
+            raise ConfigError(f"unknown config key '{key}'{where}.{suggest(key, list(specs))}")
         tp = specs[key][0]
         section, name = key.split(".", 1)
         setattr(getattr(cfg, section), name, _coerce(key, tp, value, from_string))
