@@ -116,6 +116,13 @@ class OptimConfig:
     lr: float = F(6e-4, "Peak learning rate.", ge=0)
     min_lr: float = F(6e-5, "Final learning rate of the cosine schedule.", ge=0)
     schedule: Literal["cosine", "constant"] = F("cosine", "'cosine' = linear warm-up then cosine decay to min_lr; 'constant'.")
+    decay_steps: Optional[int] = F(
+        None,
+        "Step at which the cosine reaches min_lr (then stays there). None: train.max_steps, so raising "
+        "max_steps on resume re-stretches the decay (the learning rate goes back up); to keep the old decay and "
+        "go on at min_lr, set it to the old max_steps (the resume message says so).",
+        ge=1,
+    )
     warmup_steps: int = F(100, "Linear warm-up steps (0 = none).", ge=0)
     weight_decay: float = F(0.1, "AdamW weight decay.", ge=0)
     decay_groups: bool = F(

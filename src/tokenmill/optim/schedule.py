@@ -1,6 +1,6 @@
 """The learning-rate schedule: linear warm-up, then constant or cosine decay to ``optim.min_lr``.
 
-Applied switches: ``optim.schedule``, ``optim.warmup_steps``, ``optim.min_lr``.
+Applied switches: ``optim.schedule``, ``optim.warmup_steps``, ``optim.min_lr``, ``optim.decay_steps``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     if cfg.schedule == "constant":
         return cfg.lr
-    span = max(1, max_steps - cfg.warmup_steps)
+    span = max(1, (cfg.decay_steps or max_steps) - cfg.warmup_steps)
     progress = min(1.0, (step - cfg.warmup_steps) / span)
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any, Optional
 
@@ -55,6 +56,9 @@ def resume(run_dir: Path, model, optimizer, scheduler, scaler, cfg: C.Config, wo
         clean_metrics(run_dir, start_step)
         if not quiet:
             print(f"tokenmill: resumed from {path} at step {start_step}")
+            note = schedule_note(state.get("config", {}), cfg, start_step)
+            if note:
+                print(note)
             old = (state.get("data_position") or {}).get("global_batch")
             new = checkpoint.global_batch(cfg, world)
             if start_sample is not None and old != new:
@@ -62,6 +66,28 @@ def resume(run_dir: Path, model, optimizer, scheduler, scaler, cfg: C.Config, wo
                       f"stream continues at sample {start_sample} (nothing replayed or skipped)")
     barrier(world)
     return start_step, state["rng"], start_sample
+
+
+def schedule_note(saved: dict, cfg: C.Config, step: int) -> Optional[str]:
+    """A line for a resume whose learning-rate schedule differs from the checkpoint's at ``step`` (a new
+    train.max_steps re-stretches the cosine, a new lr or min_lr moves it), with the flag that keeps the old
+    decay; None when the schedule is unchanged."""
+    from tokenmill.optim.schedule import lr_at
+
+    try:
+        old_optim = C.OptimConfig(**{**dataclasses.asdict(cfg.optim), **saved.get("optim", {})})
+        old_max = int(saved.get("train", {}).get("max_steps", cfg.train.max_steps))
+    except (TypeError, ValueError):  # a foreign config entry: nothing to compare
+        return None
+    before, now = lr_at(step, old_optim, old_max), lr_at(step, cfg.optim, cfg.train.max_steps)
+    if math.isclose(before, now, rel_tol=1e-6, abs_tol=1e-12):
+        return None
+    why = (f"train.max_steps changed from {old_max} to {cfg.train.max_steps}, which re-stretches the cosine decay"
+           if old_max != cfg.train.max_steps and cfg.optim.decay_steps is None else "the schedule settings changed")
+    keep = (f" To keep the old decay and go on at the floor, resume with --optim.decay_steps {old_max}."
+            if old_max != cfg.train.max_steps and cfg.optim.decay_steps is None and cfg.optim.schedule == "cosine" else "")
+    return (f"tokenmill: note: {why}: the learning rate at step {step} is now {now:.3g} (the checkpoint's "
+            f"schedule gave {before:.3g}).{keep}")
 
 
 def clean_metrics(run_dir: Path, upto_step: int) -> None:
