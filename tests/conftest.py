@@ -24,6 +24,8 @@ def tiny_cfg(**overrides) -> C.Config:
         "train.device": "cpu",
         "log.progress": "plain",
         "log.tensorboard": False,
+        "train.precision": "fp32",  # what 'auto' gives on a CPU, recorded as such (test_defaults.py tests 'auto')
+        "train.tf32": False,
     }
     base.update(overrides)
     return C.resolve("tiny", overrides=base, overrides_from_string=False)

@@ -286,8 +286,8 @@ def test_estimate_command_text_and_errors(capsys):
 
 
 def test_memory_advice_names_a_switch_that_fits():
-    cfg = C.resolve("gpt2-124m", overrides={"data.source": "synthetic", "train.batch_size": 32},
-                    overrides_from_string=False)
+    cfg = C.resolve("gpt2-124m", overrides={"data.source": "synthetic", "train.batch_size": 32,
+                                            "train.precision": "fp32"}, overrides_from_string=False)
     text = memory_advice(cfg, "NVIDIA A100-SXM4-40GB")
     m = re.match(r"this needs about ([\d.]+) GB per GPU .*; with (--\S+ \S+.*) it needs about ([\d.]+) GB$", text)
     assert m, text

@@ -37,6 +37,7 @@ from tokenmill.config.schema import (
     OptimConfig,
     ParallelConfig,
     TrainConfig,
+    concrete,
     describe_range,
     field_ranges,
     field_specs,
@@ -48,7 +49,7 @@ from tokenmill.errors import ConfigError
 
 __all__ = [
     "F", "CheckpointConfig", "CompileConfig", "Config", "ConfigError", "DataConfig", "LogConfig", "MemoryConfig",
-    "ModelConfig", "OptimConfig", "ParallelConfig", "TrainConfig", "_closest", "apply_overrides", "describe_range",
+    "ModelConfig", "OptimConfig", "ParallelConfig", "TrainConfig", "_closest", "apply_overrides", "concrete", "describe_range",
     "field_ranges", "field_specs", "flatten", "from_dict", "load_preset", "load_toml", "preset_names",
     "reference_markdown", "resolve", "save", "sections", "shape_fields", "suggest", "closest_key", "ALIASES", "to_toml", "tomllib", "validate",
 ]

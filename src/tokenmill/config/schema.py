@@ -82,12 +82,18 @@ class TrainConfig:
     )
     seed: int = F(1337, "Seed for initialisation, dropout and the global data stream.", ge=0)
     device: Literal["auto", "cpu", "cuda", "mps"] = F("auto", "Device; 'auto' = cuda, else mps, else cpu.")
-    precision: Literal["fp32", "bf16-autocast", "bf16", "fp16-autocast"] = F(
-        "fp32",
+    precision: Literal["auto", "fp32", "bf16-autocast", "bf16", "fp16-autocast"] = F(
+        "auto",
+        "'auto' = bf16-autocast on a CUDA GPU with bf16 (as nanoGPT and torchtitan default to), else fp32; "
         "'fp32'; 'bf16-autocast' = bf16 compute with fp32 weights; 'bf16' = whole model and optimizer "
-        "state cast to bf16 (pure bf16, no autocast); 'fp16-autocast' = fp16 autocast with GradScaler.",
+        "state cast to bf16 (pure bf16, no autocast); 'fp16-autocast' = fp16 autocast with GradScaler. The run's "
+        "config.toml records what 'auto' became.",
     )
-    tf32: bool = F(False, "Allow TF32 tensor-core matmuls for fp32 math (set_float32_matmul_precision('high')).")
+    tf32: Optional[bool] = F(
+        None,
+        "Allow TF32 tensor-core matmuls for fp32 math (set_float32_matmul_precision('high')). None (auto): on "
+        "on CUDA, off elsewhere; the seed ladders set it explicitly.",
+    )
     eval_every_steps: int = F(0, "Evaluate the validation loss every N steps (0 = only at the end).", ge=0)
     eval_inference_mode: bool = F(
         True,
@@ -101,11 +107,13 @@ class TrainConfig:
     init_from: Optional[str] = F(
         None,
         "Fine-tuning: start from the weights of a tokenmill run directory (its newest good checkpoint), one of "
-        "its checkpoints, or a local Hugging Face GPT-2 folder (config.json + model.safetensors or "
-        "pytorch_model.bin). The model's shape (vocab_size, n_layer, n_head, n_embd, bias, qkv_bias, "
-        "tie_embeddings; block_size up to the source's) comes from the source; the optimizer, lr schedule and "
-        "step start fresh at 0. The data must use the source's tokenizer (`tokenmill prepare --tokenizer-from`). "
-        "Not read once the run directory has checkpoints (--resume continues from them).",
+        "its checkpoints, or a local Hugging Face folder of GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, "
+        "Qwen3ForCausalLM or MistralForCausalLM (config.json + model.safetensors, its shards with their index, or "
+        "pytorch_model.bin). The model's architecture (every shape field: vocab_size, n_layer, n_head, n_embd, "
+        "n_kv_head, head_dim, rope, norm, mlp, biases, qk_norm, tie_embeddings; block_size up to the source's "
+        "context) comes from the source; the optimizer, lr schedule and step start fresh at 0. The data must use "
+        "the source's tokenizer (`tokenmill prepare --tokenizer-from`). Not read once the run directory has "
+        "checkpoints (--resume continues from them).",
     )
 
 
@@ -341,6 +349,20 @@ class Config:
 
 # ----------------------------------------------------------------------------------------------
 # Introspection
+
+
+def concrete(cfg: Config, device_type: str, bf16: bool = True) -> Config:
+    """``cfg`` with its automatic choices made for a ``device_type`` ('cuda', 'cpu', 'mps') that has
+    (``bf16``) or lacks bf16 tensor cores: ``train.precision='auto'`` and ``train.tf32=None``. The one
+    place they are decided; the trainer and the estimator call it before reading either field."""
+    t = cfg.train
+    if t.precision != "auto" and t.tf32 is not None:
+        return cfg
+    cuda = device_type == "cuda"
+    train = dataclasses.replace(
+        t, precision=("bf16-autocast" if cuda and bf16 else "fp32") if t.precision == "auto" else t.precision,
+        tf32=cuda if t.tf32 is None else t.tf32)
+    return dataclasses.replace(cfg, train=train)
 
 
 def sections() -> dict[str, type]:

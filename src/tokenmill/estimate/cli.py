@@ -74,7 +74,7 @@ def format_estimate(est, cfg: C.Config, advice: str | None = None) -> str:
         f"tokenmill estimate: {est.params / 1e6:,.1f}M parameters, micro-batch {t.batch_size} x {m.block_size} tokens, "
         f"{t.grad_accum_steps} accumulation step(s), {est.nproc} process(es): {est.layout}",
         f"GPU: {est.gpu}" + (f" ({_mb(est.capacity_mb)} MiB)" if est.capacity_mb else "")
-        + f", precision {t.precision}" + (" + tf32" if t.tf32 else ""),
+        + f", precision {est.precision}",
         "",
         "memory per rank (MiB, at the allocated peak: " + (est.at_peak or "?") + ")",
     ]

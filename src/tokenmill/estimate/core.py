@@ -44,6 +44,7 @@ class Estimate:
     fits: Optional[bool]
     at_peak: str = ""
     notes: list[str] = field(default_factory=list)
+    precision: str = ""  # train.precision (+ ' + tf32') as estimated: what 'auto' became on this GPU
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -97,6 +98,7 @@ def estimate(cfg: C.Config, gpu: str | GPU = "h100-sxm", nproc: int = 1) -> Esti
     from tokenmill.estimate.roofline import step_time
 
     spec = gpu if isinstance(gpu, GPU) else gpu_spec(gpu)
+    cfg = C.concrete(cfg, "cpu" if spec.key == "cpu" else "cuda", bool(spec.peak("bf16")))  # 'auto' as trained
     lay = resolve_layout(cfg, nproc)
     _check(cfg, lay)
     vocab = vocab_size_of(cfg)
@@ -126,6 +128,7 @@ def estimate(cfg: C.Config, gpu: str | GPU = "h100-sxm", nproc: int = 1) -> Esti
         mfu=timing.get("mfu"), time_breakdown_ms={k: v for k, v in timing.items() if k.endswith("_ms") and k != "step_ms"},
         params=n_params, capacity_mb=cap, fits=(mem.peak_reserved / MB <= cap) if cap else None,
         at_peak=mem.at_peak, notes=notes,
+        precision=cfg.train.precision + (" + tf32" if cfg.train.tf32 else ""),
     )
 
 

@@ -20,6 +20,11 @@ from tokenmill.config import TrainConfig
 from tokenmill.errors import PrecisionError
 
 
+def bf16_supported(device: torch.device) -> bool:
+    """Whether ``device`` runs bf16 on tensor cores (what ``train.precision='auto'`` asks; CUDA only)."""
+    return device.type == "cuda" and torch.cuda.is_bf16_supported()
+
+
 def check_supported(cfg: TrainConfig, device: torch.device) -> None:
     if device.type == "cuda" and cfg.precision in ("bf16", "bf16-autocast"):
         if not torch.cuda.is_bf16_supported():

@@ -51,7 +51,7 @@ from tokenmill.train.device import (
 from tokenmill.train.init_from import prepare_init_from
 from tokenmill.train.metrics import MetricsWriter, Progress, StepMetrics, format_record
 from tokenmill.train.parallelize import build_model, count_params, seed_dropout
-from tokenmill.train.precision import apply_tf32, autocast, check_supported, grad_scaler
+from tokenmill.train.precision import apply_tf32, autocast, bf16_supported, check_supported, grad_scaler
 from tokenmill.train.resume import resume
 from tokenmill.train.run_dir import in_use_message, locked, open_run_dir, recorded_config, save_tokenizer
 
@@ -79,6 +79,7 @@ def train(cfg: C.Config, run_dir: str | Path, resume: bool = False, quiet: bool 
     """
     apply_allocator_settings(cfg.memory)  # before anything initialises CUDA
     world = init_world(cfg.parallel, resolve_device(cfg.train.device))
+    cfg = C.concrete(cfg, world.device.type, bf16_supported(world.device))  # 'auto' precision and TF32
     try:
         run_dir = open_run_dir(Path(run_dir))
         with locked(run_dir, enabled=world.is_rank0) as holder:  # rank 0 locks; every rank learns if it did
