@@ -105,7 +105,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from tokenmill.train.evaluate import evaluate_run, format_result
 
     device = resolve_device(args.device, "--device")
-    r = evaluate_run(args.run_dir, args.data_path, args.batches, args.batch_size, args.checkpoint, device)
+    r = evaluate_run(args.run_dir, args.data_path, args.batches, args.batch_size, args.checkpoint, device,
+                     progress=not args.json)
     print(json.dumps(r, indent=2) if args.json else format_result(r))
     return 0
 

@@ -162,10 +162,11 @@ def _check_same_tokenizer(data: Path, run_tok: Optional[Path], vocab_size: int) 
 
 def evaluate_run(run_dir: str | Path, data_path: Optional[str | Path] = None, batches: Optional[int] = None,
                  batch_size: Optional[int] = None, checkpoint_path: Optional[str | Path] = None,
-                 device: torch.device | str = "cpu", write: bool = True) -> dict[str, Any]:
+                 device: torch.device | str = "cpu", write: bool = True, progress: bool = False) -> dict[str, Any]:
     """Evaluate the newest good checkpoint of ``run_dir`` (or ``checkpoint_path``) on the validation split
     (see the module docstring); returns the result and writes it to ``RUN/eval.json`` (``write``).
-    ``batch_size``: default the run's ``train.batch_size``."""
+    ``batch_size``: default the run's ``train.batch_size``. ``progress``: a bar on a terminal, else a line
+    with the rate and ETA about every tenth of the batches (stderr)."""
     from tokenmill.checkpoint import tokenizer_dir
 
     run_dir = Path(run_dir)
@@ -181,8 +182,12 @@ def evaluate_run(run_dir: str | Path, data_path: Optional[str | Path] = None, ba
         raise DataError(f"'{vf.file}' holds {len(vf)} tokens: nothing to predict. Prepare more text (--val-fraction).")
     if batches is None:
         data = whole_split_batches(vf.tokens, bs, B)
+        total = -(-((len(vf) - 1) // bs) // B) + (1 if (len(vf) - 1) % bs else 0)
     else:
         data = val_batches(WindowDataset(vf, bs, "sequential"), B, batches)
+        total = batches
+    if progress:
+        data = _reporting(data, total)
     lengths = token_byte_lengths(load_tokenizer_for_data(folder), model.vocab_size)
     result = evaluate_model(model.to(device), data, lengths, device)
     m = FILE_NAME.match(path.name) or DCP_NAME.match(path.name)
@@ -192,6 +197,24 @@ def evaluate_run(run_dir: str | Path, data_path: Optional[str | Path] = None, ba
     if write:
         write_text_atomic(run_dir / EVAL_FILE, json.dumps(result, indent=2) + "\n")
     return result
+
+
+def _reporting(batches: Iterable, total: int) -> Iterator:
+    """``batches`` unchanged, with a progress bar (terminal) or a line every tenth of ``total`` (stderr)."""
+    import sys
+
+    from tokenmill.train.metrics import Progress
+
+    bar = Progress("auto", total, 0, unit="batch")
+    every = max(1, total // 10)
+    try:
+        for b in batches:
+            yield b
+            bar.update()
+            if bar.bar is None and (bar.n % every == 0 or bar.n == total):
+                print(f"eval{bar.status()}", file=sys.stderr, flush=True)
+    finally:
+        bar.close()
 
 
 def format_result(r: dict[str, Any]) -> str:

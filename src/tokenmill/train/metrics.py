@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import statistics
 import sys
 import time
@@ -78,21 +79,46 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+def format_duration(seconds: float) -> str:
+    """``3h02m``, ``4m44s``, ``12s``; '?' when unknown."""
+    if not math.isfinite(seconds):
+        return "?"
+    s = int(round(seconds))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
 class Progress:
     """A tqdm bar with ETA on a terminal, plain log lines otherwise."""
 
-    def __init__(self, mode: str, total: int, initial: int, enabled: bool = True):
+    def __init__(self, mode: str, total: int, initial: int, enabled: bool = True, unit: str = "step"):
         self.enabled = enabled
         use_bar = mode == "bar" or (mode == "auto" and sys.stderr.isatty())
         self.bar = None
+        self.total, self.initial, self.n, self.unit = total, initial, initial, unit
+        self.t0 = time.perf_counter()
         if enabled and use_bar:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=total, initial=initial, unit=unit, dynamic_ncols=True)
 
     def update(self, n: int = 1) -> None:
+        self.n += n
         if self.bar is not None:
             self.bar.update(n)
+
+    def status(self) -> str:
+        """`` | 120/1000 (12%) | 3.1 step/s | ETA 4m44s`` for a plain log line (a bar shows its own), from the
+        wall time of this invocation (compilation and evaluation included: what the user waits for)."""
+        if self.bar is not None or self.n <= self.initial:
+            return ""
+        done, elapsed = self.n - self.initial, time.perf_counter() - self.t0
+        rate = done / elapsed if elapsed > 0 else 0.0
+        left = (self.total - self.n) / rate if rate > 0 else float("inf")
+        pct = 100 * self.n / self.total if self.total else 100.0
+        speed = f"{rate:,.0f}" if rate >= 100 else f"{rate:.2f}"
+        return f" | {self.n}/{self.total} ({pct:.0f}%) | {speed} {self.unit}/s | ETA {format_duration(left)}"
 
     def log(self, text: str) -> None:
         if not self.enabled:

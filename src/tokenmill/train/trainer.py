@@ -254,7 +254,7 @@ class Trainer:
                         rec = m.record(done, losses[-1], lr, grad_norm, memory_stats(device))
                         self.writer.write(rec)
                         self.last["loss"] = losses[-1]
-                        self.progress.log(format_record(rec))
+                        self.progress.log(format_record(rec) + self.progress.status())
                 did_work = False
                 if self.val and every_eval and done % every_eval == 0 and done != t.max_steps:
                     self._eval_and_log(done)
