@@ -1,5 +1,6 @@
 """End to end through the real command line: prepare -> train -> sample, reproduce, kill and resume."""
 
+import argparse
 import json
 import os
 import signal
@@ -8,7 +9,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import cpu_env
+from tokenmill.cli import main
 from tokenmill.train.metrics import read_metrics
 
 TINY = ["--preset", "tiny", "--train.device", "cpu", "--log.progress", "plain"]
@@ -125,3 +129,21 @@ def test_every_error_class_lives_in_errors_and_is_a_tokenmill_error():
     assert all(issubclass(c, errors.TokenmillError) for c in defined)
 
 
+
+
+def test_help_lists_every_command(capsys):
+    """`tokenmill --help` names each sub-command the parser has (generated, so it cannot go stale), and the
+    README mentions each of them."""
+    from pathlib import Path
+
+    from tokenmill.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    for name in commands:
+        assert f"    {name} " in out, name
+        assert f"tokenmill {name}" in readme, f"README never shows `tokenmill {name}`"

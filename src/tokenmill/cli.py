@@ -1,4 +1,5 @@
-"""Command line: ``tokenmill prepare | train | sample | eval | export | bench | profile | doctor``.
+"""Command line: ``tokenmill COMMAND``; ``tokenmill --help`` lists every command (argparse builds the
+list from the sub-parsers, so it cannot go stale).
 
 Config overrides are ``--section.field VALUE`` (or ``--section.field=VALUE``); every field is
 listed with its documentation by ``tokenmill train --help``.
@@ -133,7 +134,9 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="tokenmill", description="Train GPT-style language models close to the hardware limit, and see what "
+        "each technique buys. Every command takes --help.")
     parser.add_argument("--version", action="version", version=f"tokenmill {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
