@@ -120,3 +120,32 @@ def device_info(device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
         info["gpu_name"] = torch.cuda.get_device_name(device)
     return info
+
+
+def thread_settings() -> dict[str, int]:
+    """This process's torch threads, the cores it may use and the processes on this node (summary.json)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return {"intra_op": torch.get_num_threads(), "inter_op": torch.get_num_interop_threads(), "cpu_count": cores,
+            "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1"))}
+
+
+def cpu_contention(threads: dict[str, int], load: float | None = None) -> str | None:
+    """A note when a CPU run asks for more threads than the cores that are free: ``intra_op`` threads x the
+    processes on this node against the cores less the load average of the last minute (other work on the
+    machine; ``load``: default ``os.getloadavg()[0]``). Oversubscribed, torch's threads wait on each other:
+    with other work on the cores, fewer threads are usually faster. None when it fits."""
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except OSError:  # not available on this platform
+            return None
+    cores, procs, per = threads["cpu_count"], threads["local_world_size"], threads["intra_op"]
+    free = max(cores - load, 0.0)
+    want = per * procs
+    if want <= max(free, 1.0) + 0.5:
+        return None
+    fit = max(1, int(free // procs)) if free >= procs else 1
+    return (f"tokenmill: note: this run asks for {want} CPU threads ({per} per process x {procs}) but the machine "
+            f"has {cores} cores with a load average of {load:.1f} (about {free:.1f} free): oversubscribed threads "
+            f"wait on each other and the run can be several times slower. Set OMP_NUM_THREADS={fit} (or run when "
+            "the machine is idle); `tokenmill doctor --try` measures it.")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,11 +41,13 @@ from tokenmill.parallel.world import global_mean, rank0_first
 from tokenmill.train.advice import check_fits, nan_message, oom_message
 from tokenmill.train.device import (
     apply_allocator_settings,
+    cpu_contention,
     device_info,
     memory_stats,
     offload_activations,
     resolve_device,
     sync,
+    thread_settings,
 )
 from tokenmill.train.init_from import prepare_init_from
 from tokenmill.train.metrics import MetricsWriter, Progress, StepMetrics, format_record
@@ -232,6 +233,9 @@ class Trainer:
             f"{self.world.size} ({self.world.layout()}), {self.tokens_per_step:,} tokens/step, steps "
             f"{self.start_step}->{t.max_steps}, run dir {self.run_dir}"
         )
+        note = cpu_contention(thread_settings()) if device.type == "cpu" else None
+        if note:
+            self.progress.log(note)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         if self.cb.on_train_start:
@@ -326,9 +330,7 @@ class Trainer:
             **memory_stats(device),
             **self.info,
             "peak_flops": self.peak,
-            "threads": {"intra_op": torch.get_num_threads(), "inter_op": torch.get_num_interop_threads(),
-                        "cpu_count": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-                        "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1"))},
+            "threads": thread_settings(),
         }
         if rank0:
             write_text_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2))
