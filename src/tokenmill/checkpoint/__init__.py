@@ -270,8 +270,6 @@ def _check_shapes(path: Path, state: dict[str, Any], cfg: C.Config, vocab: Any) 
 
     if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
         raise CheckpointError(f"checkpoint {path} is damaged: its vocabulary size is {vocab!r}.")
-    with torch.device("meta"):
-        want = {k: tuple(v.shape) for k, v in GPT(cfg.model, vocab).state_dict().items()}
     if path.is_dir():
         md = _refuse_object_weights(path, dcp.read_metadata(path)).state_dict_metadata
         have = {k[len("model."):]: tuple(m.size) for k, m in md.items() if k.startswith("model.")}
@@ -280,10 +278,23 @@ def _check_shapes(path: Path, state: dict[str, Any], cfg: C.Config, vocab: Any) 
         if not isinstance(weights, dict):
             raise CheckpointError(f"checkpoint {path} is damaged: it has no model entry.")
         have = {k: tuple(v.shape) for k, v in weights.items() if isinstance(v, torch.Tensor)}
+    _check_depth_and_width(path, have, cfg.model)  # before building: the config could ask for any size
+    with torch.device("meta"):
+        want = {k: tuple(v.shape) for k, v in GPT(cfg.model, vocab).state_dict().items()}
     bad = [f"{k} {have.get(k)} vs {shape}" for k, shape in want.items() if have.get(k) != shape]
     if bad:
         raise CheckpointError(f"checkpoint {path} does not match its own config (weights vs config: "
                               f"{'; '.join(bad[:3])}{'; ...' if len(bad) > 3 else ''}).")
+
+
+def _check_depth_and_width(path: Path, have: dict[str, tuple], m: C.ModelConfig) -> None:
+    """The recorded depth and width against the weights' own (block indices, the embedding's width), so a
+    damaged or hostile config.toml never makes the shape check build a model of absurd size."""
+    depth = len({k.split(".")[1] for k in have if k.startswith("blocks.") and k.count(".") >= 2})
+    width = (have.get("wte.weight") or (0, 0))[-1]
+    if depth != m.n_layer or width != m.n_embd:
+        raise CheckpointError(f"checkpoint {path} does not match its own config: the config says {m.n_layer} "
+                              f"layers of width {m.n_embd}, the weights hold {depth} of width {width}.")
 
 
 TOKENIZER_DIR = "tokenizer"  # RUN/tokenizer: the copy of the data's meta.json and tokenizer files
