@@ -232,10 +232,39 @@ def test_export_refuses_inconsistent_state_dict(tmp_path):
 
 
 def test_hf_model_fields():
+    """Every architecture field comes from the source (GPT-2's family: learned positions, LayerNorm 1e-5,
+    GELU MLP of 4 * n_embd, as many k/v heads as query heads), so a run's preset cannot leave a
+    rotary or RMSNorm choice on a GPT-2 model."""
     src = hf_model(tie=False)
     fields = hf.hf_model_fields(src.config.to_dict())
-    assert fields == {"vocab_size": V, "block_size": BS, "n_layer": L, "n_head": H, "n_embd": E,
-                      "bias": True, "qkv_bias": True, "tie_embeddings": False}
+    assert set(fields) == set(C.shape_fields()) | {"block_size"}
+    assert {k: fields[k] for k in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "qkv_bias",
+                                   "tie_embeddings")} == {"vocab_size": V, "block_size": BS, "n_layer": L, "n_head": H,
+                                                          "n_embd": E, "bias": True, "qkv_bias": True,
+                                                          "tie_embeddings": False}
+    assert (fields["pos_emb"], fields["norm_type"], fields["mlp"], fields["norm_eps"]) == ("learned", "layernorm",
+                                                                                          "gelu", 1e-5)
+    assert fields["n_kv_head"] is fields["head_dim"] is fields["intermediate_size"] is None
+    assert fields["qk_norm"] is False
+    # a rotary base config gets GPT-2's family back
+    base = C.ModelConfig(pos_emb="rope", norm_type="rmsnorm", mlp="swiglu", n_kv_head=2, norm_eps=1e-6)
+    cfg, _ = hf.from_hf_state_dict(src.state_dict(), src.config.to_dict(), base)
+    assert (cfg.pos_emb, cfg.norm_type, cfg.mlp, cfg.kv_heads, cfg.norm_eps) == ("learned", "layernorm", "gelu", H, 1e-5)
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"norm_type": "rmsnorm"}, "model.norm_type='rmsnorm'"),
+    ({"mlp": "swiglu"}, "model.mlp='swiglu'"),
+    ({"norm_eps": 1e-6}, "model.norm_eps=1e-06"),
+    ({"n_kv_head": 2}, "n_kv_head=2"),
+    ({"intermediate_size": 3 * E}, "model.intermediate_size=96"),
+])
+def test_gpt2_export_refuses_other_families(tmp_path, kw, match):
+    """A learned-position model with another family's part has no GPT-2 form: refused, not mis-written."""
+    m = tm_model(**kw)
+    with pytest.raises(CheckpointError, match=match):
+        hf.save_hf(m.state_dict(), m.cfg, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 # ----------------------------------------------------------------------------------------------

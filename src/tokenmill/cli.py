@@ -95,7 +95,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     print(f"exported {r.checkpoint} to {r.out_dir}: {', '.join(r.files)}")
     if r.tokenizer_skipped:
         print(f"tokenmill: note: no tokenizer files: {r.tokenizer_skipped}", file=sys.stderr)
-    print(f"load it with: transformers.GPT2LMHeadModel.from_pretrained({str(r.out_dir)!r})")
+    print(f"load it with: transformers.{r.architecture}.from_pretrained({str(r.out_dir)!r})")
     return 0
 
 
@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "slower; for checking; default: the cache is on)")
     p.set_defaults(func=cmd_sample)
 
-    p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face GPT-2 folder", allow_abbrev=False)
+    p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face folder (GPT-2, Llama, Qwen2, Qwen3, Mistral)", allow_abbrev=False)
     p.add_argument("--run-dir", required=True, help="the run directory")
     p.add_argument("--out", required=True, help="the folder to write (config.json, model.safetensors, tokenizer files)")
     p.add_argument("--checkpoint", help="a checkpoint file or folder of the run (default: the newest good one)")

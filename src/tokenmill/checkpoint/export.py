@@ -1,14 +1,18 @@
-"""``tokenmill export``: a run's checkpoint as a Hugging Face ``GPT2LMHeadModel`` folder.
+"""``tokenmill export``: a run's checkpoint as a Hugging Face model folder.
 
-The folder holds ``config.json`` and ``model.safetensors`` (:func:`tokenmill.model.hf.save_hf_gpt2`:
-the same logits as the tokenmill model, for tied and untied heads, padded vocabularies, fused or
-separate q/k/v) and, when the run's tokenizer has a Hugging Face form, ``tokenizer.json``,
-``tokenizer_config.json`` and ``special_tokens_map.json`` (``AutoTokenizer`` loads them). Any
-checkpoint loads: single files and sharded DCP folders of FSDP/TP/PP runs alike
+The class is the one that holds the model exactly (:func:`tokenmill.model.hf.export_architecture`):
+``GPT2LMHeadModel`` for learned positions; for rotary models the class of the run's
+``train.init_from`` source when it was a Hugging Face folder (still present) of the Llama family,
+else ``Qwen3ForCausalLM`` (q/k norms), ``Qwen2ForCausalLM`` (q/k/v biases only) or
+``LlamaForCausalLM``. The folder holds ``config.json`` and ``model.safetensors``
+(:func:`tokenmill.model.hf.save_hf`: the same logits as the tokenmill model, for tied and untied heads,
+padded vocabularies, fused or separate q/k/v) and, when the run's tokenizer has a Hugging Face form,
+``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json`` (``AutoTokenizer`` loads
+them). Any checkpoint loads: single files and sharded DCP folders of FSDP/TP/PP runs alike
 (:func:`tokenmill.checkpoint.load_model`).
 
-Models GPT-2 cannot express (no biases, no q/k/v bias) are refused with the reason before anything is
-written. The folder is written under a temporary name next to ``out_dir`` and renamed into place when
+Models no class can express (e.g. GPT-2 without biases, rotary with q/k norms and biases) are refused
+with the reason before anything is written. The folder is written under a temporary name next to ``out_dir`` and renamed into place when
 complete; an existing non-empty ``out_dir`` is an error unless ``overwrite`` (then it is replaced
 only once the new folder is complete).
 """
@@ -28,21 +32,22 @@ __all__ = ["ExportResult", "export_hf"]
 
 @dataclass
 class ExportResult:
-    """What :func:`export_hf` wrote: the folder, the checkpoint it came from, the file names, and why
-    no tokenizer files were written (None when they were)."""
+    """What :func:`export_hf` wrote: the folder, the checkpoint it came from, the file names, why no
+    tokenizer files were written (None when they were), and the Hugging Face class."""
 
     out_dir: Path
     checkpoint: Path
     files: list[str] = field(default_factory=list)
     tokenizer_skipped: Optional[str] = None
+    architecture: str = "GPT2LMHeadModel"
 
 
 def export_hf(run_dir: str | Path, out_dir: str | Path, checkpoint: str | Path | None = None,
               overwrite: bool = False) -> ExportResult:
     """Write the model of ``run_dir``'s newest good checkpoint (or ``checkpoint``) as a Hugging Face
-    GPT-2 folder ``out_dir``; see the module docstring. Raises :class:`CheckpointError` for a model
-    GPT-2 cannot express, a non-empty ``out_dir`` without ``overwrite``, or a checkpoint that does not
-    load."""
+    folder ``out_dir``; see the module docstring. Raises :class:`CheckpointError` for a model no
+    Hugging Face class expresses, a non-empty ``out_dir`` without ``overwrite``, or a checkpoint that
+    does not load."""
     from tokenmill.checkpoint import load_model, tokenizer_dir
     from tokenmill.data.tokenizers import load_tokenizer_for_data, write_hf_tokenizer_for_data
     from tokenmill.errors import DataError
@@ -53,7 +58,8 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, checkpoint: str | Path |
         raise CheckpointError(f"--out {out} exists and is not empty; choose a new folder, or pass --overwrite to "
                               "replace it (it is replaced only once the export is complete).")
     model, cfg, path = load_model(run_dir, checkpoint)
-    hf.check_exportable(cfg.model)  # before anything is written
+    like = _source_config(cfg.train.init_from)
+    arch = hf.export_architecture(cfg.model, like)  # before anything is written
     tok_dir = None if cfg.data.source == "synthetic" else tokenizer_dir(run_dir, cfg, progress=False)
     eot = None
     if tok_dir is not None:
@@ -65,7 +71,7 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, checkpoint: str | Path |
     tmp = out.parent / f".{out.name}.export-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        hf.save_hf_gpt2(model.state_dict(), cfg.model, tmp, vocab_size=model.vocab_size, eot_id=eot)
+        hf.save_hf(model.state_dict(), cfg.model, tmp, vocab_size=model.vocab_size, eot_id=eot, like=like)
         if tok_dir is None:
             skipped: Optional[str] = "the run was trained on synthetic tokens (no tokenizer)"
         else:
@@ -80,4 +86,17 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, checkpoint: str | Path |
             os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return ExportResult(out, path, files, skipped)
+    return ExportResult(out, path, files, skipped, arch)
+
+
+def _source_config(init_from: Optional[str]) -> Optional[dict]:
+    """The checked config.json of a run's ``train.init_from`` when it is a Hugging Face folder still
+    here (the export then keeps its class and special token ids), else None."""
+    from tokenmill.model import hf
+
+    if not init_from or not hf.is_hf_folder(Path(init_from).expanduser()):
+        return None
+    try:
+        return hf.read_hf_config(Path(init_from).expanduser())
+    except CheckpointError:
+        return None

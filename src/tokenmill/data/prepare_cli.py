@@ -71,8 +71,10 @@ def tokenizer_from(source: str | Path):
     * a prepared data folder (``meta.json``): its tokenizer ('bpe', 'bytes' or 'gpt2');
     * a run directory (``config.toml``): the tokenizer of the data it trained on (``data.path``, or
       the embedded corpus with its ``data.tokenizer``);
-    * a ``tokenizer.json`` file, or a folder holding one (a Hugging Face model folder), or a folder
-      with GPT-2's ``vocab.json`` + ``merges.txt``: stored as the new folder's tokenizer.json;
+    * a ``tokenizer.json`` file, or a folder holding one (a Hugging Face model folder of any family:
+      GPT-2, Llama, Qwen, Mistral, ...; documents end with its ``<|endoftext|>``, else with the
+      folder's eos token), or a folder with GPT-2's ``vocab.json`` + ``merges.txt``: stored as the new
+      folder's tokenizer.json;
     * a tiktoken cache folder holding GPT-2's BPE files (then TIKTOKEN_CACHE_DIR is set to it for
       this process), or the name ``gpt2`` (tiktoken's GPT-2 BPE, from $TIKTOKEN_CACHE_DIR).
     """
@@ -133,8 +135,8 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         metavar="DATA_OR_RUN",
         help="reuse an existing tokenizer instead of --tokenizer (same vocabulary, e.g. to fine-tune): a "
         "prepared data folder, a run directory (the data it trained on), a tokenizer.json (or a folder "
-        "with one, or with GPT-2's vocab.json + merges.txt), a tiktoken cache folder with GPT-2's BPE "
-        "files, or 'gpt2' (default: none)",
+        "with one, e.g. a Hugging Face GPT-2/Llama/Qwen/Mistral model folder, or with GPT-2's vocab.json + "
+        "merges.txt), a tiktoken cache folder with GPT-2's BPE files, or 'gpt2' (default: none)",
     )
     parser.add_argument(
         "--val-fraction",

@@ -110,17 +110,19 @@ def _load_tiktoken(encoding_name: str):
 
 class BpeTokenizer:
     """Byte-level BPE (GPT-2 style pre-tokenization, every byte in the base alphabet) trained with HF
-    ``tokenizers``, plus the special token ``<|endoftext|>``. Stored as ``tokenizer.json``."""
+    ``tokenizers``, plus the special token ``<|endoftext|>``. Stored as ``tokenizer.json``. Also any
+    Hugging Face ``tokenizer.json`` reused with ``--tokenizer-from``; ``eot_id`` then is the model's
+    end-of-text token when it has no ``<|endoftext|>`` (e.g. Llama's ``</s>``)."""
 
     name = "bpe"
 
-    def __init__(self, tok, path: Path | None = None):
+    def __init__(self, tok, path: Path | None = None, eot_id: int | None = None):
         self._tok = tok
         # Encode special-token text as ordinary text; the eot id only comes from prepare.
         self._tok.encode_special_tokens = True
         self.path = path
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
-        self.eot_id = tok.token_to_id(EOT_TEXT)
+        self.eot_id = eot_id if eot_id is not None else tok.token_to_id(EOT_TEXT)
 
     @classmethod
     def load(cls, path: str | Path) -> BpeTokenizer:
@@ -160,12 +162,12 @@ class BpeTokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def __getstate__(self) -> dict:
-        return {"json": self._tok.to_str(), "path": self.path}
+        return {"json": self._tok.to_str(), "path": self.path, "eot_id": self.eot_id}
 
     def __setstate__(self, state: dict) -> None:
         from tokenizers import Tokenizer
 
-        self.__init__(Tokenizer.from_str(state["json"]), state["path"])
+        self.__init__(Tokenizer.from_str(state["json"]), state["path"], state.get("eot_id"))
 
 
 def read_text_file(path: Path) -> str:
@@ -252,7 +254,11 @@ def load_tokenizer_for_data(data_dir: str | Path):
             f"'{Path(data_dir) / 'meta.json'}': 'tokenizer' must be an object with a 'name'. "
             "Fix: prepare the folder again."
         )
-    return get_tokenizer(info["name"], data_dir, info.get("vocab_size"))
+    tok = get_tokenizer(info["name"], data_dir, info.get("vocab_size"))
+    eot = info.get("eot_id")
+    if isinstance(tok, BpeTokenizer) and isinstance(eot, int) and 0 <= eot < tok.vocab_size:
+        tok.eot_id = eot  # a reused tokenizer's end-of-text token (--tokenizer-from a Llama folder: '</s>', ...)
+    return tok
 
 
 # ----------------------------------------------------------------------------------------------
@@ -395,17 +401,41 @@ def write_hf_tokenizer_for_data(data_dir: str | Path, out_dir: str | Path,
 
 def load_hf_tokenizer_file(path: str | Path) -> BpeTokenizer:
     """A Hugging Face ``tokenizer.json`` (any ``tokenizers`` model) as a tokenmill tokenizer; it is
-    stored as the data folder's tokenizer.json and named 'bpe' in meta.json."""
+    stored as the data folder's tokenizer.json and named 'bpe' in meta.json. Its end-of-text id:
+    ``<|endoftext|>`` when it has one, else the end-of-sequence token of the model folder it sits in
+    (``config.json``'s ``eos_token_id``, the first of a list, else ``tokenizer_config.json``'s
+    ``eos_token``), else none (documents are then separated by a newline)."""
     from tokenizers import Tokenizer
 
     path = Path(path)
     try:
-        return BpeTokenizer(Tokenizer.from_file(str(path)), path)
+        tok = Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises its own Exception type for bad JSON
         raise DataError(
             f"'{path}' cannot be loaded as a Hugging Face tokenizer.json ({str(e)[:200]}). Fix: pass the "
             "tokenizer.json of a prepared folder or of a Hugging Face model folder."
         ) from None
+    eot = tok.token_to_id(EOT_TEXT)
+    return BpeTokenizer(tok, path, eot if eot is not None else _folder_eos_id(tok, path.parent))
+
+
+def _folder_eos_id(tok, folder: Path) -> int | None:
+    """The end-of-sequence id a Hugging Face model folder declares, if ``tok`` has it (None otherwise)."""
+
+    def read(name: str) -> dict:
+        try:
+            d = json.loads((folder / name).read_text(encoding="utf-8"))
+            return d if isinstance(d, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    eos = read("config.json").get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    if isinstance(eos, int) and not isinstance(eos, bool) and tok.id_to_token(eos) is not None:
+        return eos
+    text = read("tokenizer_config.json").get("eos_token")
+    text = text.get("content") if isinstance(text, dict) else text
+    return tok.token_to_id(text) if isinstance(text, str) else None
 
 
 def load_vocab_merges(folder: str | Path) -> BpeTokenizer:

@@ -1,21 +1,20 @@
-"""Convert between tokenmill's :class:`~tokenmill.model.GPT` and a Hugging Face GPT-2 folder.
+"""Convert between tokenmill's :class:`~tokenmill.model.GPT` and Hugging Face model folders: the one
+door for every family. GPT-2 (``GPT2LMHeadModel``) is converted here, the Llama family (Llama, Qwen2,
+Qwen3, Mistral) in :mod:`tokenmill.model.hf_llama`. :func:`hf_architecture` picks the family of a
+config.json (``architectures``, else ``model_type``), :func:`export_architecture` the class of a
+tokenmill model; :func:`read_hf_config`, :func:`hf_model_fields`, :func:`load_hf`, :func:`save_hf` and
+:func:`is_hf_folder` dispatch on them (``train.init_from``, ``tokenmill export``).
 
-A Hugging Face GPT-2 folder is what ``GPT2LMHeadModel.save_pretrained`` writes: ``config.json`` and
-the weights as ``model.safetensors`` (or ``pytorch_model.bin``, or either sharded with an
-``*.index.json``). Both directions are pure functions of tensors and configs; nothing is downloaded
-and ``transformers`` itself is never needed (only ``safetensors`` to read or write safetensors files):
-
-* :func:`from_hf_state_dict` / :func:`load_hf_gpt2`: a GPT-2 config + weights -> a
-  :class:`~tokenmill.config.ModelConfig` and a state dict that ``GPT(cfg, cfg.vocab_size)`` loads.
-* :func:`to_hf_state_dict` / :func:`save_hf_gpt2`: a tokenmill state dict + ModelConfig -> a GPT-2
-  config dict + weights / a folder that ``transformers.GPT2LMHeadModel.from_pretrained`` loads.
-
-The two models compute the same function: GPT-2's ``Conv1D`` stores ``(in, out)`` matrices (the
-transpose of ``nn.Linear``'s), its ``c_attn`` is the fused ``[q; k; v]`` projection, its LayerNorms use
-eps 1e-5 (as every ``model.norm`` form of tokenmill: native, manual, triton), and its ``gelu_new`` is the tanh
-approximation tokenmill's native and manual GELU compute. What GPT-2 cannot express is refused with
-the reason (:class:`~tokenmill.errors.CheckpointError`): no biases, q/k/v biases that differ from the
-others, a different activation, LayerNorm eps, MLP width or attention scaling.
+A folder is what ``save_pretrained`` writes: ``config.json`` and ``model.safetensors`` (or
+``pytorch_model.bin``, read with ``weights_only=True``; either sharded with an ``*.index.json``).
+Nothing is downloaded and ``transformers`` is never needed (only ``safetensors``). GPT-2:
+:func:`from_hf_state_dict` / :func:`load_hf_gpt2` (config + weights -> ModelConfig + state dict for
+``GPT(cfg, cfg.vocab_size)``) and :func:`to_hf_state_dict` / :func:`save_hf_gpt2` (back). The two
+compute the same function: GPT-2's ``Conv1D`` stores ``(in, out)`` matrices (the transpose of
+``nn.Linear``'s), its ``c_attn`` is the fused ``[q; k; v]`` projection, its LayerNorms use eps 1e-5, its
+``gelu_new`` is the tanh GELU tokenmill computes. What GPT-2 cannot express is refused with the reason
+(:class:`~tokenmill.errors.CheckpointError`): no biases, q/k/v biases that differ from the others, a
+different activation, norm, eps, MLP width, head layout or attention scaling.
 """
 
 from __future__ import annotations
@@ -30,23 +29,16 @@ from typing import Any
 
 import torch
 
-from tokenmill.config import ModelConfig
+from tokenmill.config import ModelConfig, shape_fields
 from tokenmill.errors import CheckpointError
+from tokenmill.model import hf_llama
+from tokenmill.model.gpt import GPT, adapt_state_dict
 
-__all__ = [
-    "CONFIG_NAME",
-    "SAFETENSORS_NAME",
-    "check_exportable",
-    "from_hf_state_dict",
-    "hf_config",
-    "hf_model_fields",
-    "is_hf_gpt2_folder",
-    "load_hf_gpt2",
-    "read_hf_config",
-    "save_hf_gpt2",
-    "to_hf_state_dict",
-]
+__all__ = ["CONFIG_NAME", "SAFETENSORS_NAME", "check_exportable", "export_architecture", "from_hf_state_dict",
+           "hf_architecture", "hf_config", "hf_model_fields", "is_hf_folder", "is_hf_gpt2_folder", "load_hf",
+           "load_hf_gpt2", "read_hf_config", "save_hf", "save_hf_gpt2", "to_hf_state_dict"]
 
+GPT2 = "GPT2LMHeadModel"
 CONFIG_NAME = "config.json"
 SAFETENSORS_NAME = "model.safetensors"
 BIN_NAME = "pytorch_model.bin"
@@ -67,11 +59,17 @@ _HF_INSTALL = "pip install 'tokenmill[hf]' (or: pip install safetensors)"
 def check_exportable(cfg: ModelConfig) -> None:
     """Raise :class:`CheckpointError` with the reason when a model of ``cfg`` has no exact GPT-2 form.
 
-    GPT2LMHeadModel has a bias in every projection and LayerNorm, eps 1e-5 LayerNorms, a
-    tanh-GELU MLP of width 4 * n_embd and 1/sqrt(head_dim) attention scaling. Tokenmill's switches
-    that only change how the same math runs (attention kernel, mask form, fused or separate q/k/v,
-    native/manual/triton LayerNorm, native/manual GELU, vocabulary padding, loss form) all export.
+    GPT2LMHeadModel has learned positions, a bias in every projection and LayerNorm, eps 1e-5
+    LayerNorms, a tanh-GELU MLP of width 4 * n_embd, as many k/v heads as query heads of width
+    n_embd / n_head, and 1/sqrt(head_dim) attention scaling. Tokenmill's switches that only change how
+    the same math runs (attention kernel, mask form, fused or separate q/k/v, native/manual/triton
+    LayerNorm, native/manual GELU, vocabulary padding, loss form) all export.
     """
+    family = {"pos_emb": "learned", "norm_type": "layernorm", "mlp": "gelu", "qk_norm": False}
+    for name, want in family.items():
+        if getattr(cfg, name) != want:
+            raise CheckpointError(f"this model has model.{name}={getattr(cfg, name)!r}; GPT-2 has {name}={want!r}, so "
+                                  "it cannot be exported as GPT-2.")
     if not cfg.bias:
         raise CheckpointError(
             "this model has model.bias=false (no biases in its projections and LayerNorms); a Hugging Face "
@@ -82,22 +80,25 @@ def check_exportable(cfg: ModelConfig) -> None:
             "this model has model.qkv_bias=false but biases elsewhere; GPT-2's fused c_attn always has "
             "a q/k/v bias, so it cannot be exported as GPT-2."
         )
-    if cfg.norm not in NORM_FORMS:
-        raise CheckpointError(f"model.norm={cfg.norm!r} has no GPT-2 form (GPT-2 uses LayerNorm, eps {LN_EPS}).")
+    if cfg.norm not in NORM_FORMS or not math.isclose(cfg.norm_eps, LN_EPS, rel_tol=1e-6):
+        raise CheckpointError(f"model.norm={cfg.norm!r}, model.norm_eps={cfg.norm_eps} have no GPT-2 form (GPT-2 uses "
+                              f"LayerNorm, eps {LN_EPS}).")
     if cfg.gelu not in ("native", "manual"):
         raise CheckpointError(f"model.gelu={cfg.gelu!r} has no GPT-2 form (GPT-2 uses the tanh GELU 'gelu_new').")
-    if cfg.n_embd % cfg.n_head:
-        raise CheckpointError(f"model.n_embd ({cfg.n_embd}) is not divisible by model.n_head ({cfg.n_head}).")
+    if cfg.n_embd % cfg.n_head or cfg.head_width * cfg.n_head != cfg.n_embd or cfg.kv_heads != cfg.n_head:
+        raise CheckpointError(f"GPT-2 has n_head heads of width n_embd / n_head for q, k and v; this model has "
+                              f"model.n_embd={cfg.n_embd}, n_head={cfg.n_head}, head_dim={cfg.head_dim}, "
+                              f"n_kv_head={cfg.n_kv_head}.")
+    if cfg.mlp_width != 4 * cfg.n_embd:
+        raise CheckpointError(f"model.intermediate_size={cfg.intermediate_size}: GPT-2's MLP width is 4 * n_embd.")
 
 
 def _check_hf_config(c: Mapping[str, Any], where: str) -> None:
     """Refuse GPT-2 configs whose model tokenmill does not compute exactly."""
     mt = c.get("model_type")
     if mt != "gpt2":
-        raise CheckpointError(
-            f"{where}: model_type is {mt!r}; only Hugging Face GPT-2 folders (model_type 'gpt2', "
-            "GPT2LMHeadModel) can be loaded."
-        )
+        raise CheckpointError(f"{where}: model_type is {mt!r}; only Hugging Face GPT-2 folders (model_type 'gpt2', "
+                              "GPT2LMHeadModel) are read here (tokenmill.model.hf.load_hf reads every family).")
     for key in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
         v = c.get(key)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -106,26 +107,18 @@ def _check_hf_config(c: Mapping[str, Any], where: str) -> None:
         raise CheckpointError(f"{where}: n_embd ({c['n_embd']}) is not divisible by n_head ({c['n_head']}).")
     act = c.get("activation_function", "gelu_new")
     if act not in TANH_GELUS:
-        raise CheckpointError(
-            f"{where}: activation_function {act!r} is not the tanh-approximation GELU ({', '.join(TANH_GELUS)}) "
-            "that tokenmill's MLP computes; this model cannot be loaded exactly."
-        )
+        raise CheckpointError(f"{where}: activation_function {act!r} is not the tanh-approximation GELU "
+                              f"({', '.join(TANH_GELUS)}) that tokenmill's MLP computes; it cannot be loaded exactly.")
     inner = c.get("n_inner")
     if inner is not None and inner != 4 * c["n_embd"]:
-        raise CheckpointError(
-            f"{where}: n_inner is {inner}, but tokenmill's MLP width is 4 * n_embd = {4 * c['n_embd']}."
-        )
+        raise CheckpointError(f"{where}: n_inner is {inner}, but tokenmill's MLP width is 4 * n_embd = {4 * c['n_embd']}.")
     eps = c.get("layer_norm_epsilon", LN_EPS)
     if not math.isclose(float(eps), LN_EPS, rel_tol=1e-6):
-        raise CheckpointError(
-            f"{where}: layer_norm_epsilon is {eps}, but tokenmill's LayerNorms use {LN_EPS}; the logits "
-            "would differ."
-        )
+        raise CheckpointError(f"{where}: layer_norm_epsilon is {eps}, but tokenmill's GPT-2 LayerNorms use {LN_EPS}; "
+                              "the logits would differ.")
     if not c.get("scale_attn_weights", True) or c.get("scale_attn_by_inverse_layer_idx", False):
-        raise CheckpointError(
-            f"{where}: attention scaling differs from 1/sqrt(head_dim) (scale_attn_weights / "
-            "scale_attn_by_inverse_layer_idx); tokenmill's attention cannot compute it."
-        )
+        raise CheckpointError(f"{where}: attention scaling differs from 1/sqrt(head_dim) (scale_attn_weights / "
+                              "scale_attn_by_inverse_layer_idx); tokenmill's attention cannot compute it.")
     if c.get("add_cross_attention", False):
         raise CheckpointError(f"{where}: a GPT-2 with cross-attention (an encoder-decoder part) is not a decoder-only GPT.")
 
@@ -144,61 +137,34 @@ def hf_config(cfg: ModelConfig, vocab_size: int, eot_id: int | None = None,
     check_exportable(cfg)
     dt = str(dtype).removeprefix("torch.")
     return {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": vocab_size,
-        "n_positions": cfg.block_size,
-        "n_embd": cfg.n_embd,
-        "n_layer": cfg.n_layer,
-        "n_head": cfg.n_head,
-        "n_inner": None,
-        "activation_function": "gelu_new",
-        "layer_norm_epsilon": LN_EPS,
-        "resid_pdrop": cfg.dropout,
-        "embd_pdrop": cfg.dropout,
-        "attn_pdrop": cfg.dropout,
-        "initializer_range": cfg.init_std,
-        "scale_attn_weights": True,
-        "scale_attn_by_inverse_layer_idx": False,
-        "reorder_and_upcast_attn": False,
-        "tie_word_embeddings": bool(cfg.tie_embeddings),
-        "bos_token_id": eot_id,
-        "eos_token_id": eot_id,
-        "use_cache": True,
-        "dtype": dt,  # transformers >= 5
-        "torch_dtype": dt,  # transformers 4.x
+        "architectures": [GPT2], "model_type": "gpt2", "vocab_size": vocab_size, "n_positions": cfg.block_size,
+        "n_embd": cfg.n_embd, "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": None,
+        "activation_function": "gelu_new", "layer_norm_epsilon": LN_EPS, "resid_pdrop": cfg.dropout,
+        "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout, "initializer_range": cfg.init_std,
+        "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+        "tie_word_embeddings": bool(cfg.tie_embeddings), "bos_token_id": eot_id, "eos_token_id": eot_id,
+        "use_cache": True, "dtype": dt, "torch_dtype": dt,  # transformers 5 and 4
     }
 
 
 def hf_model_fields(hf_cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """The tokenmill ``model.*`` fields a GPT-2 config fixes (the model's shape), keyed by field name:
-    vocab_size, block_size, n_layer, n_head, n_embd, bias, qkv_bias, tie_embeddings.
+    """The tokenmill ``model.*`` fields a Hugging Face config.json fixes (the model's shape), keyed by
+    field name: every architecture field (``shape_fields()``) and ``block_size`` (its longest context).
 
     A fine-tuning run takes these from the source; a user override that differs is a conflict."""
-    return {
-        "vocab_size": int(hf_cfg["vocab_size"]),
-        "block_size": int(hf_cfg["n_positions"]),
-        "n_layer": int(hf_cfg["n_layer"]),
-        "n_head": int(hf_cfg["n_head"]),
-        "n_embd": int(hf_cfg["n_embd"]),
-        "bias": True,
-        "qkv_bias": True,
-        "tie_embeddings": bool(hf_cfg.get("tie_word_embeddings", True)),
-    }
+    arch = hf_architecture(hf_cfg, CONFIG_NAME)
+    if arch != GPT2:
+        return hf_llama.model_fields(hf_llama.check_config(hf_cfg, arch, CONFIG_NAME))
+    default = ModelConfig()  # its defaults are GPT-2's family: learned positions, LayerNorm 1e-5, GELU
+    fields = {name: getattr(default, name) for name in shape_fields()}
+    fields.update(vocab_size=int(hf_cfg["vocab_size"]), block_size=int(hf_cfg["n_positions"]),
+                  n_layer=int(hf_cfg["n_layer"]), n_head=int(hf_cfg["n_head"]), n_embd=int(hf_cfg["n_embd"]),
+                  bias=True, qkv_bias=True, tie_embeddings=bool(hf_cfg.get("tie_word_embeddings", True)))
+    return fields
 
 
 # ----------------------------------------------------------------------------------------------
 # State dicts
-
-
-def _strip_wrappers(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Drop the prefixes torch.compile (``_orig_mod.``) and DDP (``module.``) add to names."""
-    out = {}
-    for k, v in sd.items():
-        while k.startswith(("_orig_mod.", "module.")):
-            k = k.split(".", 1)[1]
-        out[k.replace("._orig_mod.", ".").replace("._checkpoint_wrapped_module.", ".")] = v
-    return out
 
 
 def to_hf_state_dict(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig,
@@ -212,11 +178,15 @@ def to_hf_state_dict(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig,
     Raises :class:`CheckpointError` for forms GPT-2 cannot express and for missing or extra weights.
     """
     check_exportable(cfg)
-    sd = _strip_wrappers(state_dict)
     V = vocab_size if vocab_size is not None else cfg.vocab_size
     if V is None:
         raise CheckpointError("the true vocabulary size is unknown (model.vocab_size is unset); pass vocab_size.")
-    out: dict[str, torch.Tensor] = {}
+    with torch.device("meta"):
+        target = GPT(dataclasses.replace(cfg, fused_qkv=True, vocab_pad_multiple=1), V)
+    try:  # fused q/k/v, padding rows cut off (they never reach the logits)
+        sd = adapt_state_dict(hf_llama.strip_wrappers(state_dict), target)
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f"the state dict is not a whole GPT of this config: {e}.") from None
     used: set[str] = set()
 
     def take(key: str) -> torch.Tensor:
@@ -225,49 +195,30 @@ def to_hf_state_dict(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig,
         used.add(key)
         return sd[key]
 
-    def rows(key: str) -> torch.Tensor:
-        w = take(key)
-        if w.size(0) < V:
-            raise CheckpointError(f"'{key}' has {w.size(0)} rows, fewer than the vocabulary ({V}).")
-        return w[:V]  # padding rows never reach the logits
-
-    out["transformer.wte.weight"] = rows("wte.weight")
-    out["transformer.wpe.weight"] = take("wpe.weight")
+    out = {"transformer.wte.weight": take("wte.weight"), "transformer.wpe.weight": take("wpe.weight"),
+           "transformer.ln_f.weight": take("ln_f.weight"), "transformer.ln_f.bias": take("ln_f.bias")}
     C = cfg.n_embd
     for i in range(cfg.n_layer):
         s, d = f"blocks.{i}.", f"transformer.h.{i}."
-        for ln in ("ln_1", "ln_2"):
-            out[f"{d}{ln}.weight"] = take(f"{s}{ln}.weight")
-            out[f"{d}{ln}.bias"] = take(f"{s}{ln}.bias")
-        if f"{s}attn.c_attn.weight" in sd:
-            w, b = take(f"{s}attn.c_attn.weight"), take(f"{s}attn.c_attn.bias")
-        else:
-            w = torch.cat([take(f"{s}attn.{n}_proj.weight") for n in "qkv"])
-            b = torch.cat([take(f"{s}attn.{n}_proj.bias") for n in "qkv"])
-        if tuple(w.shape) != (3 * C, C):
-            raise CheckpointError(f"'{s}attn' q/k/v weight has shape {tuple(w.shape)}, expected {(3 * C, C)}.")
-        out[f"{d}attn.c_attn.weight"], out[f"{d}attn.c_attn.bias"] = w.t(), b
-        for name in ("attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
-            out[f"{d}{name}.weight"] = take(f"{s}{name}.weight").t()
+        for name in ("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias", "attn.c_attn.bias"):
+            out[d + name] = take(s + name)
+        for name in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
+            out[f"{d}{name}.weight"] = take(f"{s}{name}.weight").t()  # Conv1D: (in, out)
             out[f"{d}{name}.bias"] = take(f"{s}{name}.bias")
-    out["transformer.ln_f.weight"] = take("ln_f.weight")
-    out["transformer.ln_f.bias"] = take("ln_f.bias")
-    if cfg.tie_embeddings:
-        if "lm_head.weight" in sd:
-            used.add("lm_head.weight")
-            if not torch.equal(sd["lm_head.weight"][:V], sd["wte.weight"][:V]):
-                raise CheckpointError(
-                    "model.tie_embeddings is true but lm_head.weight differs from wte.weight in this state dict; "
-                    "the config does not describe these weights."
-                )
-    else:
-        out["lm_head.weight"] = rows("lm_head.weight")
+        if tuple(out[f"{d}attn.c_attn.weight"].shape) != (C, 3 * C):
+            raise CheckpointError(f"'{s}attn' q/k/v weight has shape {tuple(sd[s + 'attn.c_attn.weight'].shape)}, "
+                                  f"expected {(3 * C, C)}.")
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = take("lm_head.weight")
+    elif "lm_head.weight" in sd:
+        used.add("lm_head.weight")
+        if not torch.equal(sd["lm_head.weight"], sd["wte.weight"]):
+            raise CheckpointError("model.tie_embeddings is true but lm_head.weight differs from wte.weight in this state "
+                                  "dict; the config does not describe these weights.")
     extra = sorted(k for k in sd if k not in used)
     if extra:
-        raise CheckpointError(
-            f"the state dict holds weights GPT-2 has no place for: {', '.join(extra[:5])}"
-            f"{' ...' if len(extra) > 5 else ''}; it cannot be exported as GPT-2."
-        )
+        raise CheckpointError(f"the state dict holds weights GPT-2 has no place for: {', '.join(extra[:5])}"
+                              f"{' ...' if len(extra) > 5 else ''}; it cannot be exported as GPT-2.")
     return {k: v.detach().contiguous().clone() for k, v in out.items()}
 
 
@@ -295,67 +246,46 @@ def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], hf_cfg: Mapping[str, A
         fields["block_size"] = block_size
     cfg = dataclasses.replace(base if base is not None else ModelConfig(), **fields)
     V, C, L = fields["vocab_size"], fields["n_embd"], fields["n_layer"]
-    m = cfg.vocab_pad_multiple
-    Vp = (V + m - 1) // m * m
-
-    sd: dict[str, torch.Tensor] = {}
-    for k, v in hf_sd.items():
-        if k.endswith(_IGNORED_SUFFIXES):
-            continue
-        sd[k.removeprefix("transformer.")] = v
+    sd = {k.removeprefix("transformer."): v for k, v in hf_sd.items() if not k.endswith(_IGNORED_SUFFIXES)}
     used: set[str] = set()
 
     def take(key: str, shape: tuple[int, ...]) -> torch.Tensor:
         if key not in sd:
             raise CheckpointError(f"{where}: '{key}' is missing; the folder is not a complete GPT-2 of its config.json.")
-        t = sd[key]
-        if tuple(t.shape) != shape:
-            raise CheckpointError(
-                f"{where}: '{key}' has shape {tuple(t.shape)}, but config.json implies {shape}; weights and "
-                "config do not match."
-            )
+        if tuple(sd[key].shape) != shape:
+            raise CheckpointError(f"{where}: '{key}' has shape {tuple(sd[key].shape)}, but config.json implies "
+                                  f"{shape}; weights and config do not match.")
         used.add(key)
-        return t
+        return sd[key]
 
-    def padded(w: torch.Tensor) -> torch.Tensor:
-        return torch.cat([w, w.new_zeros(Vp - V, C)]) if Vp > V else w.clone()
-
-    out: dict[str, torch.Tensor] = {}
-    out["wte.weight"] = padded(take("wte.weight", (V, C)))
-    out["wpe.weight"] = take("wpe.weight", (hf_cfg["n_positions"], C))[: cfg.block_size].clone()
+    out = {"wte.weight": take("wte.weight", (V, C)),
+           "wpe.weight": take("wpe.weight", (hf_cfg["n_positions"], C))[: cfg.block_size].clone()}
     for i in range(L):
         s, d = f"h.{i}.", f"blocks.{i}."
-        for ln in ("ln_1", "ln_2"):
-            out[f"{d}{ln}.weight"] = take(f"{s}{ln}.weight", (C,))
-            out[f"{d}{ln}.bias"] = take(f"{s}{ln}.bias", (C,))
-        w = take(f"{s}attn.c_attn.weight", (C, 3 * C)).t()
-        b = take(f"{s}attn.c_attn.bias", (3 * C,))
-        if cfg.fused_qkv:
-            out[f"{d}attn.c_attn.weight"], out[f"{d}attn.c_attn.bias"] = w, b
-        else:
-            for n, wp, bp in zip("qkv", w.chunk(3, dim=0), b.chunk(3, dim=0)):
-                out[f"{d}attn.{n}_proj.weight"], out[f"{d}attn.{n}_proj.bias"] = wp, bp
+        for name in ("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias"):
+            out[d + name] = take(s + name, (C,))
+        out[f"{d}attn.c_attn.weight"] = take(f"{s}attn.c_attn.weight", (C, 3 * C)).t()  # Conv1D: (in, out)
+        out[f"{d}attn.c_attn.bias"] = take(f"{s}attn.c_attn.bias", (3 * C,))
         for name, shape in (("attn.c_proj", (C, C)), ("mlp.c_fc", (C, 4 * C)), ("mlp.c_proj", (4 * C, C))):
             out[f"{d}{name}.weight"] = take(f"{s}{name}.weight", shape).t()
             out[f"{d}{name}.bias"] = take(f"{s}{name}.bias", (shape[1],))
-    out["ln_f.weight"] = take("ln_f.weight", (C,))
-    out["ln_f.bias"] = take("ln_f.bias", (C,))
+    out["ln_f.weight"], out["ln_f.bias"] = take("ln_f.weight", (C,)), take("ln_f.bias", (C,))
     if cfg.tie_embeddings:
         used.add("lm_head.weight")  # a tied head is wte; a stored copy (older savers) is ignored
-        out["lm_head.weight"] = out["wte.weight"]
+    elif "lm_head.weight" not in sd:
+        raise CheckpointError(f"{where}: tie_word_embeddings is false but 'lm_head.weight' is missing; the untied "
+                              "head's weights are not in the folder.")
     else:
-        if "lm_head.weight" not in sd:
-            raise CheckpointError(
-                f"{where}: tie_word_embeddings is false but 'lm_head.weight' is missing; the untied head's "
-                "weights are not in the folder."
-            )
-        out["lm_head.weight"] = padded(take("lm_head.weight", (V, C)))
+        out["lm_head.weight"] = take("lm_head.weight", (V, C))
     extra = sorted(k for k in sd if k not in used)
     if extra:
-        raise CheckpointError(
-            f"{where}: weights a GPT-2 of this config does not have: {', '.join(extra[:5])}"
-            f"{' ...' if len(extra) > 5 else ''}. Is it a GPT2LMHeadModel folder?"
-        )
+        raise CheckpointError(f"{where}: weights a GPT-2 of this config does not have: {', '.join(extra[:5])}"
+                              f"{' ...' if len(extra) > 5 else ''}. Is it a GPT2LMHeadModel folder?")
+    with torch.device("meta"):
+        target = GPT(cfg, V)
+    out = adapt_state_dict(out, target)  # fused or separate q/k/v, vocabulary padding
+    if cfg.tie_embeddings:
+        out["lm_head.weight"] = out["wte.weight"]
     return cfg, {k: v.contiguous() for k, v in out.items()}
 
 
@@ -363,19 +293,29 @@ def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], hf_cfg: Mapping[str, A
 # Folders
 
 
-def is_hf_gpt2_folder(path: str | Path) -> bool:
-    """True when ``path`` is a folder with a ``config.json`` of model_type 'gpt2'."""
-    p = Path(path) / CONFIG_NAME
-    if not p.is_file():
-        return False
-    try:
-        return json.loads(p.read_text(encoding="utf-8")).get("model_type") == "gpt2"
-    except (OSError, ValueError, AttributeError):
-        return False
+def hf_architecture(c: Mapping[str, Any], where: str) -> str:
+    """The class a config.json describes, if tokenmill converts it: 'GPT2LMHeadModel' (model_type 'gpt2')
+    or a Llama-family class (``architectures``, else ``model_type``). :class:`CheckpointError` naming
+    the value otherwise."""
+    archs, mt = c.get("architectures"), c.get("model_type")
+    if mt == "gpt2":
+        return GPT2
+    known = ", ".join([GPT2, *hf_llama.ARCHITECTURES])
+    if archs is None:
+        by_type = {t: a for a, t in hf_llama.ARCHITECTURES.items()}
+        if mt in by_type:
+            return by_type[mt]
+        raise CheckpointError(f"{where}: model_type is {mt!r} and no architectures are given; tokenmill converts "
+                              f"{known} (model_type 'gpt2', {', '.join(repr(t) for t in by_type)}).")
+    if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in hf_llama.ARCHITECTURES:
+        raise CheckpointError(f"{where}: architectures is {archs!r}; tokenmill converts one of {known}.")
+    want = hf_llama.ARCHITECTURES[archs[0]]
+    if mt is not None and mt != want:
+        raise CheckpointError(f"{where}: model_type is {mt!r} but architectures names {archs[0]} (model_type {want!r}).")
+    return archs[0]
 
 
-def read_hf_config(folder: str | Path) -> dict[str, Any]:
-    """The ``config.json`` of a Hugging Face GPT-2 folder, checked (CheckpointError otherwise)."""
+def _read_config(folder: str | Path) -> dict[str, Any]:
     p = Path(folder) / CONFIG_NAME
     if not p.is_file():
         raise CheckpointError(
@@ -388,7 +328,34 @@ def read_hf_config(folder: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"'{p}' cannot be read as JSON ({e}).") from None
     if not isinstance(c, dict):
         raise CheckpointError(f"'{p}' is not a JSON object.")
-    _check_hf_config(c, str(p))
+    return c
+
+
+def is_hf_folder(path: str | Path, architecture: str | None = None) -> bool:
+    """True when ``path`` is a folder with a ``config.json`` of a class tokenmill converts (of
+    ``architecture`` when given); no weights are read and the config is not checked further."""
+    try:
+        arch = hf_architecture(_read_config(path), CONFIG_NAME)
+    except CheckpointError:
+        return False
+    return architecture is None or arch == architecture
+
+
+def is_hf_gpt2_folder(path: str | Path) -> bool:
+    """True when ``path`` is a folder with a ``config.json`` of model_type 'gpt2'."""
+    return is_hf_folder(path, GPT2)
+
+
+def read_hf_config(folder: str | Path) -> dict[str, Any]:
+    """The ``config.json`` of a Hugging Face model folder, checked for its family (CheckpointError
+    naming the field tokenmill cannot compute exactly)."""
+    c = _read_config(folder)
+    where = str(Path(folder) / CONFIG_NAME)
+    arch = hf_architecture(c, where)
+    if arch == GPT2:
+        _check_hf_config(c, where)
+    else:
+        hf_llama.check_config(c, arch, where)
     return c
 
 
@@ -442,39 +409,70 @@ def read_hf_weights(folder: str | Path) -> dict[str, torch.Tensor]:
     )
 
 
+def load_hf(folder: str | Path, base: ModelConfig | None = None,
+            block_size: int | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read a Hugging Face model folder of any class tokenmill converts: ``(ModelConfig, state dict)``
+    for ``GPT(cfg, cfg.vocab_size)``. ``base``: the fields that do not change the function (attention
+    kernel, fused q/k/v, padding, ...); ``block_size``: a context up to the model's (default: its own).
+    Raises :class:`CheckpointError` naming the file and the problem (missing weights, shapes that
+    contradict config.json, a model tokenmill cannot compute exactly)."""
+    c = read_hf_config(folder)
+    arch = hf_architecture(c, str(folder))
+    if arch == GPT2:
+        return from_hf_state_dict(read_hf_weights(folder), c, base, block_size, where=str(folder))
+    return hf_llama.from_hf_state_dict(read_hf_weights(folder), c, arch, base, block_size, where=str(folder))
+
+
 def load_hf_gpt2(folder: str | Path, base: ModelConfig | None = None,
                  block_size: int | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read a Hugging Face GPT-2 folder: ``(ModelConfig, state dict)`` for ``GPT(cfg, cfg.vocab_size)``.
-
-    See :func:`from_hf_state_dict` for ``base`` and ``block_size``. Raises :class:`CheckpointError`
-    naming the file and the problem (missing weights, shapes that contradict config.json, a model
-    tokenmill cannot compute exactly).
-    """
-    hf_cfg = read_hf_config(folder)
-    return from_hf_state_dict(read_hf_weights(folder), hf_cfg, base, block_size, where=str(folder))
+    """:func:`load_hf` for a GPT-2 folder only (another model_type is an error)."""
+    c = _read_config(folder)
+    _check_hf_config(c, str(Path(folder) / CONFIG_NAME))
+    return from_hf_state_dict(read_hf_weights(folder), c, base, block_size, where=str(folder))
 
 
-def save_hf_gpt2(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path,
-                 vocab_size: int | None = None, eot_id: int | None = None) -> Path:
-    """Write a Hugging Face GPT-2 folder (``config.json`` + ``model.safetensors``) equal to a tokenmill
-    model, and return its path. ``transformers.GPT2LMHeadModel.from_pretrained(out_dir)`` loads it.
+def export_architecture(cfg: ModelConfig, like: Mapping[str, Any] | None = None) -> str:
+    """The Hugging Face class a tokenmill model of ``cfg`` is exported as: GPT-2 for learned positions,
+    else a Llama-family class (the class of the config.json ``like``, e.g. the source of a fine-tuning
+    run, when it holds the model exactly; see :func:`tokenmill.model.hf_llama.export_architecture`).
+    :class:`CheckpointError` with the reason when no class holds it exactly."""
+    if cfg.pos_emb == "learned":
+        check_exportable(cfg)
+        return GPT2
+    try:
+        prefer = hf_architecture(like, CONFIG_NAME) if like else None
+    except CheckpointError:
+        prefer = None
+    return hf_llama.export_architecture(cfg, prefer)
+
+
+def save_hf(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path,
+            vocab_size: int | None = None, eot_id: int | None = None,
+            like: Mapping[str, Any] | None = None) -> Path:
+    """Write a Hugging Face folder (``config.json`` + ``model.safetensors``) of the class
+    :func:`export_architecture` picks, equal to a tokenmill model; ``from_pretrained(out_dir)`` loads it.
 
     ``state_dict``: the GPT's (single-process, unsharded; on any device, any float dtype: written as
     stored). ``vocab_size``: the true vocabulary (default ``cfg.vocab_size``). ``eot_id``: the
-    tokenizer's end-of-text id, written as bos/eos id. Files are written under temporary names and
-    renamed into place, config.json last. Tokenizer files are separate:
-    :func:`tokenmill.data.tokenizers.write_hf_tokenizer`.
+    tokenizer's end-of-text id, written as bos/eos id (for a Llama-family class: the bos/eos/pad ids
+    of ``like`` when given). Files are written under temporary names and renamed into place,
+    config.json last. Tokenizer files are separate: :func:`tokenmill.data.tokenizers.write_hf_tokenizer`.
     """
     try:
         from safetensors.torch import save_file
     except ImportError:
         raise CheckpointError(f"writing a Hugging Face folder needs the safetensors package. Fix: {_HF_INSTALL}.") from None
-    hf_sd = to_hf_state_dict(state_dict, cfg, vocab_size)
-    V = hf_sd["transformer.wte.weight"].size(0)
+    arch = export_architecture(cfg, like)
+    if arch == GPT2:
+        hf_sd = to_hf_state_dict(state_dict, cfg, vocab_size)
+    else:
+        hf_sd = hf_llama.to_hf_state_dict(state_dict, cfg, arch, vocab_size)
+    V = vocab_size if vocab_size is not None else cfg.vocab_size
     dtypes = {t.dtype for t in hf_sd.values()}
     if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
         raise CheckpointError(f"the weights mix dtypes {sorted(map(str, dtypes))}; cast the model to one float dtype first.")
-    config = hf_config(cfg, V, eot_id, next(iter(dtypes)))
+    dtype = next(iter(dtypes))
+    config = (hf_config(cfg, V, eot_id, dtype) if arch == GPT2 else hf_llama.hf_config(cfg, arch, V, dtype, eot_id, like))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG_NAME).unlink(missing_ok=True)  # incomplete until config.json lands again
@@ -488,3 +486,10 @@ def save_hf_gpt2(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig, out_d
     tmp.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, out / CONFIG_NAME)
     return out
+
+
+def save_hf_gpt2(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path,
+                 vocab_size: int | None = None, eot_id: int | None = None) -> Path:
+    """:func:`save_hf` for a model with a GPT-2 form (:func:`check_exportable` says why not)."""
+    check_exportable(cfg)
+    return save_hf(state_dict, cfg, out_dir, vocab_size, eot_id)

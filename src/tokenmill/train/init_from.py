@@ -1,15 +1,18 @@
 """``train.init_from``: start a run from the weights of another model (fine-tuning), not from a random init.
 
 The source is a tokenmill run directory (its newest good checkpoint, single file or sharded DCP), one
-checkpoint of a run (``RUN/checkpoints/step_XXXXXXXX.pt`` or ``.dcp``), or a local Hugging Face GPT-2
-folder (``config.json`` + ``model.safetensors``, or ``pytorch_model.bin`` read with
-``weights_only=True``).
+checkpoint of a run (``RUN/checkpoints/step_XXXXXXXX.pt`` or ``.dcp``), or a local Hugging Face folder
+of a class :mod:`tokenmill.model.hf` converts: ``GPT2LMHeadModel``, ``LlamaForCausalLM``,
+``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM`` (``config.json`` + ``model.safetensors``,
+or shards with their ``*.index.json``, or ``pytorch_model.bin`` read with ``weights_only=True``).
 
-- **Shape from the source.** ``model.vocab_size``, ``n_layer``, ``n_head``, ``n_embd``, ``bias``,
-  ``qkv_bias`` and ``tie_embeddings`` are the source's; ``model.block_size`` may be smaller than the
-  source's context (the first position embeddings are kept), never larger; a tied source may be
-  untied (``model.tie_embeddings=false``, e.g. for pipeline parallelism: the head starts as a copy of
-  the token embedding). A value chosen explicitly
+- **Shape from the source.** Every architecture field (``model.vocab_size``, ``n_layer``, ``n_head``,
+  ``n_embd``, ``n_kv_head``, ``head_dim``, ``intermediate_size``, ``pos_emb``, ``rope_*``, ``norm_type``,
+  ``norm_eps``, ``mlp``, ``bias``, ``qkv_bias``, ``qk_norm``, ``tie_embeddings``: ``config.shape_fields()``)
+  is the source's; ``model.block_size`` may be smaller than the source's context (learned positions:
+  the first position embeddings are kept), never larger (a Mistral/Qwen sliding window shorter than
+  the context caps it); a tied source may be untied (``model.tie_embeddings=false``, e.g. for pipeline
+  parallelism: the head starts as a copy of the token embedding). A value chosen explicitly
   (on the command line or in a ``--config`` file; in Python: a value other than the field's default)
   that contradicts the source is a :class:`~tokenmill.errors.ConfigError` naming both. The run keeps
   its own forms of the same math (attention kernel, fused or separate q/k/v, vocabulary padding,
@@ -22,7 +25,8 @@ folder (``config.json`` + ``model.safetensors``, or ``pytorch_model.bin`` read w
   :func:`~tokenmill.train.parallelize.build_model` builds, before any switch, so pipeline split,
   tensor parallelism and FSDP split the loaded values.
 - **Same tokenizer.** The data's vocabulary must be the source's (and, for a run, its tokenizer the
-  same kind); otherwise a :class:`~tokenmill.errors.DataError` says to tokenize the text with
+  same kind; a smaller one only when both tokenizer.json files hold the same tokens, as a Qwen
+  tokenizer's for a model with padded embedding rows); otherwise a :class:`~tokenmill.errors.DataError` says to tokenize the text with
   ``tokenmill prepare --tokenizer-from SOURCE``.
 - A run with ``train.max_steps = 0`` saves the loaded weights as its step-0 checkpoint (a converted
   model, e.g. to ``tokenmill export`` or ``tokenmill eval`` it).
@@ -43,7 +47,7 @@ from tokenmill import checkpoint
 from tokenmill import config as C
 from tokenmill.checkpoint.files import DCP_NAME, FILE_NAME
 from tokenmill.errors import CheckpointError, ConfigError, DataError
-from tokenmill.model import GPT, hf
+from tokenmill.model import GPT, hf, hf_llama
 from tokenmill.model.gpt import adapt_state_dict
 
 __all__ = ["InitSource", "adopt_shape", "explicit_keys", "find_source", "prepare_init_from"]
@@ -52,19 +56,22 @@ __all__ = ["InitSource", "adopt_shape", "explicit_keys", "find_source", "prepare
 
 @dataclass
 class InitSource:
-    """A model to start from: ``kind`` 'hf' (a Hugging Face GPT-2 folder) or 'run' (a tokenmill run's
-    ``checkpoint``); ``fields``: its shape (:data:`C.shape_fields()` and ``block_size``, its context);
-    ``tokenizer_json``: the source's ``tokenizer.json``, when it has one."""
+    """A model to start from: ``kind`` 'hf' (a Hugging Face folder of class ``architecture``) or 'run' (a
+    tokenmill run's ``checkpoint``); ``fields``: its shape (:data:`C.shape_fields()` and ``block_size``, its
+    longest context, ``context_why`` says what limits it); ``tokenizer_json``: the source's
+    ``tokenizer.json``, when it has one."""
 
     path: Path
     kind: str
     fields: dict[str, Any]
     checkpoint: Optional[Path] = None
     tokenizer_json: Optional[Path] = None
+    architecture: Optional[str] = None
+    context_why: str = "its block_size"
 
     def describe(self) -> str:
         if self.kind == "hf":
-            return f"the Hugging Face GPT-2 folder {self.path}"
+            return f"the Hugging Face {self.architecture} folder {self.path}"
         return f"the run {self.path} (checkpoint {self.checkpoint.name})"
 
     def weights(self, model_cfg: C.ModelConfig, vocab_size: int) -> dict[str, torch.Tensor]:
@@ -74,11 +81,12 @@ class InitSource:
             raise ConfigError(f"the model's vocabulary ({vocab_size}) is not the one of {self.describe()} "
                               f"({self.fields['vocab_size']}).")
         if self.kind == "hf":
-            _, sd = hf.load_hf_gpt2(self.path, base=model_cfg, block_size=model_cfg.block_size)
+            _, sd = hf.load_hf(self.path, base=model_cfg, block_size=model_cfg.block_size)
             return sd
         model, _, _ = checkpoint.load_model(self.path, self.checkpoint)
         sd = model.state_dict()
-        sd["wpe.weight"] = sd["wpe.weight"][: model_cfg.block_size]
+        if "wpe.weight" in sd:  # learned positions: the first block_size
+            sd["wpe.weight"] = sd["wpe.weight"][: model_cfg.block_size]
         with torch.device("meta"):
             target = GPT(model_cfg, vocab_size)
         return adapt_state_dict(sd, target)
@@ -91,11 +99,15 @@ class InitSource:
 
     def check_data(self, data_vocab: int, data_dir: Optional[Path]) -> None:
         """The data must be tokenized as the source was: the same vocabulary size and, when both have a
-        ``tokenizer.json``, the same tokens at the same ids. ``data_dir`` None: synthetic tokens."""
+        ``tokenizer.json``, the same tokens at the same ids; a smaller vocabulary only when both have
+        one (a model whose embedding has more rows than its tokenizer ids, as Qwen's). ``data_dir``
+        None: synthetic tokens."""
         vocab = self.fields["vocab_size"]
-        if data_vocab != vocab:
+        data_tok = Path(data_dir) / "tokenizer.json" if data_dir is not None else None
+        fewer_ok = data_vocab < vocab and data_tok is not None and _same_tokens(self.tokenizer_json, data_tok, True)
+        if data_vocab != vocab and not fewer_ok:
             what = f"a vocabulary of {data_vocab} ids, but {self.describe()} has {vocab}"
-        elif data_dir is not None and not _same_tokens(self.tokenizer_json, Path(data_dir) / "tokenizer.json"):
+        elif data_tok is not None and not _same_tokens(self.tokenizer_json, data_tok):
             what = (f"a tokenizer.json whose tokens differ from those of {self.describe()} ({self.tokenizer_json}), "
                     f"though both have {vocab} ids")
         else:
@@ -114,10 +126,9 @@ def find_source(path: str | Path) -> InitSource:
     p = Path(path).expanduser()
     if not p.exists():
         raise CheckpointError(f"train.init_from: '{p}' does not exist; pass a tokenmill run directory, one of its "
-                              "checkpoints, or a local Hugging Face GPT-2 folder.")
-    if p.is_dir() and (p / hf.CONFIG_NAME).is_file():  # a Hugging Face folder (any model_type is checked)
-        fields = hf.hf_model_fields(hf.read_hf_config(p))
-        return InitSource(p, "hf", fields, tokenizer_json=p / "tokenizer.json")
+                              "checkpoints, or a local Hugging Face model folder.")
+    if p.is_dir() and (p / hf.CONFIG_NAME).is_file():  # a Hugging Face folder (any class is checked)
+        return _hf_source(p)
     if FILE_NAME.match(p.name) or DCP_NAME.match(p.name):  # one checkpoint of a run
         run_dir, ckpt, state = p.parent.parent, p, checkpoint.read_state(p)
     else:
@@ -125,7 +136,7 @@ def find_source(path: str | Path) -> InitSource:
         if found is None:
             raise CheckpointError(
                 f"train.init_from: '{p}' is neither a tokenmill run directory with a checkpoint (RUN/checkpoints/) "
-                "nor a Hugging Face GPT-2 folder (config.json + model.safetensors or pytorch_model.bin)."
+                "nor a Hugging Face model folder (config.json + model.safetensors or pytorch_model.bin)."
             )
         run_dir, (ckpt, state) = p, found
     try:
@@ -142,11 +153,24 @@ def find_source(path: str | Path) -> InitSource:
     return InitSource(run_dir, "run", fields, ckpt, tok_json if tok_json and tok_json.is_file() else None)
 
 
-def _same_tokens(a: Optional[Path], b: Path) -> bool:
-    """Whether two tokenizer.json files map the same tokens to the same ids (True when either is
-    missing or unreadable: nothing to compare)."""
+def _hf_source(p: Path) -> InitSource:
+    """A Hugging Face folder as a source: its class, shape and what limits its context."""
+    c = hf.read_hf_config(p)
+    arch = hf.hf_architecture(c, str(p))
+    why = "its n_positions: there are no position embeddings beyond it"
+    if arch != hf.GPT2:
+        s = hf_llama.check_config(c, arch, str(p))
+        why = (f"its sliding_window: {arch} attends only to the last {s.window} positions, tokenmill to all"
+               if s.window and s.window < s.max_positions else "its max_position_embeddings")
+    return InitSource(p, "hf", hf.hf_model_fields(c), tokenizer_json=p / "tokenizer.json", architecture=arch,
+                      context_why=why)
+
+
+def _same_tokens(a: Optional[Path], b: Path, strict: bool = False) -> bool:
+    """Whether two tokenizer.json files map the same tokens to the same ids (when either is missing or
+    unreadable, nothing to compare: True, or False when ``strict``)."""
     if a is None or not a.is_file() or not b.is_file():
-        return True
+        return not strict
     try:
         ta, tb = (json.loads(p.read_text(encoding="utf-8")) for p in (a, b))
 
@@ -155,7 +179,7 @@ def _same_tokens(a: Optional[Path], b: Path) -> bool:
 
         return tokens(ta) == tokens(tb)
     except (OSError, ValueError, KeyError, TypeError):
-        return True
+        return not strict
 
 
 def adopt_shape(cfg: C.Config, src: InitSource, explicit: Optional[Iterable[str]] = None) -> C.Config:
@@ -172,7 +196,7 @@ def adopt_shape(cfg: C.Config, src: InitSource, explicit: Optional[Iterable[str]
             if chosen and ours > theirs:
                 raise ConfigError(
                     f"model.block_size {ours} exceeds the context of train.init_from {src.describe()} ({theirs} "
-                    f"positions): there are no position embeddings beyond it. Use --model.block_size <= {theirs}."
+                    f"positions, {src.context_why}). Use --model.block_size <= {theirs}."
                 )
             if not chosen:
                 out.model.block_size = theirs
