@@ -98,3 +98,72 @@ def test_counted_on_the_model():
         model = GPT(cfg, 50)
         blocks = sum(p.numel() for n, p in model.named_parameters() if n.startswith(("blocks.", "ln_f.")))
         assert flop_params(cfg, 50) == blocks + 50 * 32
+
+
+# ----------------------------------------------------------------------------------------------
+# The Llama family: grouped-query attention, SwiGLU, RMSNorm, no biases, no position embedding
+
+# Llama 3.2 1B (C=2048, L=16, H=32 query heads, KV=8 key/value heads, Q=64, I=8192, V=128256, T=8192):
+#   one block: q C*H*Q = 4,194,304; k and v 2*C*KV*Q = 2,097,152; o H*Q*C = 4,194,304;
+#              gate and up 2*C*I = 33,554,432; down I*C = 16,777,216; two RMSNorm weights 2C = 4,096
+#              -> 60,821,504; x 16 = 973,144,064; + final RMSNorm C = 2,048 -> 973,146,112
+#   head V*C = 262,668,288 (tied: it is the token embedding, counted once as the head)
+#   N = 1,235,814,400 (= the published 1.24B, every parameter counted once); 6N = 7,414,886,400
+#   attention 12 * L * H * Q * T = 12 * 16 * 32 * 64 * 8192 = 3,221,225,472
+#   total 10,636,111,872 FLOP/token (~10.6 GFLOP)
+LLAMA32_1B_N = 1_235_814_400
+LLAMA32_1B_FLOPS = 10_636_111_872
+
+
+def llama_n_by_hand(C: int, L: int, H: int, KV: int, Q: int, I: int, V: int) -> int:  # noqa: E741
+    """N of the convention for a Llama block stack, from the shape alone (no model built)."""
+    q, kv, o = C * H * Q, 2 * C * KV * Q, H * Q * C
+    mlp = 2 * C * I + I * C  # gate, up, down
+    norms = 2 * C
+    return L * (q + kv + o + mlp + norms) + C + V * C  # blocks, final norm, head once
+
+
+def test_llama32_1b_by_hand():
+    m = preset_model("llama3.2-1b")
+    assert (m.n_embd, m.n_layer, m.n_head, m.kv_heads, m.head_width, m.mlp_width) == (2048, 16, 32, 8, 64, 8192)
+    n = llama_n_by_hand(2048, 16, 32, 8, 64, 8192, 128256)
+    assert n == LLAMA32_1B_N == flop_params(m, 128256)
+    attention = 12 * 16 * 32 * 64 * 8192
+    assert flops_per_token(m, n, 8192) == 6 * n + attention == LLAMA32_1B_FLOPS
+
+
+def test_llama31_8b_untied_head_counts_once():
+    m = preset_model("llama3.1-8b")
+    n = llama_n_by_hand(4096, 32, 32, 8, 128, 14336, 128256)
+    assert flop_params(m, 128256) == n == 7_504_924_672  # 8,030,261,248 parameters less the 525,336,576 embedding
+    assert flop_params(preset_model("llama3.1-8b", tie_embeddings=True), 128256) == n
+
+
+def test_gqa_swiglu_qk_norm_and_qkv_bias_each_add_what_they_should():
+    """Each family switch changes N by exactly its matrices and vectors; the attention term counts query
+    heads only (grouped keys and values add no score or weighted-sum work)."""
+    C, L, H, Q, I, V, T = 64, 2, 8, 8, 160, 300, 128  # noqa: E741
+    base = dict(n_embd=C, n_layer=L, n_head=H, block_size=T, intermediate_size=I, pos_emb="rope",
+                norm_type="rmsnorm", bias=False, qkv_bias=False)
+    mha = ModelConfig(**base, mlp="swiglu")
+    gqa = ModelConfig(**base, mlp="swiglu", n_kv_head=2)
+    mqa = ModelConfig(**base, mlp="swiglu", n_kv_head=1)
+    gelu = ModelConfig(**base, mlp="gelu", n_kv_head=2)
+    assert flop_params(mha, V) == llama_n_by_hand(C, L, H, H, Q, I, V)
+    assert flop_params(mha, V) - flop_params(gqa, V) == L * 2 * C * (H - 2) * Q  # k and v of 6 fewer heads
+    assert flop_params(gqa, V) - flop_params(mqa, V) == L * 2 * C * Q
+    assert flop_params(gqa, V) - flop_params(gelu, V) == L * C * I  # SwiGLU's gate matrix
+    qk = ModelConfig(**base, mlp="swiglu", n_kv_head=2, qk_norm=True)
+    assert flop_params(qk, V) - flop_params(gqa, V) == L * 2 * Q  # one RMSNorm weight of head_dim each for q and k
+    bias = ModelConfig(**{**base, "qkv_bias": True}, mlp="swiglu", n_kv_head=2)
+    assert flop_params(bias, V) - flop_params(gqa, V) == L * (H + 2 * 2) * Q  # q, k, v biases (Qwen2)
+    wide = ModelConfig(**base, mlp="swiglu", n_kv_head=2, head_dim=16)  # Qwen3: heads wider than C / H
+    assert flop_params(wide, V) - flop_params(gqa, V) == L * (C * H + 2 * C * 2 + H * C) * (16 - Q)
+    attn = {flops_per_token(m, 0, T) for m in (mha, gqa, mqa, gelu, qk, bias)}
+    assert attn == {12.0 * L * H * Q * T}
+    assert flops_per_token(wide, 0, T) == 12.0 * L * H * 16 * T
+    for cfg in (gqa, qk, bias, wide):  # and the count is the built model's: all but the embedding, head once
+        torch.manual_seed(0)
+        model = GPT(cfg, V)
+        blocks = sum(p.numel() for n, p in model.named_parameters() if n.startswith(("blocks.", "ln_f.")))
+        assert flop_params(cfg, V) == blocks + V * C

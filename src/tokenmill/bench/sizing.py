@@ -9,8 +9,11 @@ time limit; any other failure stops the search with that error (a config mistake
 
 - max-batch: double from ``start`` until a probe is too big (or ``limit`` is reached), then binary
   search between the last fit and the first failure.
-- max-model: shapes of the GPT-2 / GPT-3 family ordered by parameter count (counted on the meta
-  device, nothing allocated); binary search for the largest that fits (memory grows with size).
+- max-model: shapes ordered by parameter count (counted on the meta device, nothing allocated); binary
+  search for the largest that fits (memory grows with size). The shapes follow the config's family: the
+  GPT-2 / GPT-3 shapes (:data:`SHAPES`) for a GELU model, the published Llama / Qwen / SmolLM2 shapes
+  (:data:`FAMILY_SHAPES`: layers, query and key/value heads, width, MLP width) for a SwiGLU one; every other
+  field (vocabulary, tying, biases, RoPE, norms, q/k norm) stays the config's (:func:`shape_overrides`).
 
 With a ``guess`` (the answer of the same search run on :class:`EstimateProbe`, which asks
 ``tokenmill estimate`` instead of training), the search starts there: it probes the guess, then steps
@@ -43,6 +46,20 @@ SHAPES: list[tuple[str, int, int, int]] = [
     ("9b-like", 36, 36, 4608),
     ("gpt3-13b", 40, 40, 5120),
     ("20b-like", 44, 48, 6144),
+]
+# (name, n_layer, n_head, n_kv_head, n_embd, intermediate_size) of the Llama family, from each model's
+# config.json (Hugging Face: HuggingFaceTB/SmolLM2-*, Qwen/Qwen2.5-*, meta-llama/Llama-3.*); heads of n_embd / n_head.
+FAMILY_SHAPES: list[tuple[str, int, int, int, int, int]] = [
+    ("smollm2-135m", 30, 9, 3, 576, 1536),
+    ("smollm2-360m", 32, 15, 5, 960, 2560),
+    ("qwen2.5-0.5b", 24, 14, 2, 896, 4864),
+    ("llama3.2-1b", 16, 32, 8, 2048, 8192),
+    ("qwen2.5-3b", 36, 16, 2, 2048, 11008),
+    ("llama3.2-3b", 28, 24, 8, 3072, 8192),
+    ("llama3.1-8b", 32, 32, 8, 4096, 14336),
+    ("qwen2.5-14b", 48, 40, 8, 5120, 13824),
+    ("qwen2.5-32b", 64, 40, 8, 5120, 27648),
+    ("llama3.1-70b", 80, 64, 8, 8192, 28672),
 ]
 PROBE_FIXED: dict[str, Any] = {
     "log.every_steps": 1,
@@ -218,15 +235,46 @@ def with_overrides(cfg: C.Config, overrides: dict[str, Any]) -> C.Config:
     return C.validate(C.apply_overrides(C.from_dict(cfg.to_dict()), overrides))
 
 
-def model_shapes(cfg: C.Config, shapes: Optional[list[tuple[str, int, int, int]]] = None,
+def _nearest_divisor(n: int, target: float) -> int:
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - target), -d))
+
+
+def family_fields(m: C.ModelConfig, n_head: int, n_embd: int) -> dict[str, Any]:
+    """The family fields of a shape given only layers, heads and width, scaled from the config ``m``: the
+    MLP width in ``m``'s ratio to the width (a multiple of 64; None when ``m`` leaves it to 4 x width), the
+    key/value heads in ``m``'s grouping (the divisor of ``n_head`` nearest ``n_head`` / group; None for
+    multi-head), heads of ``n_embd / n_head``."""
+    width = None if m.intermediate_size is None else max(64, round(m.mlp_width / m.n_embd * n_embd / 64) * 64)
+    kv = None if m.n_kv_head is None else _nearest_divisor(n_head, n_head * m.kv_heads / m.n_head)
+    return {"model.intermediate_size": width, "model.n_kv_head": kv, "model.head_dim": None}
+
+
+def shape_overrides(shape: dict[str, Any]) -> dict[str, Any]:
+    """The ``model.*`` overrides that turn a config into ``shape`` (a :func:`model_shapes` entry)."""
+    base = {"model.n_layer": shape["n_layer"], "model.n_head": shape["n_head"], "model.n_embd": shape["n_embd"]}
+    return {**base, **shape.get("family", {})}
+
+
+def model_shapes(cfg: C.Config, shapes: Optional[list[tuple]] = None,
                  max_params: Optional[float] = None) -> list[dict[str, Any]]:
     """The shapes with their parameter counts for ``cfg`` (its vocab, block size, head/bias
-    switches), sorted by size, without those above ``max_params``."""
+    switches), sorted by size, without those above ``max_params``. ``shapes``: (name, layers, heads,
+    width) tuples, whose other family fields are scaled from ``cfg`` (:func:`family_fields`), or (name,
+    layers, heads, key/value heads, width, MLP width) tuples; default :data:`FAMILY_SHAPES` for a SwiGLU
+    config, else :data:`SHAPES`."""
+    m = cfg.model
     out = []
-    for name, n_layer, n_head, n_embd in shapes or SHAPES:
-        c = with_overrides(cfg, {"model.n_layer": n_layer, "model.n_head": n_head, "model.n_embd": n_embd})
-        out.append({"name": name, "n_layer": n_layer, "n_head": n_head, "n_embd": n_embd,
-                    "params": count_params(c)})
+    for shape in shapes or (FAMILY_SHAPES if m.mlp == "swiglu" else SHAPES):
+        if len(shape) == 6:
+            name, n_layer, n_head, kv, n_embd, width = shape
+            family = {"model.intermediate_size": width, "model.n_kv_head": kv, "model.head_dim": None}
+        else:
+            name, n_layer, n_head, n_embd = shape
+            family = family_fields(m, n_head, n_embd)
+        family = {k: v for k, v in family.items() if v != getattr(m, k.split(".", 1)[1])}  # only what changes
+        entry = {"name": name, "n_layer": n_layer, "n_head": n_head, "n_embd": n_embd, "family": family}
+        entry["params"] = count_params(with_overrides(cfg, shape_overrides(entry)))
+        out.append(entry)
     out.sort(key=lambda s: s["params"])
     return [s for s in out if max_params is None or s["params"] <= max_params]
 
@@ -245,8 +293,7 @@ class SubprocessProbe:
     def overrides(self, value: Any) -> tuple[str, dict[str, Any]]:
         if self.kind == "batch":
             return f"batch-{value}", {"train.batch_size": value}
-        return value["name"], {"model.n_layer": value["n_layer"], "model.n_head": value["n_head"],
-                               "model.n_embd": value["n_embd"]}
+        return value["name"], shape_overrides(value)
 
     def __call__(self, value: Any) -> Probe:
         name, changes = self.overrides(value)
@@ -293,8 +340,7 @@ class EstimateProbe:
         if self.kind == "batch":
             cfg = with_overrides(self.cfg, {"train.batch_size": value})
         else:
-            cfg = with_overrides(self.cfg, {"model.n_layer": value["n_layer"], "model.n_head": value["n_head"],
-                                            "model.n_embd": value["n_embd"]})
+            cfg = with_overrides(self.cfg, shape_overrides(value))
         try:
             est = estimate(cfg, self.spec, self.nproc)
         except C.ConfigError as e:

@@ -62,32 +62,34 @@ def memory_advice(cfg: C.Config, gpu: str = "h100-sxm", nproc: int = 1, capacity
     cap = spec.memory_mb * MB
     head = f"this needs about {base / GB:.1f} GB per GPU (peak reserved"
     head += f", {spec.name} has {cap / GB:.1f} GB)" if cap else ")"
-    chosen: list[str] = []
+    chosen: list[dict] = []
     current, best = cfg, base
     for _ in range(4):  # greedy: the switch that saves the most, until it fits
         trials = []
-        for text, ov in candidate_switches(current):
+        for _text, ov in candidate_switches(current):
             c = _with(current, ov)
             if c is None:
                 continue
             try:
-                trials.append((_reserved(c, spec, nproc), text, c))
+                trials.append((_reserved(c, spec, nproc), ov, c))
             except TokenmillError:
                 continue
         if not trials:
             break
         trials.sort(key=lambda x: x[0])
         fitting = [t for t in trials if cap and t[0] <= cap]
-        value, text, c = fitting[0] if fitting and not chosen else trials[0]
+        value, ov, c = fitting[0] if fitting and not chosen else trials[0]
         if value >= best * 0.98:
             break
-        chosen.append(text)
+        chosen.append(ov)
         current, best = c, value
         if cap and best <= cap:
             break
     if not chosen:
         return head + "; no single switch of tokenmill's lowers it much: use more GPUs (parallel.dp_shard) or a smaller model"
-    tail = f"; with {' '.join(chosen)} it needs about {best / GB:.1f} GB"
+    merged = {k: v for ov in chosen for k, v in ov.items()}  # a switch taken twice (batch halving) once, last value
+    flags = " ".join(f"--{k} {str(v).lower() if isinstance(v, bool) else v}" for k, v in merged.items())
+    tail = f"; with {flags} it needs about {best / GB:.1f} GB"
     if cap and best > cap:
         tail += " (still more than the GPU has: shard over more GPUs with parallel.dp_shard)"
     return head + tail

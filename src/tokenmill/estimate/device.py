@@ -4,8 +4,9 @@ memory (:class:`DeviceModel`, a ``TorchFunctionMode`` active while a piece is tr
 - dropout keeps a 1-byte mask on CUDA (``native_dropout``); off CUDA PyTorch keeps a scaled copy of
   the input (4 bytes per element in fp32);
 - ``scaled_dot_product_attention`` runs a fused kernel on CUDA (flash / memory-efficient / cuDNN) that
-  keeps only its output and a (B, H, T) fp32 log-sum-exp; the CPU uses its fused kernel only without
-  dropout and otherwise the explicit math, which keeps the T x T attention matrix (asked of the CPU);
+  keeps only its output and a (B, H, T) fp32 log-sum-exp (with grouped-query attention only flash,
+  for fp16/bf16: in fp32 CUDA falls back to the explicit math); the CPU uses its fused kernel only
+  without dropout and otherwise the explicit math, which keeps the T x T attention matrix (asked of the CPU);
 - autocast: the ``meta`` device has none, so its policy is applied here: CUDA's op lists
   (ATen/autocast_mode.h) for a GPU, CPU autocast's (read from the CPU on tiny tensors) for a CPU,
   with the cast cache for parameters that autocast keeps for the whole forward;
@@ -16,6 +17,7 @@ memory (:class:`DeviceModel`, a ``TorchFunctionMode`` active while a piece is tr
 from __future__ import annotations
 
 import contextlib
+import weakref
 from functools import lru_cache
 from typing import Any, Optional
 
@@ -29,7 +31,7 @@ _ATEN = torch.ops.aten
 
 # CUDA autocast's op lists (ATen/autocast_mode.h) for the functions tokenmill's model calls
 _CUDA_LOWER = ("linear", "matmul", "bmm", "mm", "addmm", "baddbmm", "scaled_dot_product_attention")
-_CUDA_FP32 = ("layer_norm", "pow", "rsqrt", "softmax", "log_softmax", "cross_entropy", "nll_loss", "sum",
+_CUDA_FP32 = ("layer_norm", "rms_norm", "pow", "rsqrt", "softmax", "log_softmax", "cross_entropy", "nll_loss", "sum",
               "exp", "log", "logsumexp")
 
 
@@ -54,6 +56,7 @@ def cpu_autocast_policy(dtype: torch.dtype) -> tuple[frozenset, frozenset]:
         "baddbmm": lambda x: torch.baddbmm(x, x, x),
         "scaled_dot_product_attention": lambda x: F.scaled_dot_product_attention(x[None], x[None], x[None]),
         "layer_norm": lambda x: F.layer_norm(x, (4,)),
+        "rms_norm": lambda x: F.rms_norm(x, (4,)),
         "pow": lambda x: x.pow(3),
         "rsqrt": lambda x: torch.rsqrt(x),
         "softmax": lambda x: F.softmax(x, -1),
@@ -96,6 +99,17 @@ def cpu_sdpa_is_fused(dtype: torch.dtype, dropout_p: float) -> bool:
     return any("flash" in n for n in seen)
 
 
+def _cuda_fused(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether CUDA runs a fused attention kernel for these queries and keys: always with as many key/value
+    heads as query heads (flash, memory-efficient or cuDNN); with grouped-query attention only flash
+    attention takes the grouped keys and values (the memory-efficient kernel does not), which needs fp16 or
+    bf16 and heads of at most 256, else PyTorch falls back to the math path (keys and values repeated per
+    query head, the T x T attention matrix kept)."""
+    if q.size(-3) == k.size(-3):
+        return True
+    return q.dtype in (torch.float16, torch.bfloat16) and q.size(-1) <= 256
+
+
 class DeviceModel(TorchFunctionMode):
     """Make a ``meta`` trace behave as ``device`` ('cuda' or 'cpu') where memory differs (module doc).
 
@@ -117,7 +131,7 @@ class DeviceModel(TorchFunctionMode):
         self._active = False
         self._depth = 0
         self._in_backward = False
-        self._cache: dict[int, torch.Tensor] = {}
+        self._cache: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
         if autocast is not None:
             self.lower, self.fp32 = ((frozenset(_CUDA_LOWER), frozenset(_CUDA_FP32)) if self.cuda
                                      else cpu_autocast_policy(autocast))
@@ -171,11 +185,14 @@ class DeviceModel(TorchFunctionMode):
     def _cast(self, a: Any, dtype: torch.dtype, cache: bool) -> Any:
         if not isinstance(a, torch.Tensor) or not a.is_floating_point() or a.dtype == dtype:
             return a
-        if cache and a.is_leaf and a.requires_grad:  # autocast caches the casts of parameters
+        # autocast caches the casts of parameters: fp32 leaves that require grad and are not views (a view of
+        # a parameter made under no_grad, as in the chunked loss, is a leaf too), keyed by the tensor through
+        # a weak reference, as autocast's cache is (an id alone is reused once a short-lived tensor is gone)
+        if cache and a.dtype == torch.float32 and a.is_leaf and a.requires_grad and not a._is_view():
             hit = self._cache.get(id(a))
-            if hit is None:
-                hit = self._cache[id(a)] = a.to(dtype)
-            return hit
+            if hit is None or hit[0]() is not a:
+                hit = self._cache[id(a)] = (weakref.ref(a), a.to(dtype))
+            return hit[1]
         return a.to(dtype)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -192,7 +209,8 @@ class DeviceModel(TorchFunctionMode):
         if name == "scaled_dot_product_attention" and not self.sdpa_math:
             if self._active and "scaled_dot_product_attention" in self.lower:
                 args = tuple(self._cast(a, self.autocast, False) for a in args)
-            if self.cuda or self._cpu_fused.get(args[0].dtype, False):
+            fused = _cuda_fused(*args[:2]) if self.cuda else self._cpu_fused.get(args[0].dtype, False)
+            if fused:
                 return self._fused_attention(*args, **kwargs)
             return func(*args, **kwargs)
         if self._active:

@@ -178,10 +178,11 @@ def _comm_seconds(cfg: C.Config, lay: Layout, gpu: GPU, plan: Plan, pieces: Piec
     total = exposed = 0.0
     if lay.dp_shard > 1:
         n = lay.dp_shard
-        mp = 2 if cfg.parallel.fsdp_mixed_precision == "bf16" else 1
+        numel = sum(p.numel for p in plan.params)
+        mixed = cfg.parallel.fsdp_mixed_precision == "bf16"  # gathered in bf16, reduced in fp32
         gathers = 2 if cfg.parallel.fsdp_reshard_after_forward else 1
-        ag = gathers * accum * (grad_bytes / mp) * (n - 1) / n / bw
-        rs = (grad_bytes * (4 / 4)) * (n - 1) / n / bw
+        ag = gathers * accum * (2 * numel if mixed else grad_bytes) * (n - 1) / n / bw
+        rs = (4 * numel if mixed else grad_bytes) * (n - 1) / n / bw
         total += ag + rs
         exposed += max(0.0, ag + rs - 0.9 * compute_s)
     if lay.dp_replicate > 1:
@@ -192,13 +193,15 @@ def _comm_seconds(cfg: C.Config, lay: Layout, gpu: GPU, plan: Plan, pieces: Piec
         exposed += max(0.0, ar - 0.6 * compute_s)  # buckets overlap with the rest of backward
     if lay.tp > 1:
         n = lay.tp
-        act = pieces.batch * pieces.seq * cfg.model.n_embd * (2 if cfg.train.precision == "bf16" else 4)
+        # the row-wise projections' outputs (and in backward the column-wise ones' input gradients), (B, T, C)
+        # in the matmuls' dtype: bf16/fp16 under pure bf16 and autocast
+        act = pieces.batch * pieces.seq * cfg.model.n_embd * (4 if cfg.train.precision == "fp32" else 2)
         per_block = 4 * 2 * act * (n - 1) / n / bw  # 2 all-reduces forward, 2 backward
         tp = per_block * len(plan.stage_blocks) * accum
         total += tp
         exposed += tp
-    if lay.pp > 1:
-        act = pieces.batch * pieces.seq * cfg.model.n_embd * 4
+    if lay.pp > 1:  # the residual stream between stages: bf16 only under pure bf16
+        act = pieces.batch * pieces.seq * cfg.model.n_embd * (2 if cfg.train.precision == "bf16" else 4)
         n_mb = cfg.parallel.pp_microbatches or lay.pp
         p2p = 2 * act * n_mb * accum / bw
         total += p2p

@@ -10,7 +10,7 @@
   after, and reduce-scatters its gradients (after the last micro-batch, or every one with
   ``parallel.sync_every_microbatch``); the pipeline runs its micro-batches in the schedule's order;
 - the optimizer step: its state is created on the first step (two moments per parameter, in the
-  parameter's dtype; fp32 shards under FSDP), AdamW's temporaries (``foreach``: a square root per
+  parameter's dtype, also for FSDP's shards), AdamW's temporaries (``foreach``: a square root per
   parameter of a group at once; ``for-loop``: two per parameter, one parameter at a time; ``fused``:
   none), then the gradients are freed (``zero_grad(set_to_none=True)``; with
   ``optim.zero_grad='after_forward'`` after the next step's first forward). The memory switches change
@@ -60,7 +60,7 @@ def _state_bytes(cfg: C.Config, p: Param, shard: float) -> tuple[int, int]:
         return 0, int(4 * n * 4)  # fp32 master, two moments, gradient buffer
     if mem.optimizer_8bit and p.numel >= 4096 and p.numel % INT8_BLOCK == 0:
         return int(2 * (n + n / INT8_BLOCK * 4)), 0
-    dt = torch.float32 if (cfg.parallel.dp_shard > 1 or mem.optimizer_8bit) else p.dtype
+    dt = torch.float32 if mem.optimizer_8bit else p.dtype  # FSDP's shards keep the parameter's dtype
     return int(2 * n * _size(dt)), 0
 
 
@@ -111,16 +111,15 @@ def _optimizer_temps(tl: Timeline, cfg: C.Config, params: list[Param], shard: fl
                 tl.release(i)
         return
     impl = cfg.optim.impl
-    sdt = (lambda p: 4) if cfg.parallel.dp_shard > 1 else (lambda p: _size(p.dtype))
     if impl == "foreach":  # exp_avg_sq.sqrt() for a whole group at once
         for g in _groups(cfg, params):
-            ids = [tl.alloc(p.numel * shard * sdt(p), "temporaries") for p in g]
+            ids = [tl.alloc(p.numel * shard * _size(p.dtype), "temporaries") for p in g]
             for i in ids:
                 tl.release(i)
     elif impl == "for-loop":  # (exp_avg_sq.sqrt() / bias_correction).add_(eps): two temporaries
         for p in params:
-            a = tl.alloc(p.numel * shard * sdt(p), "temporaries")
-            b = tl.alloc(p.numel * shard * sdt(p), "temporaries")
+            a = tl.alloc(p.numel * shard * _size(p.dtype), "temporaries")
+            b = tl.alloc(p.numel * shard * _size(p.dtype), "temporaries")
             tl.release(a)
             tl.release(b)
 
@@ -178,6 +177,8 @@ class Step:
             if not offload:
                 tl.alloc(math.ceil(p.shape[0] * self.shard) * (p.numel // max(1, p.shape[0])) * _size(p.dtype)
                          if p.shape else p.nbytes, "parameters")
+        for nbytes in self.pieces.buffers:  # the model's own buffers (RoPE's cos/sin tables), on every rank and stage
+            tl.alloc(nbytes, "parameters")
         for i in plan.stage_blocks:
             buf = self.pieces.blocks[self.pieces.kinds[i]].buffer_bytes
             if buf:
@@ -232,7 +233,8 @@ class Step:
         present = [n for n in names if n in self.grads]
         if not present:
             return
-        total = sum(self.by_name[n].numel * 4 for n in present)  # reduced in fp32
+        mixed = self.cfg.parallel.fsdp_mixed_precision == "bf16"  # reduced in fp32; else in the gradients' dtype
+        total = sum(self.by_name[n].numel * (4 if mixed else _size(self.by_name[n].dtype)) for n in present)
         buf = tl.alloc(total, "communication buffers")
         for n in present:
             tl.release(self.grads.pop(n))

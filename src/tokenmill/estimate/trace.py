@@ -291,6 +291,7 @@ class Pieces:
     kinds: list[str]  # the kind of each block of the full model
     batch: int
     seq: int
+    buffers: list[int] = field(default_factory=list)  # bytes of each model-level buffer (the RoPE tables)
 
 
 def trace_pieces(cfg: C.Config, vocab_size: int, device: str, batch: Optional[int] = None,
@@ -336,4 +337,5 @@ def _trace_pieces(cfg: C.Config, vocab_size: int, device: str, batch: Optional[i
             traced[kind] = trace_block(model, block, shape, dt, devmode, accum, rounds)
     head = trace_head(model, shape, dt, devmode, accum, rounds)
     embed = trace_embed(model, B, T, devmode, tied_grad=m.tie_embeddings, accum=accum, rounds=rounds)
-    return Pieces(embed, traced, head, kinds, B, T)
+    buffers = [b.numel() * b.element_size() for n, b in model.named_buffers() if not n.startswith("blocks.")]
+    return Pieces(embed, traced, head, kinds, B, T, buffers)

@@ -233,8 +233,7 @@ class Trainer:
             f"{self.world.size} ({self.world.layout()}), {self.tokens_per_step:,} tokens/step, steps "
             f"{self.start_step}->{t.max_steps}, run dir {self.run_dir}"
         )
-        note = cpu_contention(thread_settings()) if device.type == "cpu" else None
-        if note:
+        if device.type == "cpu" and (note := cpu_contention(thread_settings())):
             self.progress.log(note)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
