@@ -54,13 +54,25 @@ def common(**over) -> dict:
     return base
 
 
-def single(tmp_path: Path, name: str, dp: int = 2, **over) -> dict[int, float]:
+def preset_cfg(preset: str = "tiny", **over):
+    """``conftest.tiny_cfg``'s test settings (synthetic tokens, vocab 64, CPU) on another test preset
+    (``tiny-llama``: the Llama-family model, see tests/test_parallel_families.py)."""
+    if preset == "tiny":
+        return tiny_cfg(**over)
+    from tokenmill import config as C
+
+    base = {"data.source": "synthetic", "model.vocab_size": 64, "train.device": "cpu", "log.progress": "plain",
+            "log.tensorboard": False}
+    return C.resolve(preset, overrides={**base, **over}, overrides_from_string=False)
+
+
+def single(tmp_path: Path, name: str, dp: int = 2, preset: str = "tiny", **over) -> dict[int, float]:
     """The single-process reference: the same global batch in one process (micro-batch x dp)."""
     from tokenmill.train.trainer import train
 
     over = common(**over)
     over["train.batch_size"] *= dp
-    train(tiny_cfg(**over), tmp_path / name, quiet=True)
+    train(preset_cfg(preset, **over), tmp_path / name, quiet=True)
     return losses(tmp_path / name)
 
 
@@ -353,7 +365,8 @@ def _worker(spec_path: str) -> None:
                 if step == kill_at and dist.get_rank() == 1 and not restarted:
                     os._exit(1)
 
-            train(tiny_cfg(**job["cfg"]), job["run_dir"], resume=job.get("resume", False), callbacks=Callbacks(on_step_end=fault),
+            cfg = preset_cfg(job.get("preset", "tiny"), **job["cfg"])
+            train(cfg, job["run_dir"], resume=job.get("resume", False), callbacks=Callbacks(on_step_end=fault),
                   quiet=True)
     finally:
         dist.destroy_process_group()

@@ -97,3 +97,25 @@ def test_changed_model_switch_message_names_the_fix():
     assert "model.fused_qkv: checkpoint True vs now False" in msg
     assert "--model.fused_qkv true" in msg  # resume with the checkpoint's value
     assert "train from the start" in msg and "--model.tie_embeddings false" in msg
+
+
+def test_llama_family_run_extended_by_resume_is_bit_identical(tmp_path):
+    """A finished tiny-llama run (RoPE, RMSNorm, SwiGLU, grouped-query attention; dropout on) of N steps,
+    resumed to 2N, gives the uninterrupted 2N-step run's losses and final weights bit for bit (the
+    cosine decays over optim.decay_steps = 2N in both, so the longer max_steps does not re-stretch it)."""
+    from test_parallel import preset_cfg
+
+    over = {"log.every_steps": 1, "model.dropout": 0.1, "optim.decay_steps": 8, "train.eval_every_steps": 2,
+            "train.eval_batches": 1}
+    train(preset_cfg("tiny-llama", **over, **{"train.max_steps": 8}), tmp_path / "full", quiet=True)
+    train(preset_cfg("tiny-llama", **over, **{"train.max_steps": 4}), tmp_path / "cut", quiet=True)
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path / "cut")] == [4]
+    train(preset_cfg("tiny-llama", **over, **{"train.max_steps": 8}), tmp_path / "cut", resume=True, quiet=True)
+    full, cut = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "cut")
+    for key in ("loss", "val_loss", "grad_norm", "lr"):
+        want = [(r["step"], r[key]) for r in full if key in r]
+        assert [(r["step"], r[key]) for r in cut if key in r] == want and len(want) >= 4, key
+    a, b = ckpt.read_latest(tmp_path / "full")[1]["model"], ckpt.read_latest(tmp_path / "cut")[1]["model"]
+    assert a.keys() == b.keys() and "blocks.0.mlp.c_gate.weight" in a and "wpe.weight" not in a
+    for k in a:
+        assert torch.equal(a[k], b[k]), k

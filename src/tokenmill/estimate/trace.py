@@ -260,6 +260,8 @@ def _tp_local(block: nn.Module, plan: dict[str, str], tp: int) -> None:
     """One tensor-parallel rank's block under the model's plan: a 'colwise' Linear keeps 1/tp of its
     output features, a 'rowwise' one 1/tp of its input features."""
     for path, kind in plan.items():
+        if kind not in ("colwise", "rowwise"):  # 'per_head' q/k norm weights stay whole on every rank
+            continue
         parent_path, _, name = path.rpartition(".")
         parent = block.get_submodule(parent_path)
         lin = getattr(parent, name, None)

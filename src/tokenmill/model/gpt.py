@@ -230,7 +230,7 @@ class GPT(nn.Module):
 
     def tp_plan(self, tp: int) -> dict[str, str]:
         """The tensor-parallel plan of every block (:meth:`~tokenmill.model.layers.Block.tp_plan`: module
-        path -> 'colwise' | 'rowwise'), after checking that this model splits into ``tp`` whole-head
+        path -> 'colwise' | 'rowwise' | 'per_head'), after checking that this model splits into ``tp`` whole-head
         shares. Embeddings, norms and the head stay replicated."""
         cfg = self.cfg
         if cfg.fused_qkv:

@@ -368,9 +368,12 @@ class Block(nn.Module):
         """The block's tensor-parallel plan, module path -> 'colwise' | 'rowwise' (Megatron style): the
         projections into heads and into the MLP's hidden units split by output features, so each rank
         computes whole heads and a slice of the hidden units; the two projections back to the residual
-        stream split by input features (one all-reduce each). Norms and q/k norms stay replicated."""
+        stream split by input features (one all-reduce each). Norms stay replicated; the q/k norm weights
+        ('per_head') are whole on every rank, which normalises only its own heads, so their gradients are
+        summed over the tensor-parallel ranks."""
         plan = {f"attn.{n}": "colwise" for n in ("q_proj", "k_proj", "v_proj")}
         plan["attn.c_proj"] = "rowwise"
         plan.update({f"mlp.{n}": "colwise" for n in ("c_gate", "c_fc") if hasattr(self.mlp, n)})
         plan["mlp.c_proj"] = "rowwise"
+        plan.update({f"attn.{n}": "per_head" for n in ("q_norm", "k_norm") if hasattr(self.attn, n)})
         return plan
