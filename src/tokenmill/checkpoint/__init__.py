@@ -134,12 +134,34 @@ def save_checkpoint(run_dir, step, model, optimizer, scheduler, scaler, cfg, wor
             path.parent.mkdir(parents=True, exist_ok=True)
             atomic_torch_save(state, path)
     if world.is_rank0:  # keep the newest keep_last up to this step; a newer one (a damaged checkpoint the run
-        # fell back from) is neither counted nor deleted, so rotation never removes the checkpoint just written
+        # fell back from) is neither counted nor deleted, so rotation never removes the checkpoint just written.
+        # The newest older one is kept too until this one has proved itself (a finite loss at the next step,
+        # see set_aside): a run stopped by a NaN always has a checkpoint that did not produce it.
         kept = [p for s, p in list_checkpoints(run_dir) if s <= step]
+        protect = kept[-2] if len(kept) >= 2 else None
         for old in kept[: -cfg.checkpoint.keep_last]:
-            shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)
+            if old != protect:
+                shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)
     barrier(world)
     return path
+
+
+SET_ASIDE = ".nonfinite"  # suffix of a checkpoint whose weights produced a non-finite loss
+
+
+def set_aside(run_dir: str | Path, from_step: int) -> list[Path]:
+    """Rename the checkpoints at ``from_step`` and later to ``NAME.nonfinite``: kept on disk, never loaded
+    again (the loader lists only proper names), so ``--resume`` starts from the newest checkpoint whose next
+    step was finite. Returns the new paths."""
+    moved = []
+    for s, p in list_checkpoints(run_dir):
+        if s >= from_step:
+            dest = p.with_name(p.name + SET_ASIDE)
+            if dest.exists():
+                shutil.rmtree(dest) if dest.is_dir() else dest.unlink()
+            p.rename(dest)
+            moved.append(dest)
+    return moved
 
 
 def read_state(path: Path) -> dict[str, Any]:

@@ -48,9 +48,24 @@ def oom_message(cfg: C.Config, device: torch.device, err: BaseException) -> str:
     )
 
 
-def nan_message(cfg: C.Config, value: float, step: int, last_good: str | None) -> str:
-    """The message of a run stopped by a non-finite loss."""
+def nan_stop(cfg: C.Config, run_dir, rank0: bool, value: float, step: int) -> str:
+    """Stop a run whose loss at ``step`` is ``value`` (not finite): the checkpoint at ``step - 1`` (and any
+    later) holds the weights that produced it and is set aside (rank 0), so the message and ``--resume``
+    name the newest checkpoint whose next step was finite."""
+    from tokenmill import checkpoint
+
+    aside = checkpoint.set_aside(run_dir, step - 1) if rank0 else []
+    good = checkpoint.list_checkpoints(run_dir)
+    return nan_message(cfg, value, step, str(good[-1][1]) if good else None, aside)
+
+
+def nan_message(cfg: C.Config, value: float, step: int, last_good: str | None, aside: list | None = None) -> str:
+    """The message of a run stopped by a non-finite loss (``aside``: checkpoints set aside, whose weights
+    produced it; ``last_good``: the newest checkpoint whose next step was finite)."""
     keep = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was written before it"
+    if aside:
+        keep += (f" ({', '.join(str(p) for p in aside)} holds the weights that produced it and was set aside, "
+                 "kept but never loaded)")
     hints = ["--optim.lr (lower it)", "--optim.grad_clip 1.0", "--optim.warmup_steps (longer)"]
     if cfg.train.precision == "fp16-autocast":
         hints.append("--train.precision bf16-autocast (fp16 overflows)")

@@ -50,7 +50,7 @@ from tokenmill.errors import CheckpointError, ConfigError, DataError
 from tokenmill.model import GPT, hf, hf_llama
 from tokenmill.model.gpt import adapt_state_dict
 
-__all__ = ["InitSource", "adopt_shape", "explicit_keys", "find_source", "prepare_init_from"]
+__all__ = ["InitSource", "adopt_shape", "check_weights", "explicit_keys", "find_source", "prepare_init_from"]
 
 
 
@@ -95,7 +95,9 @@ class InitSource:
         """Check the run's data (a :class:`~tokenmill.data.DataSources`) against the source, then
         return :meth:`weights` (for the trainer)."""
         self.check_data(data.vocab_size, data.data_dir)
-        return self.weights(model_cfg, vocab_size)
+        weights = self.weights(model_cfg, vocab_size)
+        check_weights(weights, self.describe())
+        return weights
 
     def check_data(self, data_vocab: int, data_dir: Optional[Path]) -> None:
         """The data must be tokenized as the source was: the same vocabulary size and, when both have a
@@ -242,4 +244,22 @@ def prepare_init_from(cfg: C.Config, has_checkpoints: bool, quiet: bool = False
     if not quiet:
         print(f"tokenmill: fine-tuning from {src.describe()}: its weights, a fresh optimizer and schedule from step 0")
     return cfg, src
+
+
+def check_weights(weights: dict[str, torch.Tensor], where: str) -> None:
+    """Imported weights must be real numbers: integer or quantised tensors (int8, fp8, packed 4-bit) are
+    refused, as casting them to float would train on their raw codes; a NaN or Inf names its tensor (it
+    is the source that is broken, not the learning rate)."""
+    for name, t in weights.items():
+        if not isinstance(t, torch.Tensor):
+            raise CheckpointError(f"train.init_from: '{name}' in {where} is not a tensor ({type(t).__name__}).")
+        if not t.is_floating_point() or t.element_size() < 2 or t.is_quantized:
+            raise CheckpointError(
+                f"train.init_from: '{name}' in {where} is {t.dtype}, not a float16/bfloat16/float32 weight: "
+                "quantised or integer checkpoints are not supported; use the unquantised (bf16 or fp32) release "
+                "of the model.")
+        if not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise CheckpointError(f"train.init_from: '{name}' in {where} holds {bad} non-finite value(s) (NaN or "
+                                  "Inf): the source is damaged; fine-tuning from it would stop at the first step.")
 

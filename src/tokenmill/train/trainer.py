@@ -38,7 +38,7 @@ from tokenmill.optim import build_optimizer, build_scheduler, optimizer_step
 from tokenmill.parallel import World, grad_sync, init_world, is_elastic_restart, shutdown, unwrap
 from tokenmill.parallel.pipeline import Pipeline
 from tokenmill.parallel.world import global_mean, rank0_first
-from tokenmill.train.advice import check_fits, nan_message, oom_message
+from tokenmill.train.advice import check_fits, nan_stop, oom_message
 from tokenmill.train.device import (
     apply_allocator_settings,
     cpu_contention,
@@ -303,8 +303,7 @@ class Trainer:
             if not math.isfinite(v):
                 bad_step = done - len(losses) + 1 + i
                 self.writer.write({"step": bad_step, "event": "non_finite_loss", "loss": None})
-                good = checkpoint.list_checkpoints(self.run_dir)
-                raise TrainingError(nan_message(self.cfg, v, bad_step, str(good[-1][1]) if good else None))
+                raise TrainingError(nan_stop(self.cfg, self.run_dir, self.world.is_rank0, v, bad_step))
         return losses
 
     def _eval_and_log(self, step: int) -> None:
