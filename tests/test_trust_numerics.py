@@ -79,3 +79,21 @@ def test_damaged_imported_weights_are_refused_naming_the_tensor(hf_source, tmp_p
         assert "learning rate" not in out.stderr.lower() and not (tmp_path / "ft" / "checkpoints").exists()
     finally:
         path.write_bytes(original)
+
+
+@pytest.mark.slow
+def test_sampling_a_diverged_run_says_so(tmp_path):
+    from tokenmill.data import prepare
+
+    (tmp_path / "a.txt").write_text("the cat sat on the mat. " * 400)
+    data = prepare(tmp_path / "a.txt", tmp_path / "data", "bytes", workers=1, progress=False)
+    run = tmp_path / "run"
+    train(tiny_cfg(**{"train.max_steps": 1, "train.eval_batches": 0, "data.source": "tokens",
+                      "data.path": str(data), "model.vocab_size": None}), run, quiet=True)
+    [(_, path)] = ckpt.list_checkpoints(run)[-1:]
+    state = torch.load(path, weights_only=True)
+    state["model"]["ln_f.weight"].fill_(float("nan"))
+    torch.save(state, path)
+    out = _tokenmill("sample", "--run-dir", str(run), "--max-new-tokens", "3", "--prompt", "ab")
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    assert "logits are not finite" in out.stderr and "--checkpoint" in out.stderr, out.stderr

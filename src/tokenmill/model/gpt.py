@@ -354,6 +354,9 @@ def sample_next_token(
     """
     _check_sampling(top_k, top_p)
     logits = logits.float()
+    if not bool(torch.isfinite(logits).all()):
+        raise SampleError("the model's logits are not finite (NaN or Inf): its weights diverged. Sample an "
+                          "earlier checkpoint (--checkpoint RUN/checkpoints/step_....pt) or retrain from one.")
     if temperature <= 0:
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits / temperature
