@@ -26,6 +26,10 @@ class DataError(TokenmillError, ValueError):
     """Bad or missing data. The message names the file, the problem and the fix."""
 
 
+class PathError(TokenmillError, ValueError):
+    """An output path that overlaps an input, or a name that would leave its folder."""
+
+
 class CheckpointError(TokenmillError):
     """A checkpoint that cannot be written or read safely (damaged, foreign or refused content)."""
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Optional
 
 from tokenmill.errors import CheckpointError
+from tokenmill.paths import check_output
 
 __all__ = ["ExportResult", "export_hf"]
 
@@ -54,10 +55,14 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, checkpoint: str | Path |
     from tokenmill.model import hf
 
     run_dir, out = Path(run_dir), Path(out_dir)
+    check_output(out, {"the run directory": run_dir, "the checkpoint": checkpoint})
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise CheckpointError(f"--out {out} exists and is not empty; choose a new folder, or pass --overwrite to "
                               "replace it (it is replaced only once the export is complete).")
+    if overwrite and out.exists():
+        _check_replaceable(out)
     model, cfg, path = load_model(run_dir, checkpoint)
+    check_output(out, {"the run's data folder": cfg.data.path, "the run's train.init_from": cfg.train.init_from})
     like = _source_config(cfg.train.init_from)
     arch = hf.export_architecture(cfg.model, like)  # before anything is written
     tok_dir = None if cfg.data.source == "synthetic" else tokenizer_dir(run_dir, cfg, progress=False)
@@ -87,6 +92,25 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, checkpoint: str | Path |
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return ExportResult(out, path, files, skipped, arch)
+
+
+_EXPORT_FILES = {"config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+                 "pytorch_model.bin", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "vocab.json", "merges.txt", "added_tokens.json"}
+
+
+def _check_replaceable(out: Path) -> None:
+    """``--overwrite`` replaces an earlier export, nothing else: a file, or a folder holding anything an
+    export does not write (a run's checkpoints, a data folder, your files), is refused."""
+    if not out.is_dir():
+        raise CheckpointError(f"--out {out} is a file, not an earlier export; --overwrite replaces only a folder "
+                              "that tokenmill export wrote. Choose another --out.")
+    foreign = sorted(p.name for p in out.iterdir()
+                     if p.name not in _EXPORT_FILES and not p.name.startswith("model-0"))
+    if foreign:
+        raise CheckpointError(f"--out {out} holds {', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}, "
+                              "which an export does not write: --overwrite replaces only an earlier export, so "
+                              "nothing was touched. Choose another --out.")
 
 
 def _source_config(init_from: Optional[str]) -> Optional[dict]:

@@ -20,12 +20,16 @@ from typing import Optional
 from tokenmill import config as C
 from tokenmill.checkpoint import TOKENIZER_DIR
 from tokenmill.errors import TrainingError
+from tokenmill.paths import check_output
 
 LOCK_NAME = ".lock"
 
 
-def open_run_dir(run_dir: Path) -> Path:
-    """Create ``run_dir`` (and its parents) or check the existing one is a folder."""
+def open_run_dir(run_dir: Path, cfg: Optional[C.Config] = None) -> Path:
+    """Create ``run_dir`` (and its parents) or check the existing one is a folder; never one that overlaps
+    what the run reads (``cfg``'s data folder or fine-tuning source)."""
+    if cfg is not None:
+        check_output(run_dir, {"data.path": cfg.data.path, "train.init_from": cfg.train.init_from}, "--run-dir")
     if run_dir.exists() and not run_dir.is_dir():
         raise TrainingError(f"run directory {run_dir} exists and is not a folder; choose another --run-dir.")
     run_dir.mkdir(parents=True, exist_ok=True)  # OS errors (permission, read-only) are reported by the CLI

@@ -82,7 +82,7 @@ def train(cfg: C.Config, run_dir: str | Path, resume: bool = False, quiet: bool 
     world = init_world(cfg.parallel, resolve_device(cfg.train.device))
     cfg = C.concrete(cfg, world.device.type, bf16_supported(world.device))  # 'auto' precision and TF32
     try:
-        run_dir = open_run_dir(Path(run_dir))
+        run_dir = open_run_dir(Path(run_dir), cfg)
         with locked(run_dir, enabled=world.is_rank0) as holder:  # rank 0 locks; every rank learns if it did
             if global_mean(torch.tensor(float(holder is not None), device=world.device), world).item() > 0:
                 raise TrainingError(in_use_message(run_dir, holder))
