@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GPU measurements owed by the bench, memory, profile/doctor and GPU issues, in parts that each fit
-# one call on the lent machine (each part ends within 9 minutes; the call's limit is 10). From the
-# repository root, on the GPU machine:
+# The GPU measurements owed by the bench, memory, profile/doctor, GPU and model-family issues, in parts
+# that each fit one call on the lent machine (each part ends within 9 minutes; the call's limit is 10).
+# From the repository root, on the GPU machine:
 #
 #   bash benchmarks/gpu_session.sh --list                 # the parts, in order of value
 #   bash benchmarks/gpu_session.sh PART "$OUT" COMMIT      # one part; COMMIT: the literal commit hash

@@ -4,6 +4,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ from tokenmill.cli import build_parser, main
 CPU_ONLY = not torch.cuda.is_available()
 CPU_ENV = {"cuda_available": False, "gpu_count": 0, "gpu_names": [], "torch": torch.__version__, "cuda": None}
 GPU_ENV = {"cuda_available": True, "gpu_count": 1, "gpu_names": ["NVIDIA H100 80GB HBM3"], "torch": "2.x", "cuda": "12.x"}
-SHIPPED = ["best", "book-memory", "book-perf", "memory", "rasbt", "scale-out"]
+SHIPPED = ["best", "book-memory", "book-perf", "llama", "memory", "rasbt", "scale-out"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -146,6 +147,94 @@ def test_best_ladder_smoke_runs_the_cpu_rungs():
     names = [r.name for r in ladder.rungs]
     assert names.index("batch-128") == names.index("chunked-loss") + 1
     assert rung_config(ladder, names.index("batch-128")).config.train.batch_size == 128
+
+
+LLAMA_RUNGS = ["baseline", "tf32", "fused-adamw", "pin-memory", "bf16-autocast", "native-rmsnorm", "sdpa",
+               "fused-qkv", "compile", "batch-4", "chunked-loss", "batch-8"]
+
+
+def test_llama_ladder_from_naive_to_fastest():
+    ladder = load_ladder("llama")
+    assert ladder.base_preset == "llama3.2-1b" and [r.name for r in ladder.rungs] == LLAMA_RUNGS
+    base = rung_config(ladder, 0).config
+    m = base.model
+    assert (m.pos_emb, m.norm_type, m.mlp, m.n_head, m.kv_heads, m.block_size) == ("rope", "rmsnorm", "swiglu", 32, 8, 2048)
+    # the naive forms: hand-written RMSNorm, manual attention with a mask buffer, three q/k/v projections
+    assert (m.norm, m.attention, m.causal_mask, m.fused_qkv, m.loss_impl) == ("manual", "manual", "buffer", False, "full")
+    t = base.train
+    assert (t.precision, t.tf32, t.batch_size, base.optim.impl, base.compile.enabled, base.data.pin_memory) == (
+        "fp32", False, 2, "foreach", False, False)
+    assert 1.23e9 < count_params(base) < 1.24e9  # Llama 3.2 1B, tied head
+    # no vocabulary-padding rung: 128,256 ids are a multiple of 64 already
+    assert m.vocab_size % 64 == 0 and not any("model.vocab_pad_multiple" in r.set for r in ladder.rungs)
+    last = rung_config(ladder, len(ladder.rungs) - 1).config
+    assert (last.model.norm, last.model.attention, last.model.fused_qkv, last.model.loss_impl) == (
+        "native", "sdpa", True, "chunked")
+    assert (last.train.precision, last.train.tf32, last.optim.impl, last.compile.enabled, last.train.batch_size) == (
+        "bf16-autocast", True, "fused", True, 8)
+    assert (last.data.pin_memory, last.data.non_blocking) == (True, True)
+    # --smoke keeps the family's forms on tiny shapes: grouped-query attention, SwiGLU's ratio, RoPE
+    small = rung_config(ladder, 0, smoke=True).config.model
+    assert (small.n_head, small.kv_heads, small.n_embd, small.mlp_width, small.pos_emb) == (2, 1, 64, 256, "rope")
+    plan = dict(_cpu_smoke_plan(ladder))
+    assert [n for n, why in plan.items() if why is None] == [
+        "baseline", "fused-adamw", "bf16-autocast", "native-rmsnorm", "sdpa", "fused-qkv", "batch-4", "chunked-loss",
+        "batch-8"]
+    assert all("CUDA" in plan[n] for n in ("tf32", "pin-memory", "compile"))
+
+
+def test_docs_list_the_llama_rungs_as_the_ladder_has_them():
+    """docs/bench.md's rung table of the llama ladder is the ladder's own: names, switches, needs."""
+    def fmt(v):
+        return str(v).lower() if isinstance(v, bool) else (f'"{v}"' if isinstance(v, str) else str(v))
+
+    ladder = load_ladder("llama")
+    rows = ["| # | rung | switch (kept by every later rung) | needs |", "|---|---|---|---|"]
+    for i, r in enumerate(ladder.rungs):
+        sw = ", ".join(f"`{k} = {fmt(v)}`" for k, v in r.set.items()) or "(the base)"
+        rows.append(f"| {i} | `{r.name}` | {sw} | {ladder.requirement(r) or ''} |")
+    text = (Path(__file__).resolve().parent.parent / "docs" / "bench.md").read_text()
+    block = text.split("<!-- llama-rungs:start -->\n")[1].split("\n<!-- llama-rungs:end -->")[0]
+    assert block == "\n".join(rows)
+
+
+@pytest.mark.parametrize("preset", C.preset_names())
+def test_smoke_shapes_keep_every_presets_family(preset):
+    """--smoke shrinks any shipped preset to 2 heads of width 64 and keeps its forms: grouped k/v heads
+    stay grouped, a declared head width and MLP width stay declared, and the config is valid."""
+    from tokenmill.bench.configs import smoke_overrides
+
+    def resolved():
+        return C.resolve(preset, overrides={"data.source": "synthetic", "model.vocab_size": 1000},
+                         overrides_from_string=False)
+
+    cfg = resolved()
+    small = C.apply_overrides(resolved(), smoke_overrides(cfg))
+    assert C.validate(small) is small
+    m, s = cfg.model, small.model
+    assert (s.n_head, s.n_embd, s.vocab_size) == (2, 64, 500)
+    assert (s.kv_heads < s.n_head) == (m.kv_heads < m.n_head)
+    assert (s.mlp, s.pos_emb, s.norm_type, s.qk_norm) == (m.mlp, m.pos_emb, m.norm_type, m.qk_norm)
+    assert (s.head_dim is None) == (m.head_dim is None) and (s.intermediate_size is None) == (m.intermediate_size is None)
+    if m.intermediate_size:
+        assert s.mlp_width / s.n_embd == pytest.approx(m.mlp_width / m.n_embd, rel=0.05)
+
+
+def test_llama_ladder_estimate_fits_one_80gb_gpu_and_each_memory_rung_pays(tmp_path, capsys):
+    """The ladder's design, by `tokenmill estimate`: every rung fits one H100 80 GB (the naive one at batch 2),
+    SDPA and the chunked loss lower the peak, and the batch the chunked loss makes room for still fits."""
+    out = tmp_path / "est"
+    assert main(["bench", "ladder", "llama", "--estimate", "--gpu", "h100-sxm", "--out", str(out)]) == 0
+    capsys.readouterr()
+    doc = json.loads((out / "ladder.json").read_text())
+    rungs = {r["name"]: r for r in doc["rungs"]}
+    assert list(rungs) == LLAMA_RUNGS and all(r["status"] == "estimated" for r in rungs.values())
+    assert all(r["estimate_detail"]["fits"] for r in rungs.values())
+    peak = {n: r["estimate"]["peak_alloc_mb"] for n, r in rungs.items()}
+    assert peak["sdpa"] < 0.7 * peak["native-rmsnorm"]  # no (B, 32, T, T) score matrices
+    assert peak["chunked-loss"] < peak["batch-4"] < peak["batch-8"]
+    speed = {n: r["estimate"]["tokens_per_sec"] for n, r in rungs.items()}
+    assert speed["batch-8"] > 5 * speed["baseline"]
 
 
 def _write(tmp_path, text, name="mine.toml"):
@@ -448,6 +537,28 @@ def test_smoke_book_memory(smoke_runs):
     assert fsdp["status"] == "skipped" and "2 CUDA GPUs" in fsdp["reason"]
     if CPU_ONLY:
         assert rungs["baseline"]["metrics"]["peak_alloc_mb"] is None  # no CUDA memory figures on a CPU
+
+
+@pytest.mark.slow
+def test_smoke_llama_through_the_cli(tmp_path):
+    """The llama ladder --smoke on a CPU: the Llama forms (RMSNorm, SwiGLU, RoPE, grouped-query attention)
+    run rung by rung on tiny shapes, the CUDA rungs are skipped with the reason, the rest carried."""
+    env = dict(cpu_env(), TOKENMILL_CACHE=str(tmp_path / "cache"))
+    cmd = [sys.executable, "-m", "tokenmill", "bench", "ladder", "llama", "--smoke", "--quiet", "--out",
+           str(tmp_path / "llama")]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    rungs = _check_smoke((p.returncode, p.stdout, p.stderr, tmp_path / "llama"), "llama")
+    base = rungs["baseline"]["config"]["model"]
+    assert (base["norm_type"], base["norm"], base["mlp"], base["n_head"], base["n_kv_head"]) == (
+        "rmsnorm", "manual", "swiglu", 2, 1)
+    last = rungs["batch-8"]
+    assert last["status"] == "measured" and last["config"]["model"]["loss_impl"] == "chunked"
+    measured = [r for r in rungs.values() if r["status"] == "measured"]
+    assert not any(r["metrics"]["loss_flag"] for r in measured)  # every form keeps the loss near ln(500)
+    if CPU_ONLY:
+        assert all(rungs[n]["status"] == "skipped" and "CUDA" in rungs[n]["reason"]
+                   for n in ("tf32", "pin-memory", "compile"))
+        assert rungs["native-rmsnorm"]["config"]["train"]["precision"] == "bf16-autocast"  # carried
 
 
 # ----------------------------------------------------------------------------------------------

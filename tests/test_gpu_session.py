@@ -56,7 +56,7 @@ def test_list_prints_the_parts_in_order_of_value():
     names = [line.split()[1] for line in p.stdout.splitlines()[1:]]
     assert names == [part.name for part in session.PARTS]
     assert names[:2] == ["check", "best"] and names[-1] == "best-autotune"
-    assert {"memory", "max-model", "rasbt", "profile", "book-perf"} <= set(names)
+    assert {"memory", "max-model", "rasbt", "profile", "book-perf", "llama", "llama-2", "llama-3"} <= set(names)
 
 
 def test_check_part_leaves_the_cuda_tier_report(tmp_path):
@@ -121,6 +121,19 @@ def test_slice_folds_the_earlier_rungs_and_leaves_out_the_deferred():
         session.slice_ladder("best", ["no-such-rung"], [], cuda=True, smoke=False)
 
 
+def test_llama_parts_slice_the_ladder_at_compile():
+    """The llama ladder's parts: the eager rungs, then compile and batch-4 on top of them, then the chunked
+    loss and the batch it makes room for on top of everything before (as the ladder carries them)."""
+    names = [r["name"] for r in session.read_ladder("llama")["rung"]]
+    parts = {p.name: p.rungs(names) for p in session.PARTS if p.ladder == "llama"}
+    assert parts["llama"] == names[: names.index("compile")] and parts["llama-2"] == ["compile", "batch-4"]
+    last = session.slice_ladder("llama", parts["llama-3"], [], cuda=True, smoke=False)
+    base = last["ladder"]["base"]
+    assert (base["compile.enabled"], base["train.batch_size"], base["model.attention"], base["model.fused_qkv"]) == (
+        True, 4, "sdpa", True)
+    assert [r["name"] for r in last["rung"]] == ["chunked-loss", "batch-8"] and base["model.loss_impl"] == "full"
+
+
 def test_pack_leaves_out_the_largest_members_to_fit(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules["session_lib"], "MAX_BYTES", 256 * 1024)  # the layout rules live there
     monkeypatch.setenv("TOKENMILL_SESSION_WORK", str(tmp_path / "work"))
@@ -180,7 +193,7 @@ def test_every_single_gpu_rung_is_in_exactly_one_part_and_fits():
     that each would get under 45 s of the part's budget."""
     from collections import Counter
 
-    for name in ("best", "rasbt", "memory", "book-memory", "book-perf"):
+    for name in ("best", "rasbt", "memory", "book-memory", "book-perf", "llama"):
         tree = session.read_ladder(name)
         names = [r["name"] for r in tree["rung"]]
         parts = [p for p in session.PARTS if p.ladder == name]

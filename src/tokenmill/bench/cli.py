@@ -48,7 +48,7 @@ def register(subparsers) -> None:
     lad.set_defaults(func=cmd_ladder)
 
     for name, help_text in (("max-batch", "largest micro-batch that trains without running out of memory"),
-                            ("max-model", "largest GPT-2/GPT-3-family model that trains with these switches")):
+                            ("max-model", "largest model of the config's family (GPT-2/GPT-3 or Llama/Qwen/SmolLM shapes) that trains with these switches")):
         sp = sub.add_parser(name, help=help_text, description=help_text + "; each probe is a subprocess.",
                             allow_abbrev=False)
         add_config_args(sp)

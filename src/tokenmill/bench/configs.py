@@ -83,12 +83,27 @@ def smoke_overrides(cfg: C.Config) -> dict[str, Any]:
         "train.batch_size": max(1, min(32, math.ceil(cfg.train.batch_size / 8))),
         "data.num_workers": min(cfg.data.num_workers, 1),  # keeps the worker path, spares small CPUs
     }
+    out.update(_smoke_family(cfg.model))
     if cfg.data.source == "synthetic" and cfg.model.vocab_size:
         out["model.vocab_size"] = min(cfg.model.vocab_size, SMOKE_MAX_VOCAB)
     pp = cfg.parallel.pp
     if pp > 1:  # as many pipeline micro-batches as stages, and a batch they divide
         out["parallel.pp_microbatches"] = pp
         out["train.batch_size"] = math.ceil(out["train.batch_size"] / pp) * pp
+    return out
+
+
+def _smoke_family(m: C.ModelConfig) -> dict[str, Any]:
+    """The smoke shapes (2 heads of 32) for the family fields a model declares, keeping its forms:
+    grouped-query attention stays grouped (1 key/value head for the 2 query heads), a declared head width
+    becomes 32, a declared MLP width keeps its ratio to the width."""
+    out: dict[str, Any] = {}
+    if m.n_kv_head is not None:
+        out["model.n_kv_head"] = 1 if m.n_kv_head < m.n_head else 2
+    if m.head_dim is not None:
+        out["model.head_dim"] = 32
+    if m.intermediate_size is not None:
+        out["model.intermediate_size"] = max(2, round(m.intermediate_size * 64 / m.n_embd))
     return out
 
 
