@@ -473,3 +473,32 @@ def test_init_from_a_family_folder_with_the_python_api(tmp_path):
     assert (run_cfg.model.qk_norm, run_cfg.model.head_dim, run_cfg.model.n_kv_head) == (True, 16, 2)
     x = ids(T=32, vocab=64)
     torch.testing.assert_close(logits(model.eval(), x), logits(src, x), atol=ATOL, rtol=0)
+
+
+@pytest.mark.slow
+def test_readme_llama_finetuning_walkthrough_works_as_written(tmp_path, monkeypatch, capsys):
+    """Every command of the README's Llama-family walkthrough, in a fresh folder holding what it starts
+    from (a tiny random Llama folder as ``models/llama-3.2-1b``, text in ``my_texts/``); only the training
+    length, context and batch are cut (appended overrides) to keep it fast."""
+    import shlex
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    body = text.split("<!-- finetune-llama-example:start -->", 1)[1].split("<!-- finetune-llama-example:end -->")[0]
+    code = body.split("```bash", 1)[1].split("```", 1)[0]
+    lines = [ln for ln in code.replace("\\\n", " ").splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    commands = [shlex.split(ln, comments=True) for ln in lines]
+    assert [c[1] for c in commands] == ["prepare", "train", "eval", "sample", "export"]
+    hf_folder(tmp_path / "models" / "llama-3.2-1b", "llama")
+    (tmp_path / "my_texts").mkdir()
+    (tmp_path / "my_texts" / "a.txt").write_text(NEW)
+    monkeypatch.chdir(tmp_path)
+    for argv in commands:
+        if argv[1] == "train":
+            argv += ["--train.max_steps", "2", "--model.block_size", "32", "--train.batch_size", "2",
+                     "--train.device", "cpu", "--train.eval_batches", "1"]
+        if argv[1] in ("eval", "sample"):
+            argv += ["--device", "cpu"]
+        assert main(argv[1:]) == 0, argv
+    assert "perplexity" in capsys.readouterr().out
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "llama-ft")
+    assert type(exported).__name__ == "LlamaForCausalLM"
