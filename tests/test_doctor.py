@@ -160,17 +160,21 @@ def doctor_json(run_dir, capsys) -> dict:
 
 def test_cli_default_threads_tiny_batch_and_sync_every_step(tmp_path, capsys, all_cores):
     """Through the CLI at the default thread count: a planted tiny batch (8 tokens per step) is
-    overhead-bound; a default-batch run that logs every step is host-sync-bound, not overhead-bound."""
+    overhead-bound; a default-batch run that logs every step is host-sync-bound, not overhead-bound.
+    Only what the trace's structure decides is asserted (FLOPs per operator, syncs per step, which rules
+    fire), never which finding scores highest: that ranks timings, which another job on the machine moves
+    (a busy machine also fires the thread rule)."""
     profile_cli(tmp_path / "tiny", "--train.batch_size", "1", "--model.block_size", "8")
     v = doctor_json(tmp_path / "tiny", capsys)
-    assert v["main"] == "launch_overhead", v
+    found = {f["key"]: f for f in v["findings"]}
+    assert "launch_overhead" in found, v
     assert v["figures"]["flops_per_op"] < rules.CPU_OVERHEAD_FLOPS_PER_OP
-    assert any(s.startswith("--train.batch_size 4") for s in switches(v["findings"][0]))
+    assert any(s.startswith("--train.batch_size 4") for s in switches(found["launch_overhead"]))
     profile_cli(tmp_path / "sync", "--log.every_steps", "1")
     v = doctor_json(tmp_path / "sync", capsys)
-    assert v["main"] == "host_sync", v
-    assert "launch_overhead" not in [f["key"] for f in v["findings"]]  # the default batch is not flagged
-    assert v["findings"][0]["score"] >= 1.5 * max([f["score"] for f in v["findings"][1:]] or [0.0])
+    keys = [f["key"] for f in v["findings"]]
+    assert "host_sync" in keys, v
+    assert "launch_overhead" not in keys  # the default batch is not flagged
 
 
 # ------------------------------------------------------------------------------------------------
