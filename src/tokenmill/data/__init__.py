@@ -10,6 +10,7 @@ Typical use::
 
 from tokenmill.errors import DataError
 
+from .bpe import train_bpe
 from .corpus import embedded_corpus_files, ensure_embedded_corpus
 from .dataset import (
     SyntheticDataset,
@@ -28,7 +29,7 @@ from .loader import (
 )
 from .prepare import prepare
 from .prepare_cli import add_prepare_args, run_prepare, tokenizer_from
-from .tokenizers import get_tokenizer, load_tokenizer_for_data, train_bpe
+from .tokenizers import get_tokenizer, load_tokenizer_for_data
 
 __all__ = [
     "DataError",

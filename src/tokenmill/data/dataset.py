@@ -21,6 +21,7 @@ from torch.utils.data import Dataset
 from tokenmill.errors import DataError
 
 from .meta import DTYPES, META_NAME, PREPARE_HINT, read_meta
+from .shards import ShardedTokens, split_shards
 
 _M64 = (1 << 64) - 1
 STREAM_LENGTH = 2**62  # __len__ of the stream datasets: indices are unbounded in practice
@@ -28,24 +29,30 @@ _SCAN_TOKENS = 1 << 22
 
 
 class TokenFile:
-    """One split of a prepared folder: ``tokens`` (read-only memmap), ``meta``, ``vocab_size``, ``path``
-    (the folder), ``file`` (the .bin), ``split``. Pickles without its tokens (reopened on access), so
-    DataLoader workers started with spawn do not copy the file."""
+    """One split of a prepared folder: ``tokens`` (read-only, memory-mapped: an ``np.memmap`` for a
+    one-file split, a :class:`~tokenmill.data.shards.ShardedTokens` over the shards otherwise; nothing
+    is loaded), ``meta``, ``vocab_size``, ``path`` (the folder), ``files`` (its token files), ``file``
+    (the one file, or for a sharded split the pattern of its names, for messages), ``split``. Pickles
+    without its tokens (reopened on access), so DataLoader workers started with spawn do not copy them."""
 
     def __init__(self, path: Path, split: str, file: Path, meta: dict[str, Any]):
         self.path, self.split, self.file, self.meta = path, split, file, meta
         self.vocab_size: int = meta["vocab_size"]
         self.dtype = DTYPES[meta["dtype"]]
         self.n_tokens: int = meta["splits"][split]["tokens"]
-        self._tokens: np.ndarray | None = None
+        self.shards = split_shards(meta["splits"][split])
+        self.files = [Path(path) / s["file"] for s in self.shards]
+        self._tokens = None
 
     @property
-    def tokens(self) -> np.ndarray:
+    def tokens(self):
         if self._tokens is None:
             if self.n_tokens == 0:  # np.memmap cannot map an empty file
                 self._tokens = np.empty(0, dtype=self.dtype)
+            elif len(self.files) == 1:
+                self._tokens = np.memmap(self.files[0], dtype=self.dtype, mode="r", shape=(self.n_tokens,))
             else:
-                self._tokens = np.memmap(self.file, dtype=self.dtype, mode="r", shape=(self.n_tokens,))
+                self._tokens = ShardedTokens(self.files, [s["tokens"] for s in self.shards], self.dtype)
         return self._tokens
 
     def __len__(self) -> int:
@@ -64,8 +71,8 @@ def open_token_data(
     """Open and check one split of a prepared folder; every problem is a :class:`DataError`.
 
     Always: meta.json present, parsable, tokenmill format with the needed keys; dtype uint16/uint32
-    and wide enough for the vocabulary; file size == tokens * itemsize; data vocab <= model_vocab_size.
-    ``validate='full'`` also scans the file: sha256 and every id < vocab_size.
+    and wide enough for the vocabulary; every token file's size == its tokens * itemsize; data vocab
+    <= model_vocab_size. ``validate='full'`` also scans the files: sha256 and every id < vocab_size.
     """
     if validate not in ("full", "quick"):
         raise ValueError(f"validate must be 'full' or 'quick', got {validate!r}")
@@ -83,12 +90,13 @@ def open_token_data(
         raise DataError(
             f"'{meta_path}': splits.{split}.tokens must be an integer >= 0, got {n!r}. Fix: {PREPARE_HINT}."
         )
-    file = folder / entry["file"]
-    if not file.is_file():
-        raise DataError(
-            f"'{file}' ({split} split named in '{meta_path}') is missing. Fix: prepare the folder again "
-            f"({PREPARE_HINT})."
-        )
+    shards = split_shards(entry)
+    for shard in shards:
+        if not (folder / shard["file"]).is_file():
+            raise DataError(
+                f"'{folder / shard['file']}' ({split} split named in '{meta_path}') is missing. Fix: prepare the "
+                f"folder again ({PREPARE_HINT})."
+            )
     vocab = meta["vocab_size"]
     if model_vocab_size is not None and vocab > model_vocab_size:
         raise DataError(
@@ -98,20 +106,22 @@ def open_token_data(
             f"Fix: raise model.vocab_size to >= {vocab} (e.g. --model.vocab_size {vocab}) or leave it unset "
             "to take it from the data."
         )
+    file = folder / shards[0]["file"] if len(shards) == 1 else folder / f"{split}-*.bin"
     tf = TokenFile(folder, split, file, meta)
-    _check_size(tf)
+    for shard, f in zip(shards, tf.files):
+        _check_size(f, shard["tokens"], meta["dtype"])
     if validate == "full":
-        _scan(tf, entry.get("sha256"))
+        for shard, f in zip(shards, tf.files):
+            _scan(f, shard["tokens"], tf.dtype, vocab, shard.get("sha256"))
     return tf
 
 
-def _check_size(tf: TokenFile) -> None:
-    size, item, n = tf.file.stat().st_size, tf.dtype.itemsize, tf.n_tokens
-    name = tf.meta["dtype"]
+def _check_size(file: Path, n: int, name: str) -> None:
+    size, item = file.stat().st_size, DTYPES[name].itemsize
     fix = f"Fix: prepare the folder again ({PREPARE_HINT})."
     if size % item:
         raise DataError(
-            f"'{tf.file}' is {size} bytes, not a multiple of {item} ({name} tokens): the file is truncated "
+            f"'{file}' is {size} bytes, not a multiple of {item} ({name} tokens): the file is truncated "
             f"or was written with another dtype. {fix}"
         )
     if size == n * item:
@@ -119,21 +129,21 @@ def _check_size(tf: TokenFile) -> None:
     other = "uint32" if name == "uint16" else "uint16"
     if n and size == n * DTYPES[other].itemsize:
         raise DataError(
-            f"'{tf.file}' is {size} bytes = {n} tokens of {other}, but meta.json says dtype {name} "
+            f"'{file}' is {size} bytes = {n} tokens of {other}, but meta.json says dtype {name} "
             f"({n * item} bytes): the file was written with the wrong dtype. {fix}"
         )
     what = "truncated" if size < n * item else "longer than described"
     raise DataError(
-        f"'{tf.file}' is {what}: {size} bytes ({size // item} {name} tokens), but meta.json says "
+        f"'{file}' is {what}: {size} bytes ({size // item} {name} tokens), but meta.json says "
         f"{n} tokens ({n * item} bytes). {fix}"
     )
 
 
-def _scan(tf: TokenFile, expected_sha: str | None) -> None:
-    """One pass: sha256 and the first id >= vocab_size."""
+def _scan(file: Path, n: int, dtype: np.dtype, vocab: int, expected_sha: str | None) -> None:
+    """One pass over one token file: sha256 and the first id >= vocab_size."""
     h = hashlib.sha256()
     bad = None
-    arr, vocab = tf.tokens, tf.vocab_size
+    arr = np.memmap(file, dtype=dtype, mode="r", shape=(n,)) if n else np.empty(0, dtype)
     for i in range(0, len(arr), _SCAN_TOKENS):
         chunk = np.ascontiguousarray(arr[i : i + _SCAN_TOKENS])
         h.update(chunk.data)
@@ -144,13 +154,13 @@ def _scan(tf: TokenFile, expected_sha: str | None) -> None:
     if bad is not None:
         also = " (its sha256 no longer matches meta.json either)" if digest != expected_sha else ""
         raise DataError(
-            f"'{tf.file}': token id {bad[1]} at position {bad[0]:,} is >= vocab_size {vocab}{also}: the file "
+            f"'{file}': token id {bad[1]} at position {bad[0]:,} is >= vocab_size {vocab}{also}: the file "
             f"is corrupted or was made with another tokenizer. Fix: prepare the folder again "
             f"({PREPARE_HINT})."
         )
     if digest != expected_sha:
         raise DataError(
-            f"'{tf.file}': sha256 checksum mismatch (file {digest[:16]}..., meta.json "
+            f"'{file}': sha256 checksum mismatch (file {digest[:16]}..., meta.json "
             f"{str(expected_sha)[:16]}...): "
             "the file changed after preparation or is corrupted. Fix: prepare the folder again, or pass "
             "--data.validate quick to skip the scan."

@@ -1,15 +1,18 @@
 """The on-disk format of a prepared token folder, and small file helpers.
 
-A prepared folder holds ``train.bin`` and ``val.bin`` (flat little-endian token-id arrays) and a
-``meta.json`` describing them::
+A prepared folder holds each split's tokens (flat little-endian token-id arrays, cut into shards
+of ``shard_tokens`` tokens: see :mod:`tokenmill.data.shards`) and a ``meta.json`` describing them::
 
-    {"format": "tokenmill-tokens", "version": 1,
+    {"format": "tokenmill-tokens", "version": 2,
      "tokenizer": {"name": "bpe", "vocab_size": 4096, "eot_id": 0},
      "vocab_size": 4096, "dtype": "uint16",
-     "splits": {"train": {"file": "train.bin", "tokens": 123, "sha256": "..."}, "val": {...}},
-     "source": "a description of the input"}
+     "splits": {"train": {"tokens": 123, "documents": 4, "shard_tokens": 134217728,
+                          "shards": [{"file": "train.bin", "tokens": 123, "sha256": "..."}]},
+                "val": {...}},
+     "source": "a description of the input", "prepare": {...}}
 
-``meta.json`` is written last, so a folder without it is incomplete.
+Version 1 (still read) described a split as one file: ``{"file": "train.bin", "tokens": 123,
+"sha256": "..."}``. ``meta.json`` is written last, so a folder without it is incomplete.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import numpy as np
 from tokenmill.errors import DataError
 
 FORMAT = "tokenmill-tokens"
-VERSION = 1
+VERSION = 2
 META_NAME = "meta.json"
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 PREPARE_HINT = "run `tokenmill prepare INPUT --out DIR` and point data.path at DIR"
@@ -130,19 +133,44 @@ def read_meta(folder: str | Path) -> dict[str, Any]:
             f"'{meta_path}': dtype uint16 cannot hold vocab_size {vocab} (ids up to {vocab - 1}); it must be "
             f"'uint32'. Fix: prepare the folder again ({PREPARE_HINT})."
         )
-    splits = meta["splits"]
-    if not isinstance(splits, dict):
+    if not isinstance(meta["splits"], dict):
         raise DataError(f"'{meta_path}': 'splits' must be an object. Fix: {PREPARE_HINT}.")
-    for name, entry in splits.items():
-        need = [k for k in ("file", "tokens", "sha256") if not isinstance(entry, dict) or k not in entry]
-        if need:
-            raise DataError(
-                f"'{meta_path}': split '{name}' lacks {need}. Fix: prepare the folder again ({PREPARE_HINT})."
-            )
-        file = entry["file"]
-        if not isinstance(file, str) or not file or Path(file).name != file or file in (".", ".."):
-            raise DataError(  # a token file lives in the folder itself: never read a path elsewhere
-                f"'{meta_path}': split '{name}' names the file {file!r}; it must be a file name inside the "
-                f"folder (e.g. '{name}.bin'). Fix: prepare the folder again ({PREPARE_HINT})."
-            )
+    for name, entry in meta["splits"].items():
+        _check_split(meta_path, name, entry)
     return meta
+
+
+def _check_split(meta_path: Path, name: str, entry: Any) -> None:
+    """A split entry: one file (version 1) or a list of shards (version 2), each a file in the folder."""
+    if isinstance(entry, dict) and "shards" in entry:
+        shards = entry["shards"]
+        if not isinstance(shards, list) or not shards or "tokens" not in entry:
+            raise DataError(
+                f"'{meta_path}': split '{name}' must have 'tokens' and a non-empty 'shards' list. Fix: prepare "
+                f"the folder again ({PREPARE_HINT})."
+            )
+        for shard in shards:
+            _check_file_entry(meta_path, name, shard)
+        counts = [s["tokens"] for s in shards]
+        if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts) or (
+                sum(counts) != entry["tokens"]):
+            raise DataError(
+                f"'{meta_path}': the shards of split '{name}' hold {counts[:4]}... tokens, which do not add up to its "
+                f"{entry['tokens']!r} tokens. Fix: prepare the folder again ({PREPARE_HINT})."
+            )
+        return
+    _check_file_entry(meta_path, name, entry)
+
+
+def _check_file_entry(meta_path: Path, name: str, entry: Any) -> None:
+    need = [k for k in ("file", "tokens", "sha256") if not isinstance(entry, dict) or k not in entry]
+    if need:
+        raise DataError(
+            f"'{meta_path}': split '{name}' lacks {need}. Fix: prepare the folder again ({PREPARE_HINT})."
+        )
+    file = entry["file"]
+    if not isinstance(file, str) or not file or Path(file).name != file or file in (".", ".."):
+        raise DataError(  # a token file lives in the folder itself: never read a path elsewhere
+            f"'{meta_path}': split '{name}' names the file {file!r}; it must be a file name inside the "
+            f"folder (e.g. '{name}.bin'). Fix: prepare the folder again ({PREPARE_HINT})."
+        )

@@ -1,173 +1,53 @@
-"""``tokenmill prepare``: text files -> a token folder (train.bin, val.bin, meta.json[, tokenizer.json]).
+"""``tokenmill prepare``: text, JSON Lines, Parquet or Arrow input -> a token folder (sharded token
+files, meta.json[, tokenizer.json]).
 
-Every input file is one document. Documents are tokenized in parallel (a process pool over files,
-large files cut into ~1 MiB chunks at line starts, where cutting does not change the tokenization)
-and concatenated in sorted path order, each followed by the tokenizer's end-of-text id (a newline
-for ``bytes``). The train/val split is by document: a document goes to val when a stable hash of
-(seed, its relative path) falls below ``val_fraction``, so the split does not depend on the machine,
-the worker count or the other files. With a single document, its last ``val_fraction`` of tokens is
-the validation split.
+Every document (a text file, a JSON Lines record, a Parquet/Arrow row) ends with the tokenizer's
+end-of-text id (a newline for ``bytes``). Documents go to the validation split when a stable hash of
+(seed, the document's key) falls below ``val_fraction`` (key: the file's relative path, plus ``#N``
+for record N of a record file), so the split depends neither on the machine nor on the worker count
+nor on the other files. When no document falls in one split, the last document of the other moves
+there; a single document gives its last ``val_fraction`` of tokens to val.
 
-Files are written under temporary names and renamed into place; ``meta.json`` comes last, so a
-folder with a meta.json is complete.
+The input is streamed (:mod:`tokenmill.data.readers`, :mod:`tokenmill.data.pipeline`): memory stays
+flat however large the corpus is (about ``workers x 2`` pieces of ~1 MiB of text in flight, plus each
+process's tokenizer). The output is written in shards of ``shard_tokens`` tokens
+(:mod:`tokenmill.data.shards`) into a build folder that a complete run swaps into place and an
+interrupted run resumes (:mod:`tokenmill.data.build`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import math
-import mmap
-import multiprocessing as mp
 import os
 import shutil
 import sys
-import uuid
-from collections.abc import Iterator
+import time
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from tokenmill.errors import DataError
 
-from .meta import (
-    DTYPES,
-    FORMAT,
-    META_NAME,
-    VERSION,
-    dtype_for_vocab,
-    fsync_dir,
-    sha256_file,
-    tmp_name,
-    write_text_atomic,
-)
-from .stdlib import embedded_corpus_files, stdlib_root
-from .tokenizers import (
-    TOKENIZER_FILE,
-    BpeTokenizer,
-    get_tokenizer,
-    train_bpe,
-)
+from .bpe import train_bpe
+from .build import BuildLock, Journal, build_folder, clear_build, prefix_digest, swap_into_place
+from .chunking import CHUNK_BYTES
+from .meta import DTYPES, FORMAT, META_NAME, VERSION, dtype_for_vocab, sha256_file, write_text_atomic
+from .pipeline import EncodeSettings, is_val, run
+from .progress import Progress
+from .readers import iter_pieces, piece_documents
+from .shards import SHARD_TOKENS, SplitWriter
+from .sources import collect_inputs
+from .tokenizers import TOKENIZER_FILE, BpeTokenizer, get_tokenizer
 
-DEFAULT_GLOB = "**/*.txt"
-CHUNK_BYTES = 1 << 20
-_WHITESPACE = b" \t\n\r\x0b\x0c"
-
-
-def _collect_input(
-    input: str | Path | None, glob: str, max_files: int | None
-) -> tuple[list[tuple[Path, str]], str]:
-    """(path, stable key) per document, sorted, and a description of the source."""
-    if input is None:
-        root = stdlib_root()
-        files = embedded_corpus_files(max_files)
-        docs = [(f, f.relative_to(root).as_posix()) for f in files]
-        v = sys.version_info
-        ver = f"{v.major}.{v.minor}.{v.micro}"
-        return docs, f"embedded corpus: Python {ver} standard library ({len(docs)} .py files in {root})"
-    path = Path(input)
-    if path.is_file():
-        return [(path, path.name)], f"file {path.resolve()}"
-    if path.is_dir():
-        files = sorted(
-            (p for p in path.glob(glob) if p.is_file()), key=lambda p: p.relative_to(path).as_posix()
-        )
-        if max_files is not None:
-            files = files[:max_files]
-        if not files:
-            raise DataError(
-                f"input folder '{path}' has no files matching --glob '{glob}'. Fix: pass a different "
-                "--glob (e.g. '**/*.md'), or a single text file."
-            )
-        return [(f, f.relative_to(path).as_posix()) for f in files], (
-            f"folder {path.resolve()} (glob {glob!r}, {len(files)} files)"
-        )
-    raise DataError(
-        f"input '{path}' does not exist. Fix: pass a text file or a folder of text files, or no INPUT for "
-        "the embedded corpus."
-    )
-
-
-def _is_val(keys: list[str], val_fraction: float, seed: int) -> list[bool]:
-    """Per document: in the validation split? Deterministic; >= 1 doc per split when len(keys) >= 2."""
-    if len(keys) < 2 or val_fraction <= 0:
-        return [False] * len(keys)
-    u = [int.from_bytes(hashlib.sha256(f"{seed}:{k}".encode()).digest()[:8], "little") / 2**64 for k in keys]
-    flags = [x < val_fraction for x in u]
-    if not any(flags):
-        flags[min(range(len(u)), key=u.__getitem__)] = True
-    if all(flags):
-        flags[max(range(len(u)), key=u.__getitem__)] = False
-    return flags
-
-
-def _chunks(path: Path, size: int, chunk_bytes: int) -> list[tuple[int, int]]:
-    """Byte ranges covering the file, cut after a newline that has non-whitespace on both sides
-    (a cut there leaves GPT-2-style pre-tokenization unchanged and never splits a UTF-8 char)."""
-    if size <= chunk_bytes:
-        return [(0, size)]
-    cuts = [0]
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        pos = chunk_bytes
-        while pos < size:
-            i = mm.find(b"\n", pos)
-            while i != -1 and i + 1 < size and (mm[i - 1] in _WHITESPACE or mm[i + 1] in _WHITESPACE):
-                i = mm.find(b"\n", i + 1)
-            if i == -1 or i + 1 >= size:
-                break
-            cuts.append(i + 1)
-            pos = i + 1 + chunk_bytes
-    cuts.append(size)
-    return list(zip(cuts[:-1], cuts[1:]))
-
-
-_WORKER_TOKENIZER = None
-
-
-def _init_worker(tokenizer) -> None:
-    global _WORKER_TOKENIZER
-    _WORKER_TOKENIZER = tokenizer
-
-
-def _encode_unit(unit: tuple[str, int, int, int, bool, str]) -> tuple[int, bool, np.ndarray, int]:
-    """Tokenize one byte range of one file -> (doc index, last chunk of the doc?, ids, bytes read)."""
-    path, start, end, doc, last, dtype = unit
-    with open(path, "rb") as f:
-        f.seek(start)
-        data = f.read(end - start)
-    try:
-        text = data.decode("utf-8-sig" if start == 0 else "utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(
-            f"'{path}' is not UTF-8 text (bad byte {data[e.start]:#04x} at byte offset {start + e.start}). "
-            "Fix: convert it to UTF-8 (e.g. `iconv -f latin1 -t utf-8`) or exclude it with --glob."
-        ) from None
-    return doc, last, _WORKER_TOKENIZER.encode_array(text, DTYPES[dtype]), end - start
-
-
-@contextlib.contextmanager
-def _pool(workers: int, tokenizer) -> Iterator[mp.pool.Pool]:
-    """A process pool holding the tokenizer (fork where available: no re-import, no pickling)."""
-    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    # HF tokenizers warns (and disables its threads) in forked children once it has used threads; the
-    # workers are the parallelism, so switch its threads off in them explicitly.
-    had = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    try:
-        pool = mp.get_context(method).Pool(workers, initializer=_init_worker, initargs=(tokenizer,))
-    finally:
-        if had is None:
-            del os.environ["TOKENIZERS_PARALLELISM"]
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = had
-    with pool:
-        yield pool
+DEFAULT_GLOB = None  # a folder: every file of a known kind (sources.DEFAULT_PATTERNS)
+COMMIT_SECONDS = 5.0  # how often the journal records the position reached
+MAX_WARNINGS = 10  # bad records reported one by one (the rest are counted)
+ON_BAD = ("skip", "stop")
 
 
 def prepare(
-    input: str | Path | None,
+    input,
     out_dir: str | Path,
     tokenizer="bpe",
     vocab_size: int = 4096,
@@ -175,215 +55,328 @@ def prepare(
     workers: int | None = None,
     seed: int = 0,
     progress: bool = True,
-    glob: str = DEFAULT_GLOB,
+    glob: str | None = DEFAULT_GLOB,
     max_files: int | None = None,
     tokenizer_from: str | None = None,
+    text_field: str = "text",
+    fmt: str = "auto",
+    on_bad_record: str = "skip",
+    shard_tokens: int = SHARD_TOKENS,
+    tokenizer_sample: int | None = None,
+    dtype: str = "auto",
 ) -> Path:
     """Tokenize ``input`` into the token folder ``out_dir`` and return its path.
 
-    input: a UTF-8 text file, a folder (files matching ``glob``, sorted by relative path), or None for
-      the embedded corpus (this Python's standard-library sources).
+    input: a file, a folder, a glob pattern, a list of them (see :mod:`tokenmill.data.sources`), or
+      None for the embedded corpus (this Python's standard-library sources).
     tokenizer: 'bpe' (trained here on the training documents to ``vocab_size`` ids, saved as
-      tokenizer.json), 'bytes', 'gpt2', or a tokenizer object (name, vocab_size, eot_id, encode_array).
-    workers: tokenizer processes (None: one per CPU, at most one per chunk; 1: in this process).
-    max_files: use only the first N files (folders and the embedded corpus).
-    tokenizer_from: where a reused tokenizer came from (see :func:`tokenizer_from`); recorded in
-      meta.json as ``tokenizer.from``.
+      tokenizer.json; from at most ``tokenizer_sample`` bytes of them when given), 'bytes', 'gpt2', or
+      a tokenizer object (name, vocab_size, eot_id, encode_array[, encode_batch, chunkable]).
+    workers: tokenizer processes (None: one per CPU; 1: in this process).
+    max_files: use only the first N files. text_field: the JSON field / column holding the text.
+    fmt: 'auto' (kind from the file name) or the kind of every file: 'text', 'jsonl', 'parquet', 'arrow'.
+    on_bad_record: 'skip' (count, report the first ones, go on) or 'stop' (raise at the first).
+    shard_tokens: tokens per output shard. dtype: 'auto' (uint16 when the vocabulary fits), 'uint16', 'uint32'.
+    tokenizer_from: where a reused tokenizer came from; recorded in meta.json as ``tokenizer.from``.
     """
-    if not 0.0 <= val_fraction < 1.0:
-        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}. Fix: e.g. --val-fraction 0.1.")
+    _check_options(val_fraction, on_bad_record, shard_tokens, dtype, tokenizer_sample)
     given = Path(out_dir)
     if given.exists() and not given.is_dir():
         raise DataError(f"--out '{given}' exists and is not a folder. Fix: choose another --out, or move the file "
                         "away.")
     # the folder itself (a link: the folder it points to, the link stays), as an absolute path
     out = given.resolve() if given.is_symlink() else Path(os.path.abspath(given))
-    docs, source = _collect_input(input, glob, max_files)
-    docs = [(p, k, p.stat().st_size) for p, k in docs]
-    docs = [d for d in docs if d[2] > 0]
-    if not docs:
-        raise DataError(f"input {source} holds only empty files. Fix: pass files with text.")
-    is_val = _is_val([k for _, k, _ in docs], val_fraction, seed)
-
-    # Everything is written into a temporary folder and swapped into place once complete: a failure
-    # (bad input, interrupt, full disk) leaves an existing ``out`` exactly as it was.
-    build = _build_folder(out)
-    try:
-        _prepare_into(build, docs, is_val, source, tokenizer, vocab_size, val_fraction, workers, seed, progress,
-                      tokenizer_from)
-        _swap_into_place(build, out)
-    finally:
-        if build.exists():
-            shutil.rmtree(build, ignore_errors=True)
+    inputs, source = collect_inputs(input, glob, max_files, fmt)
+    inputs = [f for f in inputs if f.size > 0]
+    if not inputs:
+        raise DataError(f"input {source} holds only empty files: the corpus is empty. Fix: pass files with text.")
+    opts = dict(tokenizer=tokenizer, vocab_size=vocab_size, val_fraction=val_fraction, workers=workers, seed=seed,
+                progress=progress, tokenizer_from=tokenizer_from, text_field=text_field, on_bad=on_bad_record,
+                shard_tokens=shard_tokens, sample=tokenizer_sample, dtype=dtype, source=source, fmt=fmt)
+    build = build_folder(out)
+    with BuildLock(build):
+        try:
+            _Build(build, inputs, opts).run()
+            swap_into_place(build, out)
+        except DataError as e:
+            if not getattr(e, "resumable", False):
+                shutil.rmtree(build, ignore_errors=True)  # bad input: leave nothing behind
+            raise
     return given
 
 
-def _prepare_into(out: Path, docs, is_val, source, tokenizer, vocab_size, val_fraction, workers, seed, progress,
-                  tokenizer_from) -> None:
-    """Tokenize ``docs`` into the (new, empty) folder ``out``: the body of :func:`prepare`."""
-    if isinstance(tokenizer, str) and tokenizer == "bpe":
-        train_docs = [p for (p, _, _), v in zip(docs, is_val) if not v]
-        tok = train_bpe(train_docs, vocab_size, out / TOKENIZER_FILE)
-    elif isinstance(tokenizer, str):
-        tok = get_tokenizer(tokenizer)
-    else:
-        tok = tokenizer
-    dtype = dtype_for_vocab(tok.vocab_size)
-    # documents end with the end-of-text id; without one, with the ids of a newline
-    sep_ids = [tok.eot_id] if tok.eot_id is not None else (list(tok.encode_array("\n")) or [10])
-    sep = np.asarray(sep_ids, dtype=DTYPES[dtype]).tobytes()
-
-    units = [
-        (str(p), a, b, i, b == size, dtype)
-        for i, (p, _, size) in enumerate(docs)
-        for a, b in _chunks(p, size, CHUNK_BYTES)
-    ]
-    if workers is None:
-        workers = os.cpu_count() or 1
-    workers = max(1, min(workers, len(units)))
-    tmp = {split: tmp_name(out / f"{split}.bin") for split in ("train", "val")}
-    ndocs = {"train": 0, "val": 0}
-    try:
-        with contextlib.ExitStack() as stack:
-            files = {s: stack.enter_context(open(p, "wb")) for s, p in tmp.items()}
-            bar = stack.enter_context(
-                tqdm(
-                    total=sum(d[2] for d in docs),
-                    unit="B",
-                    unit_scale=True,
-                    desc="tokenizing",
-                    disable=not progress,
-                    file=sys.stderr,
-                    dynamic_ncols=True,
-                )
-            )
-            if workers == 1:
-                _init_worker(tok)
-                results = map(_encode_unit, units)
-            else:
-                pool = stack.enter_context(_pool(workers, tok))
-                results = pool.imap(_encode_unit, units, chunksize=max(1, len(units) // (workers * 16)))
-            for doc, last, ids, nbytes in results:
-                split = "val" if is_val[doc] else "train"
-                files[split].write(ids.tobytes())
-                if last:
-                    files[split].write(sep)
-                    ndocs[split] += 1
-                bar.update(nbytes)
-        if len(docs) == 1 and val_fraction > 0:
-            _move_tail(tmp["train"], tmp["val"], val_fraction, DTYPES[dtype].itemsize)
-        splits = {}
-        for split in ("train", "val"):
-            nbytes = tmp[split].stat().st_size
-            splits[split] = {
-                "file": f"{split}.bin",
-                "tokens": nbytes // DTYPES[dtype].itemsize,
-                "sha256": sha256_file(tmp[split]),
-                "documents": ndocs[split],
-            }
-        if isinstance(tok, BpeTokenizer):
-            if tok.path is None or Path(tok.path).resolve() != (out / TOKENIZER_FILE).resolve():
-                tok.save(out / TOKENIZER_FILE)  # a BPE tokenizer passed in: keep a copy beside the data
-        for split in ("train", "val"):
-            os.replace(tmp[split], out / f"{split}.bin")
-    finally:
-        for p in tmp.values():
-            p.unlink(missing_ok=True)
-    info = {"name": tok.name, "vocab_size": tok.vocab_size, "eot_id": tok.eot_id}
-    if tok.name == "bpe":
-        info["file"] = TOKENIZER_FILE
-    if tokenizer_from is not None:
-        info["from"] = str(tokenizer_from)
-    meta = {
-        "format": FORMAT,
-        "version": VERSION,
-        "tokenizer": info,
-        "vocab_size": tok.vocab_size,
-        "dtype": dtype,
-        "splits": splits,
-        "source": source,
-        "prepare": {"val_fraction": val_fraction, "seed": seed, "documents": len(docs)},
-    }
-    write_text_atomic(out / META_NAME, json.dumps(meta, indent=2) + "\n")
+def _check_options(val_fraction, on_bad, shard_tokens, dtype, sample) -> None:
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}. Fix: e.g. --val-fraction 0.1.")
+    if on_bad not in ON_BAD:
+        raise DataError(f"--on-bad-record must be one of {list(ON_BAD)}, got {on_bad!r}.")
+    if not isinstance(shard_tokens, int) or shard_tokens < 1024:
+        raise DataError(f"--shard-tokens must be an integer >= 1024, got {shard_tokens!r}.")
+    if dtype not in ("auto", *DTYPES):
+        raise DataError(f"--dtype must be 'auto', 'uint16' or 'uint32', got {dtype!r}.")
+    if sample is not None and sample < 1:
+        raise DataError(f"--tokenizer-sample must be >= 1 byte, got {sample}.")
 
 
-# files a preparation writes; anything else in an existing output folder is the user's and is kept
-_OUTPUTS = ("train.bin", "val.bin", TOKENIZER_FILE, META_NAME)
+def _tokenizer_spec(tokenizer, vocab_size: int, sample) -> str:
+    """What identifies the tokenizer in the journal (a resumed prepare must use the same one)."""
+    if isinstance(tokenizer, str):
+        return f"bpe:{vocab_size}:{sample}" if tokenizer == "bpe" else tokenizer
+    fp = getattr(tokenizer, "fingerprint", None)
+    return fp() if fp is not None else f"{type(tokenizer).__name__}:{tokenizer.name}:{tokenizer.vocab_size}"
 
 
-def _build_folder(out: Path) -> Path:
-    """A new temporary folder beside ``out`` (inside it when its parent is not writable); stale ones
-    left by a killed ``prepare`` of the same folder are removed first."""
-    parent = out.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    prefix = f".{out.name}.prepare-"
-    for p in parent.glob(prefix + "*"):
-        pid = p.name[len(prefix):].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(p, ignore_errors=True)
-    name = f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        (parent / name).mkdir()
-        return parent / name
-    except PermissionError:  # a writable folder in a read-only parent: build inside it
-        out.mkdir(exist_ok=True)
-        (out / name).mkdir()
-        return out / name
+class _Build:
+    """One preparation into the build folder (fresh or resumed)."""
 
+    def __init__(self, build: Path, inputs, opts: dict):
+        self.build, self.inputs, self.o = build, inputs, opts
+        self.settings = {
+            "tokenizer": _tokenizer_spec(opts["tokenizer"], opts["vocab_size"], opts["sample"]),
+            **{k: opts[k] for k in ("val_fraction", "seed", "text_field", "shard_tokens", "dtype", "fmt")},
+        }
+        self.journal = Journal(build)
+        self.digests = prefix_digest([f.identity() for f in inputs])
+        self.counts = {"bad": 0, "empty": 0, "first_bad": None, "text_chars": 0}
+        self.open_doc = None  # [split, start] of a text document cut into pieces, while it is written
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    def run(self) -> None:
+        records = self.journal.read(self.settings)
+        if not records:
+            clear_build(self.build)
+            self.journal.start(self.settings)
+        self.tok = self._tokenizer(records)
+        self.dtype = self._dtype()
+        eot = self.tok.eot_id
+        self.sep = (eot,) if eot is not None else tuple(int(i) for i in self.tok.encode_array("\n", np.int64)) or (10,)
+        self.writers = {s: SplitWriter(self.build, s, DTYPES[self.dtype], self.o["shard_tokens"]) for s in ("train", "val")}
+        start = self._restore(records + self._trained)
+        self._tokenize(start)
+        self._finish()
 
+    # -- the tokenizer
 
-def _swap_into_place(build: Path, out: Path) -> None:
-    """Put the complete folder ``build`` in place of ``out``. An existing ``out`` is renamed aside,
-    ``build`` renamed to ``out``, and files of the old folder that a preparation does not write (the
-    user's) moved back in; where folders cannot be renamed (a mount point, ``build`` inside ``out``)
-    the files are replaced one by one, meta.json removed first and written last."""
-    parent = out.parent
-    cwd = Path.cwd().resolve()
-    holds_cwd = cwd == out.resolve() or out.resolve() in cwd.parents  # never rename the working directory away
-    if build.parent == parent and not holds_cwd:
-        if not out.exists():
-            os.replace(build, out)
-            fsync_dir(parent)
-            return
-        old = parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    def _tokenizer(self, records: list[dict]):
+        tok = self.o["tokenizer"]
+        self._trained: list[dict] = []
+        if not isinstance(tok, str):
+            return tok
+        if tok != "bpe":
+            return get_tokenizer(tok)
+        path = self.build / TOKENIZER_FILE
+        done = [r["tokenizer_sha256"] for r in records if "tokenizer_sha256" in r]
+        if done and path.is_file() and sha256_file(path) == done[-1]:
+            return BpeTokenizer.load(path)  # trained before the interruption
+        bar = Progress(sum(f.size for f in self.inputs), self.o["progress"], label="training the BPE")
         try:
-            os.replace(out, old)
-        except OSError:
-            old = None
-        if old is not None:
-            os.replace(build, out)
-            for p in old.iterdir():
-                if p.name not in _OUTPUTS:
-                    os.replace(p, out / p.name)
-            shutil.rmtree(old, ignore_errors=True)
-            fsync_dir(parent)
-            return
-    (out / META_NAME).unlink(missing_ok=True)  # the folder is incomplete until the new meta.json lands
-    for name in _OUTPUTS:
-        if name != META_NAME:
-            if (build / name).exists():
-                os.replace(build / name, out / name)
-            else:
-                (out / name).unlink(missing_ok=True)  # e.g. a stale tokenizer.json of an earlier bpe folder
-    os.replace(build / META_NAME, out / META_NAME)
-    fsync_dir(out)
+            trained = train_bpe(self._training_texts(bar), self.o["vocab_size"], path)
+        finally:
+            bar.close()
+        self._trained = [{"tokenizer_sha256": sha256_file(path)}]
+        self.journal.append(self._trained[0])
+        return trained
+
+    def _training_texts(self, bar: Progress):
+        """The training documents' texts in bounded pieces (all of them, or a hashed sample of about
+        ``tokenizer_sample`` bytes); every document when none is in the training split (one document)."""
+        n = 0
+        for text in self._texts(True, bar):
+            n += 1
+            yield text
+        if n == 0:
+            yield from self._texts(False, bar)
+
+    def _texts(self, skip_val: bool, bar: Progress):
+        """Training texts; with a sample, pieces are kept with probability ``q`` (all of a small corpus) and
+        their documents with ``rate / q``, both by hashes, so about ``rate`` of the text is read and kept."""
+        seed, frac, sample = self.o["seed"], self.o["val_fraction"], self.o["sample"]
+        total = sum(f.size for f in self.inputs)
+        rate = 1.0 if not sample or sample >= total else sample / total
+        q = 1.0 if total <= 64 * CHUNK_BYTES else min(1.0, 8 * rate)
+        taken = 0
+        for i, inp in enumerate(self.inputs):
+            for piece in iter_pieces(inp, i, [0, 0], CHUNK_BYTES, True, self.o["text_field"]):
+                if q < 1 and not is_val(seed + 1, f"{inp.key}@{piece.start[0]}", q):
+                    continue  # not in the sample (is_val: a hash below q)
+                texts, numbers, _ = piece_documents(inp, piece, self.o["text_field"])
+                bar.update(piece.disk, 0, len(texts))
+                for text, n in zip(texts, numbers):
+                    key = inp.key if inp.kind == "text" else f"{inp.key}#{n}"
+                    if skip_val and is_val(seed, key, frac):
+                        continue
+                    if rate < 1 and not is_val(seed + 2, f"{key}@{piece.start[0]}", rate / q):
+                        continue
+                    yield text
+                    taken += len(text)
+                    if sample and taken >= sample:
+                        return
+
+    def _dtype(self) -> str:
+        vocab, want = self.tok.vocab_size, self.o["dtype"]
+        if want == "auto":
+            return dtype_for_vocab(vocab)
+        if vocab > 2 ** (8 * DTYPES[want].itemsize):
+            raise DataError(
+                f"--dtype {want} holds ids below {2 ** (8 * DTYPES[want].itemsize):,}, but the tokenizer has "
+                f"{vocab:,} ids. Fix: --dtype uint32 (or leave --dtype auto)."
+            )
+        return want
+
+    # -- tokenizing
+
+    def _restore(self, records: list[dict]) -> tuple[int, list]:
+        """Where to start: after the last journal line whose input files are unchanged (the shards cut back
+        to it). The journal is rewritten to end at that line, so lines of abandoned work never count again."""
+        keep = [r for r in records if "tokenizer_sha256" in r]
+        commits = [r for r in records if "file" in r]
+        valid = [r for r in commits if r["file"] < len(self.digests) and r["prefix"] == self.digests[r["file"]]]
+        for rec in reversed(valid):
+            try:
+                for s, w in self.writers.items():
+                    w.restore(rec["splits"][s])
+            except (ValueError, KeyError):
+                continue
+            self.counts.update(rec["counts"])
+            self.open_doc = rec["open_doc"]
+            self.done_bytes = rec["bytes"]
+            self.journal.start(self.settings, keep + [rec])
+            return (rec["file"] + 1, [0, 0]) if rec["pos"] is None else (rec["file"], rec["pos"])
+        for w in self.writers.values():
+            w.truncate(0)
+        self.done_bytes = 0
+        self.journal.start(self.settings, keep)
+        return 0, [0, 0]
+
+    def _pieces(self, start: tuple[int, list]):
+        first, pos = start
+        for i in range(first, len(self.inputs)):
+            yield from iter_pieces(self.inputs[i], i, pos if i == first else [0, 0], CHUNK_BYTES,
+                                   getattr(self.tok, "chunkable", True), self.o["text_field"])
+
+    def _tokenize(self, start: tuple[int, list]) -> None:
+        if start[0] > 0 or start[1] != [0, 0]:
+            print(f"tokenmill: resuming an interrupted prepare at input file {start[0] + 1} of {len(self.inputs)} "
+                  f"({self.inputs[min(start[0], len(self.inputs) - 1)].path})", file=sys.stderr, flush=True)
+        total = sum(f.size for f in self.inputs)
+        self.bar = Progress(total, self.o["progress"], done=self.done_bytes)
+        settings = EncodeSettings(self.o["text_field"], self.o["seed"], self.o["val_fraction"], self.dtype, self.sep,
+                                  self.tok.vocab_size)
+        workers = self.o["workers"] or os.cpu_count() or 1
+        workers = max(1, min(workers, (total - self.done_bytes) // CHUNK_BYTES + 1))
+        self.last_commit = time.monotonic()
+        try:
+            run(self._pieces(start), workers, self.inputs, self.tok, settings, self._take)
+        finally:
+            self.bar.close()
+
+    def _take(self, piece, enc) -> None:
+        """Write one tokenized piece (in input order), count and report its bad records, commit now and then."""
+        inp = self.inputs[piece.file]
+        self._report(inp, enc.bad)
+        self.counts["empty"] += enc.empty
+        self.counts["text_chars"] += enc.text_chars
+        tokens = docs = 0
+        if inp.kind == "text":
+            docs = self._take_text(inp, piece, enc)
+        for split, (ids, ended, last) in enc.splits.items():
+            w = self.writers[split]
+            base = w.tokens
+            w.write(ids)
+            tokens += len(ids)
+            if inp.kind != "text" and ended:
+                w.documents += ended - 1
+                w.end_document(base + last)
+                docs += ended
+        self.bar.update(piece.disk, tokens, docs)
+        if time.monotonic() - self.last_commit >= COMMIT_SECONDS:
+            self._commit(piece)
+
+    def _take_text(self, inp, piece, enc) -> int:
+        """A piece of a text document: where it starts, and its end (also after a bad piece)."""
+        split = "val" if is_val(self.o["seed"], inp.key, self.o["val_fraction"]) else "train"
+        if piece.first and piece.error is None:
+            self.open_doc = [split, self.writers[split].tokens]
+        if piece.end is None and self.open_doc is not None:
+            w = self.writers[self.open_doc[0]]
+            if piece.error is not None:
+                w.write(np.asarray(self.sep, dtype=DTYPES[self.dtype]))  # the document ends where reading stopped
+            w.end_document(self.open_doc[1])
+            self.open_doc = None
+            return 1
+        return 0
+
+    def _report(self, inp, bad: list) -> None:
+        for record, reason in bad:
+            where = f"'{inp.path}'" if inp.kind == "text" else f"'{inp.path}' record {record}"
+            msg = f"{where} {reason}" if inp.kind == "text" else f"{where}: {reason}"
+            if self.o["on_bad"] == "stop":
+                raise DataError(f"{msg}. Fix: repair or remove it, or pass --on-bad-record skip to count and skip bad "
+                                "records.")
+            self.counts["bad"] += 1
+            self.counts["first_bad"] = self.counts["first_bad"] or msg
+            if self.counts["bad"] <= MAX_WARNINGS:
+                print(f"tokenmill: warning: {msg}; skipped", file=sys.stderr, flush=True)
+
+    def _commit(self, piece) -> None:
+        for w in self.writers.values():
+            w.sync()
+        self.journal.append({"file": piece.file, "pos": piece.end, "prefix": self.digests[piece.file],
+                             "splits": {s: w.state() for s, w in self.writers.items()},
+                             "counts": self.counts, "open_doc": self.open_doc, "bytes": self.bar.bytes})
+        self.last_commit = time.monotonic()
+
+    # -- the end
+
+    def _finish(self) -> None:
+        tr, va = self.writers["train"], self.writers["val"]
+        if tr.documents + va.documents == 0:
+            first = self.counts["first_bad"]
+            why = f"; {self.counts['bad']} bad record(s) skipped, the first: {first}" if first else ""
+            raise DataError(f"input {self.o['source']} holds no document to tokenize (the corpus is empty{why}). "
+                            "Fix: pass files with text (and --text-field naming the field that holds it).")
+        _balance(tr, va, self.o["val_fraction"])
+        splits = {s: w.finish() for s, w in self.writers.items()}
+        tok = self.tok
+        if isinstance(tok, BpeTokenizer):
+            if tok.path is None or Path(tok.path).resolve() != (self.build / TOKENIZER_FILE).resolve():
+                tok.save(self.build / TOKENIZER_FILE)  # a BPE tokenizer passed in: keep a copy beside the data
+        info = {"name": tok.name, "vocab_size": tok.vocab_size, "eot_id": tok.eot_id}
+        if tok.name == "bpe":
+            info["file"] = TOKENIZER_FILE
+        if self.o["tokenizer_from"] is not None:
+            info["from"] = str(self.o["tokenizer_from"])
+        prep = {"val_fraction": self.o["val_fraction"], "seed": self.o["seed"],
+                "documents": tr.documents + va.documents,
+                "inputs": len(self.inputs), "text_field": self.o["text_field"],
+                "bad_records": self.counts["bad"], "first_bad_record": self.counts["first_bad"],
+                "empty_records": self.counts["empty"], "text_chars": self.counts["text_chars"]}
+        meta = {"format": FORMAT, "version": VERSION, "tokenizer": info, "vocab_size": tok.vocab_size,
+                "dtype": self.dtype, "splits": splits, "source": self.o["source"], "prepare": prep}
+        write_text_atomic(self.build / META_NAME, json.dumps(meta, indent=2) + "\n")
 
 
-def _move_tail(train: Path, val: Path, val_fraction: float, itemsize: int) -> None:
-    """Single document: move the last ceil(n * val_fraction) tokens of the train file to val."""
-    n = train.stat().st_size // itemsize
-    n_val = min(n - 1, math.ceil(n * val_fraction)) if n > 1 else 0
-    with open(train, "rb") as f:
-        f.seek((n - n_val) * itemsize)
-        tail = f.read()
-    val.write_bytes(tail)
-    os.truncate(train, (n - n_val) * itemsize)
+def _move(src: SplitWriter, dst: SplitWriter, start: int) -> None:
+    """Move tokens ``[start, end)`` of ``src`` to the end of ``dst``."""
+    for block in src.read(start, src.tokens):
+        dst.write(block)
+    src.truncate(start)
+
+
+def _balance(tr: SplitWriter, va: SplitWriter, val_fraction: float) -> None:
+    """At least one document in each split when there are two; one document: its tail is val."""
+    if val_fraction <= 0:
+        return
+    if tr.documents == 0 and va.documents >= 1:  # everything hashed into val: its last document trains
+        start = va.last_doc if va.documents >= 2 else 0
+        _move(va, tr, start)
+        tr.end_document(0)
+        va.documents -= 1
+        va.last_doc = None
+    if va.documents == 0 and tr.documents >= 2:
+        _move(tr, va, tr.last_doc)
+        va.end_document(0)
+        tr.documents -= 1
+        tr.last_doc = None
+    elif va.documents == 0 and va.tokens == 0 and tr.tokens > 1:  # one document
+        n = tr.tokens
+        _move(tr, va, n - min(n - 1, math.ceil(n * val_fraction)))

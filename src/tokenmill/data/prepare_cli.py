@@ -12,7 +12,9 @@ from pathlib import Path
 from tokenmill.errors import DataError
 
 from .meta import META_NAME
-from .prepare import DEFAULT_GLOB, prepare
+from .prepare import DEFAULT_GLOB, ON_BAD, prepare
+from .shards import SHARD_TOKENS
+from .sources import DEFAULT_GLOB_HELP, KINDS
 from .tokenizers import (
     NAMES,
     TOKENIZER_FILE,
@@ -116,14 +118,14 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     """Arguments of ``tokenmill prepare [INPUT] --out DIR ...``."""
     parser.add_argument(
         "input",
-        nargs="?",
-        default=None,
+        nargs="*",
         metavar="INPUT",
-        help="a UTF-8 text file or a folder of them; omitted: the embedded corpus (this Python's stdlib "
-        "sources)",
+        help="text and JSON Lines files (.txt, .jsonl/.json/.ndjson; also .gz/.zst compressed), Parquet and Arrow "
+        "files, folders of them, a saved Hugging Face dataset folder, or quoted glob patterns (docs/data.md); "
+        "omitted: the embedded corpus (this Python's stdlib sources)",
     )
     parser.add_argument(
-        "--out", required=True, metavar="DIR", help="output folder (train.bin, val.bin, meta.json)"
+        "--out", required=True, metavar="DIR", help="output folder (token shards, meta.json)"
     )
     parser.add_argument("--tokenizer", choices=NAMES, default=None, help="tokenizer (default: bpe)")
     parser.add_argument(
@@ -149,8 +151,23 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "--workers", type=int, default=None, metavar="N", help="tokenizer processes (default: CPUs)"
     )
     parser.add_argument(
-        "--glob", default=DEFAULT_GLOB, metavar="PATTERN", help=f"files of a folder (default: {DEFAULT_GLOB})"
+        "--glob", default=DEFAULT_GLOB, metavar="PATTERN",
+        help=f"files of a folder (default: {DEFAULT_GLOB_HELP})",
     )
+    parser.add_argument("--text-field", default="text", metavar="NAME",
+                        help="the JSON field / Parquet or Arrow column holding the text (default: text)")
+    parser.add_argument("--format", default="auto", choices=("auto", *KINDS),
+                        help="the kind of every input file (default: auto, from the file name)")
+    parser.add_argument("--on-bad-record", default="skip", choices=ON_BAD,
+                        help="a record that is not JSON, not UTF-8, lacks the field or is not text, or a truncated "
+                        "shard: skip (count, report the first ones) or stop (default: skip)")
+    parser.add_argument("--shard-tokens", type=int, default=SHARD_TOKENS, metavar="N",
+                        help=f"tokens per output shard file (default: {SHARD_TOKENS:,})")
+    parser.add_argument("--tokenizer-sample", type=parse_size, default=None, metavar="SIZE",
+                        help="train the bpe tokenizer on a hashed sample of about SIZE of the training text "
+                        "(e.g. 500M, 2G; default: all of it)")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "uint16", "uint32"),
+                        help="token id type of the files (default: auto: uint16 when the vocabulary fits)")
     parser.add_argument(
         "--seed", type=int, default=0, help="seed of the train/val document split (default: 0)"
     )
@@ -173,7 +190,7 @@ def run_prepare(args: argparse.Namespace) -> int:
     else:
         tokenizer = args.tokenizer if args.tokenizer is not None else "bpe"
     out = prepare(
-        args.input,
+        args.input or None,
         args.out,
         tokenizer=tokenizer,
         vocab_size=args.vocab_size if args.vocab_size is not None else 4096,
@@ -184,14 +201,36 @@ def run_prepare(args: argparse.Namespace) -> int:
         glob=args.glob,
         max_files=args.max_files,
         tokenizer_from=source,
+        text_field=args.text_field,
+        fmt=args.format,
+        on_bad_record=args.on_bad_record,
+        shard_tokens=args.shard_tokens,
+        tokenizer_sample=args.tokenizer_sample,
+        dtype=args.dtype,
     )
     meta = json.loads((out / META_NAME).read_text())
-    s = meta["splits"]
+    s, prep = meta["splits"], meta.get("prepare", {})
+    shards = sum(len(e.get("shards", [e])) for e in s.values())
+    bad = prep.get("bad_records", 0)
     print(
         f"prepared {out}: train {s['train']['tokens']:,} tokens ({s['train']['documents']} docs), "
         f"val {s['val']['tokens']:,} tokens ({s['val']['documents']} docs), "
         f"tokenizer {meta['tokenizer']['name']} "
-        f"({meta['vocab_size']} ids), {meta['dtype']}\nsource: {meta['source']}"
+        f"({meta['vocab_size']} ids), {meta['dtype']}, {shards} token file(s)\nsource: {meta['source']}"
         + (f"\ntokenizer from: {source}" if source is not None else "")
+        + f"\nskipped {bad:,} bad record(s)" + (f" (the first: {prep['first_bad_record']})" if bad else "")
     )
     return 0
+
+
+def parse_size(text: str) -> int:
+    """'500M', '2G', '1.5GB', '100000' -> bytes (k/M/G/T are powers of 1000)."""
+    t = text.strip().upper().removesuffix("B")
+    scale = {"K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}.get(t[-1:], 1)
+    try:
+        value = float(t[:-1] if scale != 1 else t) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size like 500M or 2G, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a size >= 1 byte, got {text!r}")
+    return int(value)

