@@ -19,26 +19,11 @@ GB = 1024 * MB
 
 
 def candidate_switches(cfg: C.Config) -> list[tuple[str, dict]]:
-    """Memory-saving switches that ``cfg`` does not use yet: (command-line text, overrides)."""
-    t, m, mem = cfg.train, cfg.model, cfg.memory
-    out: list[tuple[str, dict]] = []
-    if mem.activation_checkpointing != 1:
-        out.append(("--memory.activation_checkpointing 1", {"memory.activation_checkpointing": 1}))
-    if t.batch_size > 1:
-        out.append((f"--train.batch_size {t.batch_size // 2} --train.grad_accum_steps {t.grad_accum_steps * 2}",
-                    {"train.batch_size": t.batch_size // 2, "train.grad_accum_steps": t.grad_accum_steps * 2}))
-    if t.precision == "fp32":
-        out.append(("--train.precision bf16-autocast", {"train.precision": "bf16-autocast"}))
-    if m.attention == "manual":
-        out.append(("--model.attention sdpa", {"model.attention": "sdpa"}))
-    if m.loss_impl == "full":
-        out.append(("--model.loss_impl chunked", {"model.loss_impl": "chunked"}))
-    if cfg.optim.impl == "foreach" and not (mem.optimizer_offload or mem.optimizer_8bit):
-        out.append(("--optim.impl for-loop", {"optim.impl": "for-loop"}))
-    single = cfg.parallel.dp_shard == 1 and cfg.parallel.tp == 1 and cfg.parallel.pp == 1
-    if single and not (mem.optimizer_offload or mem.optimizer_in_backward or mem.optimizer_8bit):
-        out.append(("--memory.optimizer_offload true", {"memory.optimizer_offload": True}))
-    return out
+    """Memory-saving switches that ``cfg`` does not use yet, from the one list
+    (:mod:`tokenmill.config.memory_switches`; those the estimator can evaluate): (command-line text, overrides)."""
+    from tokenmill.config.memory_switches import flags, getter, memory_switches
+
+    return [(flags(s), dict(s.overrides)) for s in memory_switches(getter(cfg), searched_only=True)]
 
 
 def _with(cfg: C.Config, overrides: dict) -> Optional[C.Config]:
@@ -100,9 +85,9 @@ def _spec(gpu: str, capacity_mb: Optional[float]) -> GPU:
         spec = gpu_spec(gpu)
     except ConfigError:
         base = GPUS["h100-sxm"]
-        spec = GPU("custom", gpu, capacity_mb or 0, base.hbm_gbs, base.link_gbs, base.link)
+        spec = GPU("custom", gpu, capacity_mb or 0, base.hbm_gbs, base.link_gbs, base.link, base.sm, base.cc)
     if capacity_mb:
-        spec = GPU(spec.key, spec.name, capacity_mb, spec.hbm_gbs, spec.link_gbs, spec.link)
+        spec = GPU(spec.key, spec.name, capacity_mb, spec.hbm_gbs, spec.link_gbs, spec.link, spec.sm, spec.cc)
     return spec
 
 

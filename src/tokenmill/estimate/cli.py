@@ -3,6 +3,7 @@
     tokenmill estimate --preset gpt2-124m --gpu a100-40gb
     tokenmill estimate --preset gpt2-xl --gpu h100-sxm --nproc 8 --parallel.dp_shard -1 --json
     tokenmill estimate --gpus
+    tokenmill estimate --preset llama3.1-8b --model.block_size 2048 --train.batch_size 1 --finetune
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ def register(subparsers) -> None:
     g.add_argument("--advice", action="store_true",
                    help="also say which switch brings the memory under the GPU's (a few more seconds)")
     g.add_argument("--gpus", action="store_true", help="list the GPUs and their figures, and exit")
+    g.add_argument("--finetune", action="store_true",
+                   help="which GPU a fine-tune of this config needs: a line per GPU with the peak memory of a full "
+                        "fine-tune and of LoRA (lora.*, else rank 16 on every projection), and whether each fits")
     add_config_args(p)
     p.set_defaults(func=cmd_estimate)
 
@@ -47,6 +51,11 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if args.resume or args.run_dir:
         raise C.ConfigError("--run-dir / --resume have no meaning for estimate (nothing runs).")
     cfg = config_from_args(args)
+    if args.finetune:
+        from tokenmill.estimate.finetune import format_finetune
+
+        print(format_finetune(cfg, args.nproc))
+        return 0
     est = estimate(cfg, args.gpu, args.nproc)
     advice = None
     if args.advice or (est.fits is False and not args.json):
@@ -88,12 +97,20 @@ def format_estimate(est, cfg: C.Config, advice: str | None = None) -> str:
         share = 100 * est.peak_reserved_mb / est.capacity_mb
         fit = f"   {'fits' if est.fits else 'DOES NOT FIT'}: {share:.0f}% of {_mb(est.capacity_mb)} MiB"
     lines.append(f"  {'peak reserved':<24}{_mb(est.peak_reserved_mb):>10}{fit}")
+    u = est.uncertainty
+    if u and est.memory_range_mb:
+        lo, hi = est.memory_range_mb
+        lines.append(f"  expected error +-{100 * u['memory']:.0f}%: {_mb(lo)}-{_mb(hi)} MiB ({u['memory_basis']}, "
+                     f"regime {u['regime']})")
     per_block = ", ".join(f"{v:,.1f} ({k})" for k, v in est.activations_per_block_mb.items())
     lines.append(f"  activations kept per block: {per_block}")
     if est.host_mb:
         lines.append(f"  host (pinned) memory for the optimizer: {_mb(est.host_mb)} MiB")
     mfu = f", MFU {100 * est.mfu:.0f}%" if est.mfu else ""
     lines += ["", f"time per optimizer step: {est.step_ms:,.1f} ms -> {est.tokens_per_sec:,.0f} tokens/s{mfu}"]
+    if u and est.tokens_per_sec_range:
+        lo, hi = est.tokens_per_sec_range
+        lines.append(f"  expected error +-{100 * u['speed']:.0f}%: {lo:,.0f}-{hi:,.0f} tokens/s ({u['speed_basis']})")
     parts = ", ".join(f"{k[:-3].replace('_', ' ')} {v:,.1f} ms" for k, v in est.time_breakdown_ms.items() if v >= 0.05)
     lines.append(f"  {parts}")
     for n in est.notes:

@@ -45,6 +45,11 @@ class Estimate:
     at_peak: str = ""
     notes: list[str] = field(default_factory=list)
     precision: str = ""  # train.precision (+ ' + tf32') as estimated: what 'auto' became on this GPU
+    # the expected relative error (estimate/uncertainty.py): the mean absolute error against published
+    # measurements in this regime, and the ranges it gives
+    uncertainty: dict[str, Any] = field(default_factory=dict)
+    memory_range_mb: tuple = ()  # peak reserved (allocated on a CPU) +- the memory error
+    tokens_per_sec_range: tuple = ()
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -104,8 +109,10 @@ def estimate(cfg: C.Config, gpu: str | GPU = "h100-sxm", nproc: int = 1) -> Esti
     vocab = vocab_size_of(cfg)
     cuda = spec.key != "cpu"
     memories, pieces_by_stage = [], []
+    balance = _balance(cfg, spec) if cuda else None
     for stage in range(lay.pp):
-        plan, pieces = _plan(cfg, lay, vocab, cuda, stage)
+        plan, pieces = _plan(cfg, lay, vocab, cuda, stage, balance)
+        plan.workspace = spec.cublas_workspace
         mem = _replay(plan, pieces, spec)
         memories.append(mem)
         pieces_by_stage.append((plan, pieces))
@@ -117,7 +124,7 @@ def estimate(cfg: C.Config, gpu: str | GPU = "h100-sxm", nproc: int = 1) -> Esti
     tokens = cfg.train.batch_size * cfg.train.grad_accum_steps * lay.dp * cfg.model.block_size
     notes = _notes(cfg, lay, spec)
     cap = spec.memory_mb if cuda else None
-    return Estimate(
+    est = Estimate(
         gpu=spec.name, nproc=nproc, layout=lay.describe(),
         peak_alloc_mb=mem.peak_alloc / MB, peak_reserved_mb=mem.peak_reserved / MB,
         allocator_slack_mb=(mem.peak_reserved - mem.peak_alloc) / MB,
@@ -130,15 +137,38 @@ def estimate(cfg: C.Config, gpu: str | GPU = "h100-sxm", nproc: int = 1) -> Esti
         at_peak=mem.at_peak, notes=notes,
         precision=cfg.train.precision + (" + tf32" if cfg.train.tf32 else ""),
     )
+    if cuda:
+        _ranges(est, cfg, nproc)
+    return est
 
 
-def _plan(cfg: C.Config, lay: Layout, vocab: int, cuda: bool, stage: int) -> tuple[Plan, Pieces]:
+def _ranges(est: Estimate, cfg: C.Config, nproc: int) -> None:
+    from tokenmill.estimate.uncertainty import error_for
+
+    u = error_for(cfg, nproc)
+    est.uncertainty = u
+    est.memory_range_mb = (est.peak_reserved_mb * (1 - u["memory"]), est.peak_reserved_mb * (1 + u["memory"]))
+    est.tokens_per_sec_range = (est.tokens_per_sec / (1 + u["speed"]), est.tokens_per_sec / max(1 - u["speed"], 0.05))
+
+
+def _balance(cfg: C.Config, spec: GPU) -> Optional[float]:
+    """The GPU's FLOP/byte balance as Inductor's ``pad_mm`` computes it (1000 x TFLOPS of the matmuls' math
+    mode / memory GB/s)."""
+    from tokenmill.model.flops import math_mode
+
+    peak = spec.peak(math_mode(cfg.train.precision, cfg.train.tf32))
+    return 1000.0 * peak / 1e12 / spec.hbm_gbs if peak and spec.hbm_gbs else None
+
+
+def _plan(cfg: C.Config, lay: Layout, vocab: int, cuda: bool, stage: int,
+          balance: Optional[float] = None) -> tuple[Plan, Pieces]:
     from tokenmill.parallel.pipeline import stage_layers
 
     batch = cfg.train.batch_size
     if lay.pp > 1:
         batch = batch // (cfg.parallel.pp_microbatches or lay.pp)
-    pieces = trace_pieces(cfg, vocab, "cuda" if cuda else "cpu", batch=batch, tp=lay.tp, pipelined=lay.pp > 1)
+    pieces = trace_pieces(cfg, vocab, "cuda" if cuda else "cpu", batch=batch, tp=lay.tp, pipelined=lay.pp > 1,
+                          pad_balance=balance)
     blocks = list(stage_layers(cfg.model.n_layer, lay.pp)[stage]) if lay.pp > 1 else list(range(cfg.model.n_layer))
     has_embed, has_head = stage == 0, stage == lay.pp - 1
     params = rank_params(pieces, blocks, has_embed, has_head)
@@ -180,10 +210,16 @@ def param_counts(cfg: C.Config, vocab: int) -> tuple[int, int]:
 def _notes(cfg: C.Config, lay: Layout, spec: GPU) -> list[str]:
     notes = []
     if cfg.compile.enabled:
-        notes.append("torch.compile: memory is modelled as eager (the compiled graph usually keeps somewhat "
-                     "fewer activations); its time as fused element-wise kernels (see docs/estimate.md)")
+        notes.append("torch.compile: the compiled pieces are traced as torch.compile traces them (AOTAutograd's "
+                     "partitioner, Inductor's fusion and padding); see docs/estimate.md")
     if cfg.memory.optimizer_8bit:
         notes.append("8-bit AdamW (torchao): moments of 1 byte plus one fp32 scale per 256 values")
+    if cfg.lora.rank:
+        from tokenmill.model.build import trainable_params
+
+        n = trainable_params(cfg.model, vocab_size_of(cfg), cfg.lora)
+        notes.append(f"LoRA rank {cfg.lora.rank}: {n:,} trainable parameters (the adapters); the base is frozen: no "
+                     "gradients, optimizer state or weight-gradient matmuls for it")
     if spec.key == "cpu":
         notes.append("cpu: no caching allocator (reserved = allocated); no CPU throughput figures, the time is a rough guide")
     return notes

@@ -36,6 +36,8 @@ class OpCost:
     attention: bool = False  # a fused attention kernel (its own, lower, efficiency)
     min_dim: int = 0  # the smallest of a matrix product's M, N, K (small ones use tensor cores less well)
     aligned: bool = True  # every dimension a multiple of 8 (else tensor cores run slower kernels)
+    launches: float = 1.0  # kernel launches (0: fused into the previous kernel by torch.compile)
+    dims: tuple = ()  # a matrix product's (batch, M, K, N): its tiles and waves on the GPU's SMs
 
 
 def _dtype_name(dt: torch.dtype) -> str:
@@ -80,6 +82,7 @@ class Recorder(TorchDispatchMode):
         self.events: list[tuple] = []
         self.costs: list[OpCost] = []
         self.sizes: dict[int, int] = {}
+        self.n_ops = 0  # operations dispatched (views included)
         self._next = 0
 
     # storages -----------------------------------------------------------------------------
@@ -118,6 +121,7 @@ class Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self.sweep()
+        self.n_ops += 1
         out = func(*args, **kwargs)
         name = func.overloadpacket.__name__
         for t in tree_flatten(out)[0]:
@@ -133,8 +137,10 @@ class Recorder(TorchDispatchMode):
         if name in ("mm", "addmm", "bmm", "baddbmm"):
             a, b = (args[0], args[1]) if name in ("mm", "bmm") else (args[1], args[2])
             dims = (a.shape[-2], a.shape[-1], b.shape[-1])
+            batch = int(a.shape[0]) if a.dim() == 3 else 1
             self.costs.append(OpCost(name, flops=_matmul_flops(name, args, out), math=_dtype_name(a.dtype),
-                                     min_dim=int(min(dims)), aligned=all(d % 8 == 0 for d in dims)))
+                                     min_dim=int(min(dims)), aligned=all(d % 8 == 0 for d in dims),
+                                     dims=(batch, *(int(d) for d in dims))))
             return
         if "scaled_dot_product" in name:
             self.costs.append(OpCost(name, flops=_attention_flops(name, args), math=_dtype_name(args[0].dtype),

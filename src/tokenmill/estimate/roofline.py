@@ -14,9 +14,10 @@ Every kernel the trace records (:class:`~tokenmill.estimate.trace.OpCost`) costs
 - everything else: bytes read and written / (memory bandwidth x ``MEMORY_EFFICIENCY``);
 - ``KERNEL_MIN_US`` (a kernel never takes less).
 
-Eager PyTorch also spends ``LAUNCH_US`` of CPU time per kernel; when that sum is longer than the GPU
-time (small models), the CPU sets the pace. ``torch.compile`` is modelled as fusing the element-wise
-kernels: their traffic is multiplied by ``COMPILE_TRAFFIC`` and their launches by ``COMPILE_LAUNCHES``.
+The host issues the step while the GPU runs it, so a step takes the longer of the GPU's time and the host's
+(:mod:`.host`: per dispatched eager op, per compiled kernel, per graph call, per optimizer call, with their
+measured sources): with small micro-batches the host sets the pace. A compiled piece's costs are Inductor's
+own fused kernels (:mod:`.inductor`), not the eager ops scaled by a factor.
 
 Added to the compute: the optimizer step (AdamW's memory traffic: ``ADAMW_PASSES`` passes over the
 parameter-sized tensors for foreach/for-loop, ``FUSED_ADAMW_PASSES`` fused; for-loop also launches
@@ -24,17 +25,26 @@ its kernels parameter by parameter), gradient clipping, data loading (``data.cpu
 spread over the workers), and collectives at the link bandwidth: DDP's gradient all-reduce and FSDP's
 all-gathers and reduce-scatters overlap with compute (only what is longer than the compute shows),
 tensor parallelism's all-reduces are on the critical path, and the pipeline adds its bubble
-``(pp - 1) / micro-batches`` of a stage's time.
+``(pp - 1) / micro-batches`` of a stage's time. Muon's step (``optim.name``) and FP8 matmuls
+(``train.fp8``): :mod:`tokenmill.estimate.techniques`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from tokenmill import config as C
 from tokenmill.estimate.gpus import GPU
+from tokenmill.estimate.host import (
+    graph_call_seconds,
+    optimizer_host_seconds,
+    overlap,
+    round_host_seconds,
+)
 from tokenmill.estimate.recorder import OpCost
 from tokenmill.estimate.step import Plan
+from tokenmill.estimate.techniques import fp8_linear_op, fp8_on, fp8_op_seconds, muon_hidden, muon_seconds
 from tokenmill.estimate.timeline import Layout
 from tokenmill.estimate.trace import Pieces
 
@@ -45,13 +55,36 @@ UNALIGNED = 0.6
 ATTENTION_EFFICIENCY = 0.45  # fused (flash / memory-efficient) attention kernels, forward and backward
 MEMORY_EFFICIENCY = 0.70  # share of the datasheet bandwidth element-wise kernels reach
 LINK_EFFICIENCY = 0.80  # NCCL bus bandwidth / link bandwidth
-KERNEL_MIN_US = 2.0
-LAUNCH_US = 6.0  # CPU time per eager kernel launch (Python + dispatcher + launch)
-COMPILE_TRAFFIC = 0.5
-COMPILE_LAUNCHES = 0.2
+KERNEL_MIN_US = 2.0  # GPU-side floor of a kernel (kept: CUDA.jl's 0.875 us graph figure, host.GRAPH_KERNEL_US,
+# raised the mean tokens/s error of the validation set from 14.57% to 14.69%)
+LAUNCH_US = 6.0  # host time per kernel of Muon's step (estimate/techniques.py)
 ADAMW_PASSES = 19  # foreach / for-loop AdamW: reads and writes of parameter-sized tensors
 FUSED_ADAMW_PASSES = 7
 CPU_FLOPS_PER_THREAD = 3e10  # a rough CPU guide (fp32, one thread)
+
+
+QUANTIZATION = True
+TILES = ((256, 128), (128, 256), (128, 128))  # large cuBLAS tiles (NVIDIA, "Matrix Multiplication Background")
+SPLIT_K_MIN = 256  # the shallowest K slice a split-K product keeps (two 128-deep main-loop stages)
+
+
+def quantization(dims: tuple, sm: int) -> float:
+    """Share of the GPU's SMs a matrix product of (batch, M, K, N) keeps busy: its output is cut into tiles
+    (tile quantization: partial tiles at the edges compute padding) run in waves of one tile per SM (wave
+    quantization: the last wave leaves SMs idle); a product with few output tiles and a long K is split along K
+    so that more tiles run at once (split-K, ``CUBLASLT_ALGO_CONFIG_SPLITK_NUM``; at most 16 splits, each at
+    least :data:`SPLIT_K_MIN` deep). The best tile of :data:`TILES` and split, as cuBLAS's heuristics pick one
+    (NVIDIA Deep Learning Performance guide, "Matrix Multiplication Background": tile and wave quantization)."""
+    batch, m, k, n = dims
+    best = 0.0
+    for tm, tn in TILES:
+        tiles = batch * -(-m // tm) * -(-n // tn)
+        for split in (1, 2, 4, 8, 16):
+            if split > 1 and k // split < SPLIT_K_MIN:
+                break
+            waves = -(-(tiles * split) // sm)
+            best = max(best, batch * m * n * split / (waves * sm * tm * tn))
+    return min(best, 1.0)
 
 
 def _op_seconds(c: OpCost, cfg: C.Config, gpu: GPU, cpu_threads: int) -> float:
@@ -69,36 +102,56 @@ def _op_seconds(c: OpCost, cfg: C.Config, gpu: GPU, cpu_threads: int) -> float:
             eff = MATMUL_EFFICIENCY * c.min_dim / (c.min_dim + d0) if c.min_dim else MATMUL_EFFICIENCY
             if mode != "fp32" and not c.aligned:
                 eff *= UNALIGNED
+            if QUANTIZATION and c.dims and gpu.sm:
+                eff *= quantization(c.dims, gpu.sm)
         t = c.flops / (peak * eff)
-    else:
-        traffic = c.bytes * (COMPILE_TRAFFIC if cfg.compile.enabled else 1.0)
-        t = traffic / (gpu.hbm_gbs * 1e9 * MEMORY_EFFICIENCY)
-    return max(t, KERNEL_MIN_US * 1e-6)
+    else:  # a compiled piece's costs are already Inductor's fused kernels (estimate/inductor.py)
+        t = c.bytes / (gpu.hbm_gbs * 1e9 * MEMORY_EFFICIENCY)
+    return max(t, KERNEL_MIN_US * 1e-6) if c.launches else t  # a kernel fused into the previous one: no floor
 
 
 def _pieces_time(pieces: Pieces, plan: Plan, cfg: C.Config, gpu: GPU, threads: int) -> dict[str, float]:
     """GPU seconds of matmuls and other kernels, and the kernel count, of one micro-batch of a stage."""
-    out = {"matmul": 0.0, "memory": 0.0, "kernels": 0.0, "flops": 0.0}
+    out: dict[str, Any] = {"matmul": 0.0, "memory": 0.0, "kernels": 0.0, "flops": 0.0, "host": 0.0}
 
-    def add(costs: list[OpCost], times: int) -> None:
+    fp8 = fp8_on(cfg, gpu.name)  # train.fp8 on a GPU with FP8: the block linears' products
+
+    def add(costs: list[OpCost], block: bool = False) -> float:
+        total = 0.0
         for c in costs:
-            s = _op_seconds(c, cfg, gpu, threads) * times
+            s = _op_seconds(c, cfg, gpu, threads)
+            if block and fp8 and fp8_linear_op(c):
+                bf16 = _op_seconds(dataclasses.replace(c, math="bf16"), cfg, gpu, threads)
+                f8, k = fp8_op_seconds(bf16, c, cfg, gpu.hbm_gbs * 1e9 * MEMORY_EFFICIENCY, KERNEL_MIN_US * 1e-6)
+                s, out["kernels"] = f8, out["kernels"] + (k - 1)
             out["matmul" if c.flops else "memory"] += s
-            out["flops"] += c.flops * times
-            out["kernels"] += times * (1 if c.flops else (COMPILE_LAUNCHES if cfg.compile.enabled else 1))
+            out["flops"] += c.flops
+            out["kernels"] += c.launches
+            total += s
+        return total
 
-    count: dict[str, int] = {}
+    def piece(rnd, block: bool = False) -> tuple[tuple[float, float], tuple[float, float]]:
+        h_f, h_b = round_host_seconds(rnd, cfg)
+        out["host"] += h_f + h_b
+        return (h_f, add(rnd.fwd_costs, block)), (h_b, add(rnd.bwd_costs, block))
+
+    fwd, bwd = [], []  # (host, GPU) seconds of each piece in the order the step issues them
+    if plan.has_embed:
+        f, b = piece(pieces.embed.rounds[0])
+        fwd.append(f)
+        bwd.append(b)
     for i in plan.stage_blocks:
-        k = pieces.kinds[i]
-        count[k] = count.get(k, 0) + 1
-    for k, n in count.items():
-        rnd = pieces.blocks[k].rounds[0]
-        add(rnd.fwd_costs, n)
-        add(rnd.bwd_costs, n)
-    for tr, present in ((pieces.embed, plan.has_embed), (pieces.head, plan.has_head)):
-        if present:
-            add(tr.rounds[0].fwd_costs, 1)
-            add(tr.rounds[0].bwd_costs, 1)
+        f, b = piece(pieces.blocks[pieces.kinds[i]].rounds[0], block=True)
+        fwd.append(f)
+        bwd.insert(0, b)
+    if plan.has_head:
+        f, b = piece(pieces.head.rounds[0])
+        fwd.append(f)
+        bwd.insert(0, b)
+    compiled_blocks = sum(pieces.blocks[pieces.kinds[i]].rounds[0].compiled for i in plan.stage_blocks)
+    calls = graph_call_seconds(cfg, compiled_blocks) / 2  # the forward graphs' calls, then the backward's
+    out["host"] += 2 * calls
+    out["segments"] = [(calls, 0.0)] + fwd + [(calls, 0.0)] + bwd
     return out
 
 
@@ -112,16 +165,23 @@ def step_time(cfg: C.Config, lay: Layout, gpu: GPU, stages: list[tuple[Plan, Pie
     for plan, pieces in stages:
         part = _pieces_time(pieces, plan, cfg, gpu, threads)
         n_mb = (cfg.parallel.pp_microbatches or lay.pp) if lay.pp > 1 else 1
-        per_step = {k: v * A * n_mb for k, v in part.items()}
+        per_step = {k: v * A * n_mb for k, v in part.items() if k != "segments"}
         gpu_s = per_step["matmul"] + per_step["memory"]
-        launch_s = per_step["kernels"] * LAUNCH_US * 1e-6 if gpu.key != "cpu" else 0.0
-        param_bytes = sum(p.nbytes for p in plan.params) / (lay.tp if False else 1)
+        param_bytes = sum(p.nbytes for p in plan.params if p.trainable)  # what the optimizer steps
         shard = lay.dp_shard if lay.dp_shard > 1 else (lay.dp_replicate if cfg.parallel.zero1 else 1)
         opt_s, opt_kernels = _optimizer_seconds(cfg, plan, gpu, param_bytes / shard)
         comm_exposed, comm_s = _comm_seconds(cfg, lay, gpu, plan, pieces, gpu_s, A)
         bubble = gpu_s * (lay.pp - 1) / n_mb if lay.pp > 1 else 0.0
-        compute = max(gpu_s, launch_s)
-        total = compute + opt_s + comm_exposed + bubble
+        # the host issues the step's work while the GPU runs it (estimate/host.py's two clocks): micro-batches,
+        # then the optimizer step
+        opt_host = optimizer_host_seconds(cfg, [p for p in plan.params if p.trainable])
+        if gpu.key != "cpu":
+            host_t, gpu_t = overlap(part["segments"] * (A * n_mb) + [(opt_host, opt_s)])
+            launch_s = per_step["host"] + opt_host
+            total = max(host_t, gpu_t) + comm_exposed + bubble
+        else:
+            launch_s = 0.0
+            total = gpu_s + opt_s + comm_exposed + bubble
         if total > worst.get("total", -1):
             worst = {"total": total, "matmul": per_step["matmul"], "memory": per_step["memory"],
                      "launch": launch_s, "optimizer": opt_s, "comm": comm_s, "comm_exposed": comm_exposed,
@@ -147,8 +207,22 @@ def step_time(cfg: C.Config, lay: Layout, gpu: GPU, stages: list[tuple[Plan, Pie
 
 
 def _optimizer_seconds(cfg: C.Config, plan: Plan, gpu: GPU, param_bytes: float) -> tuple[float, int]:
+    if cfg.optim.name == "muon":  # Muon for the blocks' matrices (estimate/techniques.py), AdamW for the rest
+        trained = [p for p in plan.params if p.trainable]
+        total = sum(p.nbytes for p in trained) or 1
+        shard = max(1, round(total / max(param_bytes, 1)))
+        rest = [p for p in trained if not muon_hidden(cfg, p)]
+        adam_s, adam_k = _adamw_seconds(cfg, gpu, param_bytes * sum(p.nbytes for p in rest) / total, len(rest))
+        launch = LAUNCH_US * 1e-6 if gpu.key != "cpu" else 0.0
+        muon_s, muon_k = muon_seconds(cfg, trained, gpu.peak("bf16") or 1e13, MATMUL_EFFICIENCY,
+                                      gpu.hbm_gbs * 1e9 * MEMORY_EFFICIENCY, gpu.link_gbs * 1e9 * LINK_EFFICIENCY,
+                                      shard, launch)
+        return adam_s + muon_s, int(adam_k + muon_k)
+    return _adamw_seconds(cfg, gpu, param_bytes, sum(p.trainable for p in plan.params))
+
+
+def _adamw_seconds(cfg: C.Config, gpu: GPU, param_bytes: float, n_tensors: int) -> tuple[float, int]:
     mem, impl = cfg.memory, cfg.optim.impl
-    n_tensors = len(plan.params)
     if mem.optimizer_offload or cfg.parallel.fsdp_cpu_offload:  # the step runs on the host; copies both ways
         elems = param_bytes / 4
         host = elems * 4 * ADAMW_PASSES / 20e9  # a multi-threaded CPU AdamW, ~20 GB/s
@@ -164,8 +238,7 @@ def _optimizer_seconds(cfg: C.Config, plan: Plan, gpu: GPU, param_bytes: float) 
     kernels = {"fused": 1, "foreach": 12, "for-loop": 12 * n_tensors}[impl]
     if mem.optimizer_in_backward:
         kernels = 12 * n_tensors
-    launch = kernels * LAUNCH_US * 1e-6 if gpu.key != "cpu" else 0.0
-    return max(s, launch) if impl != "for-loop" else s + launch, kernels
+    return s, kernels  # the GPU's time; the host's is estimate/host.py's optimizer_host_seconds
 
 
 def _comm_seconds(cfg: C.Config, lay: Layout, gpu: GPU, plan: Plan, pieces: Pieces, compute_s: float,
@@ -174,15 +247,17 @@ def _comm_seconds(cfg: C.Config, lay: Layout, gpu: GPU, plan: Plan, pieces: Piec
     if lay.nproc == 1:
         return 0.0, 0.0
     bw = gpu.link_gbs * 1e9 * LINK_EFFICIENCY
-    grad_bytes = sum(p.nbytes for p in plan.params)
+    param_bytes = sum(p.nbytes for p in plan.params)
+    grad_bytes = sum(p.nbytes for p in plan.params if p.trainable)  # a frozen parameter has no gradient
     total = exposed = 0.0
     if lay.dp_shard > 1:
         n = lay.dp_shard
         numel = sum(p.numel for p in plan.params)
+        grad_numel = sum(p.numel for p in plan.params if p.trainable)
         mixed = cfg.parallel.fsdp_mixed_precision == "bf16"  # gathered in bf16, reduced in fp32
         gathers = 2 if cfg.parallel.fsdp_reshard_after_forward else 1
-        ag = gathers * accum * (2 * numel if mixed else grad_bytes) * (n - 1) / n / bw
-        rs = (4 * numel if mixed else grad_bytes) * (n - 1) / n / bw
+        ag = gathers * accum * (2 * numel if mixed else param_bytes) * (n - 1) / n / bw
+        rs = (4 * grad_numel if mixed else grad_bytes) * (n - 1) / n / bw
         total += ag + rs
         exposed += max(0.0, ag + rs - 0.9 * compute_s)
     if lay.dp_replicate > 1:

@@ -32,10 +32,11 @@ from typing import Optional
 import torch
 
 from tokenmill import config as C
+from tokenmill.estimate.techniques import muon_hidden, muon_temp_bytes, state_buffers
 from tokenmill.estimate.timeline import Layout, Param, Timeline, _Inst, _size, play_backward, play_forward
 from tokenmill.estimate.trace import Pieces, PieceTrace
 
-CUBLAS_WORKSPACE = 8 * 1024 * 1024 + 128 * 1024  # cuBLAS's default workspaces (4096 KiB x 2 + 16 KiB x 8)
+CUBLAS_WORKSPACE = 8 * 1024 * 1024 + 128 * 1024  # cuBLAS's default before Hopper (4096 KiB x 2 + 16 KiB x 8)
 INT8_BLOCK = 256  # torchao AdamW8bit: one fp32 scale per block of 256 values
 
 
@@ -50,6 +51,7 @@ class Plan:
     stage_blocks: list[int]  # block indices this rank holds
     has_embed: bool = True
     has_head: bool = True
+    workspace: int = CUBLAS_WORKSPACE  # cuBLAS workspace bytes of the GPU (Hopper: 32 MiB)
 
 
 def _state_bytes(cfg: C.Config, p: Param, shard: float) -> tuple[int, int]:
@@ -61,7 +63,7 @@ def _state_bytes(cfg: C.Config, p: Param, shard: float) -> tuple[int, int]:
     if mem.optimizer_8bit and p.numel >= 4096 and p.numel % INT8_BLOCK == 0:
         return int(2 * (n + n / INT8_BLOCK * 4)), 0
     dt = torch.float32 if mem.optimizer_8bit else p.dtype  # FSDP's shards keep the parameter's dtype
-    return int(2 * n * _size(dt)), 0
+    return int(state_buffers(cfg, p) * n * _size(dt)), 0  # AdamW's two moments, Muon's one momentum
 
 
 def optimizer_events(tl: Timeline, plan: Plan, grads: dict[str, int], state: dict[str, list[int]],
@@ -71,7 +73,7 @@ def optimizer_events(tl: Timeline, plan: Plan, grads: dict[str, int], state: dic
     cfg = plan.cfg
     mem = cfg.memory
     host = 0
-    params = plan.params
+    params = [p for p in plan.params if p.trainable]  # a frozen parameter (LoRA's base) has no state
     if mem.optimizer_in_backward:  # stepped inside backward; gradients already gone
         return 0
     if first:
@@ -79,11 +81,13 @@ def optimizer_events(tl: Timeline, plan: Plan, grads: dict[str, int], state: dic
             dev, h = _state_bytes(cfg, p, shard)
             host += h
             if dev:
-                state[p.name] = [tl.alloc(dev / 2, "optimizer state"), tl.alloc(dev / 2, "optimizer state")]
+                k = state_buffers(cfg, p)
+                state[p.name] = [tl.alloc(dev / k, "optimizer state") for _ in range(k)]
     else:
         host = sum(_state_bytes(cfg, p, shard)[1] for p in params)
     if not (mem.optimizer_offload or cfg.parallel.fsdp_cpu_offload):
-        _optimizer_temps(tl, cfg, params, shard)
+        _optimizer_temps(tl, cfg, [p for p in params if not muon_hidden(cfg, p)], shard)
+        tl.release(tl.alloc(muon_temp_bytes(cfg, params, shard < 1), "temporaries"))  # Muon: 0 without it
     if not keep:
         for gid in grads.values():  # zero_grad(set_to_none=True)
             tl.release(gid)
@@ -137,7 +141,8 @@ def rank_params(pieces: Pieces, blocks: list[int], has_embed: bool, has_head: bo
     def add(tr: PieceTrace, piece: str, block: Optional[int] = None) -> None:
         for n, shape in tr.param_shape.items():
             name = _rename(n, block) if block is not None else n
-            out.setdefault(name, Param(name, shape, tr.param_dtype[n], piece, block))
+            out.setdefault(name, Param(name, shape, tr.param_dtype[n], piece, block,
+                                       tr.param_trainable.get(n, True)))
 
     if has_embed:
         add(pieces.embed, "embed")
@@ -183,10 +188,10 @@ class Step:
             buf = self.pieces.blocks[self.pieces.kinds[i]].buffer_bytes
             if buf:
                 tl.alloc(buf, "parameters")  # the stored causal mask (model.causal_mask='buffer')
-        if self.ddp:  # DDP's flat gradient buckets, allocated when the model is wrapped
-            tl.alloc(sum(p.nbytes for p in plan.params), "communication buffers")
+        if self.ddp:  # DDP's flat gradient buckets (of the parameters that get gradients), made when it wraps
+            tl.alloc(sum(p.nbytes for p in plan.params if p.trainable), "communication buffers")
         if plan.cuda:
-            tl.alloc(CUBLAS_WORKSPACE, "temporaries")
+            tl.alloc(plan.workspace, "temporaries")
             if getattr(cfg.data, "cuda_prefetch", False):  # the next batch is already on the device
                 B, T = self.pieces.batch, self.pieces.seq
                 tl.alloc(2 * B * T * 8, "batch")

@@ -59,6 +59,7 @@ class Param:
     dtype: torch.dtype
     piece: str  # 'embed' | 'block' | 'head'
     block: Optional[int] = None
+    trainable: bool = True  # False: frozen (LoRA's base): no gradient, no optimizer state
 
     @property
     def numel(self) -> int:

@@ -37,6 +37,9 @@ class Round:
     y: Optional[int] = None
     gy: Optional[int] = None
     gx: Optional[int] = None
+    fwd_ops: int = 0  # ATen operations dispatched (views included): the host's work in eager mode
+    bwd_ops: int = 0
+    compiled: bool = False  # the costs are an Inductor graph's kernels (:mod:`.compiled`)
 
 
 @dataclass
@@ -52,6 +55,7 @@ class PieceTrace:
     param_bytes: dict[str, int] = field(default_factory=dict)
     param_dtype: dict[str, torch.dtype] = field(default_factory=dict)
     param_shape: dict[str, tuple] = field(default_factory=dict)
+    param_trainable: dict[str, bool] = field(default_factory=dict)  # False: frozen (LoRA's base)
     harness: set[int] = field(default_factory=set)  # storages made by the harness, not the model
     buffer_bytes: int = 0
     host_bytes: int = 0  # saved tensors moved to the host by memory.offload_activations, per forward
@@ -104,6 +108,7 @@ def _finish(trace: PieceTrace, params: dict[str, nn.Parameter]) -> PieceTrace:
     trace.param_bytes = {n: p.numel() * p.element_size() for n, p in params.items()}
     trace.param_dtype = {n: p.dtype for n, p in params.items()}
     trace.param_shape = {n: tuple(p.shape) for n, p in params.items()}
+    trace.param_trainable = {n: p.requires_grad for n, p in params.items()}
     for p in params.values():
         p.grad = None
     return trace
@@ -132,17 +137,17 @@ def trace_block(model: nn.Module, block: nn.Module, shape: tuple, act_dtype: tor
             trace.host_bytes = devmode.packed
             by = rec.sid(y, "y")
             del x
-            n_fwd = len(rec.costs)
+            n_fwd, n_fwd_ops = len(rec.costs), rec.n_ops
             s = _Sink.apply(y, box)
             del y
             rec.mark("bwd")
             (s / accum).backward()
             del s
             rec.mark("end")
-            rnd = _split(rec, n_fwd, _grads(rec, params))
+            rnd = _split(rec, n_fwd, _grads(rec, params), n_fwd_ops)
             rnd.x, rnd.y, rnd.gy, rnd.gx = bx, by, box.get("gy"), box.get("gx")
             trace.rounds.append(rnd)
-            rec.events, rec.costs = [], []
+            rec.events, rec.costs, rec.n_ops = [], [], 0
     return _finish(trace, params)
 
 
@@ -170,17 +175,19 @@ def trace_embed(model: nn.Module, batch: int, seq: int, devmode: DeviceModel, ti
                     y = model.trunk(idx)
                 trace.host_bytes = devmode.packed
                 by = rec.sid(y, "y")
-                n_fwd = len(rec.costs)
-                s = _Sink.apply(y, box)
+                n_fwd, n_fwd_ops = len(rec.costs), rec.n_ops
+                trained = y.requires_grad  # False with LoRA: frozen embeddings have no backward
+                s = _Sink.apply(y, box) if trained else None
                 del y
                 rec.mark("bwd")
-                (s / accum).backward()
+                if trained:
+                    (s / accum).backward()
                 del s
                 rec.mark("end")
-                rnd = _split(rec, n_fwd, _grads(rec, params))
+                rnd = _split(rec, n_fwd, _grads(rec, params), n_fwd_ops)
                 rnd.y, rnd.gy = by, box.get("gy")
                 trace.rounds.append(rnd)
-                rec.events, rec.costs = [], []
+                rec.events, rec.costs, rec.n_ops = [], [], 0
     finally:
         model.blocks, model.ln_f = blocks, ln_f
     return _finish(trace, params)
@@ -211,24 +218,25 @@ def trace_head(model: nn.Module, shape: tuple, act_dtype: torch.dtype, devmode: 
             trace.host_bytes = devmode.packed
             del x
             by = rec.sid(logits, "logits") if logits is not None else None
-            n_fwd = len(rec.costs)
+            n_fwd, n_fwd_ops = len(rec.costs), rec.n_ops
             rec.mark("bwd")
             (loss / accum).backward()
             del loss
             rec.mark("end")
-            rnd = _split(rec, n_fwd, _grads(rec, params))
+            rnd = _split(rec, n_fwd, _grads(rec, params), n_fwd_ops)
             rnd.x, rnd.y, rnd.gx = bx, by, box.get("gx")
             trace.rounds.append(rnd)
             del logits
-            rec.events, rec.costs = [], []
+            rec.events, rec.costs, rec.n_ops = [], [], 0
     return _finish(trace, params)
 
 
-def _split(rec: Recorder, n_fwd: int, grads: dict[str, int]) -> Round:
+def _split(rec: Recorder, n_fwd: int, grads: dict[str, int], n_fwd_ops: int = 0) -> Round:
     """Cut the recorded events at the 'bwd' marker."""
     ev = rec.events
     cut = next(i for i, e in enumerate(ev) if e[0] == "m" and e[1] == "bwd")
-    return Round(ev[:cut], ev[cut:], rec.costs[:n_fwd], rec.costs[n_fwd:], grads)
+    return Round(ev[:cut], ev[cut:], rec.costs[:n_fwd], rec.costs[n_fwd:], grads, fwd_ops=n_fwd_ops,
+                 bwd_ops=rec.n_ops - n_fwd_ops)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -237,21 +245,23 @@ def _split(rec: Recorder, n_fwd: int, grads: dict[str, int]) -> Round:
 
 def meta_model(cfg: C.Config, vocab_size: int, n_layer: int, tp: int = 1) -> nn.Module:
     """A GPT on ``meta`` with ``n_layer`` blocks, with the trainer's own switches applied
-    (:mod:`tokenmill.model.build`: the precision cast, activation checkpointing of block i when
-    i % n == 0) and its blocks cut to one tensor-parallel rank's share of the model's own plan when
-    ``tp`` > 1."""
-    from tokenmill.model.build import apply_activation_checkpointing, apply_precision, build_gpt
+    (:mod:`tokenmill.model.build`: LoRA's adapters and frozen base, the precision cast, activation
+    checkpointing of block i when i % n == 0 with its policy) and its blocks cut to one tensor-parallel
+    rank's share of the model's own plan when ``tp`` > 1."""
+    from tokenmill.model.build import apply_activation_checkpointing, apply_lora, apply_precision, build_gpt
 
     m = cfg.model
     mcfg = C.ModelConfig(**{**m.__dict__, "n_layer": n_layer,
                             "norm": "native" if m.norm == "triton" else m.norm})  # Triton LN: same memory
     model = build_gpt(mcfg, vocab_size, "meta")
+    apply_lora(model, cfg.lora)
     apply_precision(model, cfg.train)
     if tp > 1:
         plan = model.tp_plan(tp)
         for block in model.blocks:
             _tp_local(block, plan, tp)
-    apply_activation_checkpointing(model, cfg.memory.activation_checkpointing)
+    apply_activation_checkpointing(model, cfg.memory.activation_checkpointing,
+                                   cfg.memory.activation_checkpointing_policy)
     model.train()
     return model
 
@@ -297,16 +307,20 @@ class Pieces:
 
 
 def trace_pieces(cfg: C.Config, vocab_size: int, device: str, batch: Optional[int] = None,
-                 tp: int = 1, pipelined: bool = False) -> Pieces:
+                 tp: int = 1, pipelined: bool = False, pad_balance: Optional[float] = None) -> Pieces:
     """Trace the embeddings, each kind of block and the head of ``cfg``'s model for ``device``
     ('cuda' or 'cpu') with micro-batches of ``batch`` sequences (default ``train.batch_size``).
-    Configs that differ only in what the trace does not see (optimizer, tf32, data, layout) share it."""
+    Configs that differ only in what the trace does not see (optimizer, tf32, data, layout) share it.
+    ``pad_balance``: the GPU's FLOP/byte balance, for Inductor's padding of misaligned matrix products in
+    compiled pieces (:func:`tokenmill.estimate.inductor.plan_graph`)."""
     key = (tuple(sorted(cfg.model.__dict__.items())), cfg.train.precision, batch or cfg.train.batch_size,
            cfg.train.grad_accum_steps > 1, cfg.memory.activation_checkpointing,
-           getattr(cfg.memory, "offload_activations", False), vocab_size, device, tp, pipelined)
+           cfg.memory.activation_checkpointing_policy, tuple(sorted(cfg.lora.__dict__.items())),
+           getattr(cfg.memory, "offload_activations", False), vocab_size, device, tp, pipelined,
+           tuple(sorted(compiled_pieces(cfg, pipelined))), _logits_returned(), pad_balance)
     hit = _CACHE.get(key)
     if hit is None:
-        hit = _trace_pieces(cfg, vocab_size, device, batch, tp, pipelined)
+        hit = _trace_pieces(cfg, vocab_size, device, batch, tp, pipelined, pad_balance)
         _CACHE[key] = hit
         while len(_CACHE) > 8:
             _CACHE.pop(next(iter(_CACHE)))
@@ -316,8 +330,30 @@ def trace_pieces(cfg: C.Config, vocab_size: int, device: str, batch: Optional[in
 _CACHE: dict[tuple, Pieces] = {}
 
 
+def _logits_returned() -> bool:
+    from tokenmill.estimate.compiled import logits_returned
+
+    return logits_returned()
+
+
+def compiled_pieces(cfg: C.Config, pipelined: bool = False) -> set[str]:
+    """The pieces ``torch.compile`` covers under ``cfg.compile`` (:mod:`.compiled`), as
+    :func:`tokenmill.model.build.apply_compile` compiles them: {'embed', 'block', 'head'} for the whole
+    model with the loss, without 'head' when the loss stays outside (``compile.loss_outside``, the chunked
+    loss, a pipeline's loss), {'block'} for ``compile.scope='block'``; empty when compile is off (or
+    activations are offloaded: traced eager)."""
+    c = cfg.compile
+    if not c.enabled or getattr(cfg.memory, "offload_activations", False):
+        return set()
+    if c.scope == "block":
+        return {"block"}
+    if c.loss_outside or pipelined or cfg.model.loss_impl != "full":
+        return {"embed", "block"}
+    return {"embed", "block", "head"}
+
+
 def _trace_pieces(cfg: C.Config, vocab_size: int, device: str, batch: Optional[int], tp: int,
-                  pipelined: bool) -> Pieces:
+                  pipelined: bool, pad_balance: Optional[float] = None) -> Pieces:
     m, t = cfg.model, cfg.train
     B, T = batch or t.batch_size, m.block_size
     from tokenmill.model.build import checkpointed_blocks
@@ -328,16 +364,29 @@ def _trace_pieces(cfg: C.Config, vocab_size: int, device: str, batch: Optional[i
     model = meta_model(cfg, vocab_size, n_layer=1 if (every == 1 or every == 0) else 2, tp=tp)
     devmode = DeviceModel(device, autocast_dtype(cfg), m.sdpa_backend, m.dropout,
                           getattr(cfg.memory, "offload_activations", False))
+    devmode.pad_balance = pad_balance
     dt = activation_dtype(cfg)
     accum = t.grad_accum_steps
     rounds = 2 if (accum > 1 or pipelined) else 1  # the second round: gradients accumulated
     shape = (B, T, m.n_embd)
     traced: dict[str, PieceTrace] = {}
+    parts = compiled_pieces(cfg, pipelined)
+    if parts:
+        from tokenmill.estimate import compiled as CP
+    if not model.wte.weight.requires_grad:  # frozen embeddings (LoRA): no backward to compile
+        parts.discard("embed")
     for block, checkpointed in zip(model.blocks, checkpointed_blocks(len(model.blocks), every)):
         kind = "checkpointed" if checkpointed else "plain"
         if kind in need and kind not in traced:
-            traced[kind] = trace_block(model, block, shape, dt, devmode, accum, rounds)
-    head = trace_head(model, shape, dt, devmode, accum, rounds)
-    embed = trace_embed(model, B, T, devmode, tied_grad=m.tie_embeddings, accum=accum, rounds=rounds)
+            # a selectively checkpointed block (a policy other than 'full') is traced eager: its compiled form
+            # keeps what the policy saves, which the compiled model here (full recomputation) does not follow
+            selective = checkpointed and getattr(cfg.memory, "activation_checkpointing_policy", "full") != "full"
+            traced[kind] = (CP.compiled_block(model, block, shape, dt, devmode, rounds)
+                            if "block" in parts and not selective
+                            else trace_block(model, block, shape, dt, devmode, accum, rounds))
+    head = (CP.compiled_head(model, shape, dt, devmode, rounds) if "head" in parts
+            else trace_head(model, shape, dt, devmode, accum, rounds))
+    embed = (CP.compiled_embed(model, B, T, devmode, rounds) if "embed" in parts
+             else trace_embed(model, B, T, devmode, tied_grad=m.tie_embeddings, accum=accum, rounds=rounds))
     buffers = [b.numel() * b.element_size() for n, b in model.named_buffers() if not n.startswith("blocks.")]
     return Pieces(embed, traced, head, kinds, B, T, buffers)

@@ -1,0 +1,88 @@
+"""``tokenmill estimate --finetune``: which GPU a fine-tune of a config needs, with LoRA and without.
+
+One estimate per GPU of the table (:data:`~tokenmill.estimate.gpus.GPUS`) for the config as a full
+fine-tune (``lora.rank = 0``: every weight trains, with its gradient and AdamW state) and as a LoRA
+fine-tune (the config's ``lora.*``, or rank 16 on every projection when it has none: the base frozen,
+gradients and optimizer state for the adapters only), on ``nproc`` processes of that GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenmill import config as C
+from tokenmill.estimate.core import MB, estimate, vocab_size_of
+from tokenmill.estimate.gpus import GPUS
+
+GB = 1024 * MB
+DEFAULT_RANK = 16
+
+
+@dataclass
+class FinetuneRow:
+    """One GPU: its memory and the peak reserved memory (MiB) of each fine-tune, and whether it fits."""
+
+    gpu: str
+    memory_mb: float
+    full_mb: float
+    lora_mb: float
+
+    @property
+    def full_fits(self) -> bool:
+        return self.full_mb <= self.memory_mb
+
+    @property
+    def lora_fits(self) -> bool:
+        return self.lora_mb <= self.memory_mb
+
+
+def with_lora(cfg: C.Config, rank: int) -> C.Config:
+    """``cfg`` with ``lora.rank = rank`` (0: a full fine-tune), validated."""
+    out = C.from_dict(cfg.to_dict())
+    out.lora.rank = rank
+    return C.validate(out)
+
+
+def finetune_rows(cfg: C.Config, nproc: int = 1) -> tuple[list[FinetuneRow], C.Config]:
+    """The rows of every GPU of the table, smallest memory first, and the LoRA config they used."""
+    full = with_lora(cfg, 0)
+    lora = with_lora(cfg, cfg.lora.rank or DEFAULT_RANK)
+    rows = []
+    for gpu in sorted((g for g in GPUS.values() if g.key != "cpu"), key=lambda g: g.memory_mb):
+        a, b = estimate(full, gpu, nproc), estimate(lora, gpu, nproc)
+        rows.append(FinetuneRow(gpu.key, gpu.memory_mb, a.peak_reserved_mb, b.peak_reserved_mb))
+    return rows, lora
+
+
+def format_finetune(cfg: C.Config, nproc: int = 1) -> str:
+    """The report: a line per GPU, then the smallest GPU that fits each way."""
+    from tokenmill.model.build import count_params, trainable_params
+
+    rows, lora = finetune_rows(cfg, nproc)
+    vocab = vocab_size_of(cfg)
+    total, trained = count_params(cfg.model, vocab), trainable_params(lora.model, vocab, lora.lora)
+    t, m, lo = cfg.train, cfg.model, lora.lora
+    roles = ",".join(C.lora_roles(lo.targets, m.mlp))
+    lines = [
+        f"fine-tuning {total / 1e6:,.1f}M parameters, micro-batch {t.batch_size} x {m.block_size} tokens, "
+        f"{nproc} process(es) per run, precision {C.concrete(cfg, 'cuda').train.precision}",
+        f"LoRA: rank {lo.rank}, alpha {lo.alpha:g} on {roles}: {trained / 1e6:,.2f}M trainable parameters "
+        f"({100 * trained / total:.2f}%), the base frozen (no gradients, no optimizer state)",
+        "",
+        f"  {'GPU':<12}{'memory':>10}   {'full fine-tune':<22}{'LoRA':<22}",
+    ]
+    for r in rows:
+        lines.append(f"  {r.gpu:<12}{r.memory_mb / 1024:>7.1f} GB   "
+                     f"{_cell(r.full_mb, r.full_fits):<22}{_cell(r.lora_mb, r.lora_fits):<22}")
+    lines.append("")
+    for what, ok in (("a full fine-tune", lambda r: r.full_fits), ("LoRA", lambda r: r.lora_fits)):
+        fit = next((r for r in rows if ok(r)), None)
+        lines.append(f"{what}: " + (f"the smallest GPU that fits is {fit.gpu} ({fit.memory_mb / 1024:.0f} GB)" if fit
+                                    else "no GPU of the table fits; shard with --nproc N --parallel.dp_shard -1, "
+                                         "lower train.batch_size, or add memory switches"))
+    lines.append("(peak reserved memory per GPU, estimated; `tokenmill estimate --gpu KEY` details one)")
+    return "\n".join(lines)
+
+
+def _cell(mb: float, fits: bool) -> str:
+    return f"{mb / 1024:6.1f} GB  {'fits' if fits else 'no'}"

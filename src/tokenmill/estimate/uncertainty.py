@@ -1,0 +1,53 @@
+"""How far an estimate may be off: the mean absolute error of the estimator against published measurements in
+the same *regime* (eager / compiled, small / large micro-batch, one GPU / several), from
+``benchmarks/validation/published.toml`` (:mod:`.validation`; ``tests/test_estimate_validation.py`` checks that
+:data:`REGIME_ERRORS` is what the file gives). A regime with fewer than :data:`MIN_CASES` measurements of a
+quantity borrows the error of all measurements of that quantity (stated as such).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from tokenmill import config as C
+
+MIN_CASES = 3
+# regime -> (memory error, memory cases, speed error, speed cases); None: no measurement in the regime
+REGIME_ERRORS: dict[tuple[str, str, str], tuple[Optional[float], int, Optional[float], int]] = {
+    ("compiled", "large", "many"): (0.161, 1, 0.105, 3),
+    ("compiled", "large", "one"): (0.023, 4, 0.087, 6),
+    ("compiled", "small", "one"): (0.007, 5, 0.269, 5),
+    ("eager", "large", "many"): (None, 0, 0.03, 5),
+    ("eager", "large", "one"): (None, 0, 0.114, 1),
+    ("eager", "small", "one"): (0.076, 4, 0.263, 4),
+}
+OVERALL = {"memory": (0.042, 14), "speed": (0.146, 24)}  # all measurements: (error, cases)
+
+
+def regime_table(summary: dict[str, Any]) -> dict:
+    """:data:`REGIME_ERRORS` and :data:`OVERALL` as a validation summary (:func:`.validation.summarize`) gives them."""
+    table = {k: (_r(v["memory"]), v["n_memory"], _r(v["speed"]), v["n_speed"]) for k, v in summary["regimes"].items()}
+    return {"regimes": table, "overall": {"memory": (_r(summary["memory"]), summary["n_memory"]),
+                                          "speed": (_r(summary["speed"]), summary["n_speed"])}}
+
+
+def _r(v: Optional[float]) -> Optional[float]:
+    return None if v is None else round(v, 3)
+
+
+def error_for(cfg: C.Config, nproc: int) -> dict[str, Any]:
+    """The relative error to print beside an estimate of ``cfg``: per quantity, the regime's mean absolute error
+    and the number of published measurements behind it (or the overall figure where the regime has too few)."""
+    from tokenmill.estimate.validation import regime_of
+
+    key = regime_of(cfg, nproc)
+    mem, n_mem, speed, n_speed = REGIME_ERRORS.get(key, (None, 0, None, 0))
+    out: dict[str, Any] = {"regime": "/".join(key)}
+    for name, err, n in (("memory", mem, n_mem), ("speed", speed, n_speed)):
+        if err is None or n < MIN_CASES:
+            err, n = OVERALL[name]
+            out[f"{name}_basis"] = f"all {n} published measurements (fewer than {MIN_CASES} in this regime)"
+        else:
+            out[f"{name}_basis"] = f"{n} published measurements in this regime"
+        out[name] = err
+    return out

@@ -1,0 +1,132 @@
+"""The estimator against published GPU measurements (``benchmarks/validation/published.toml``).
+
+:func:`load` reads the cases, :func:`run_case` estimates one (with the source's differences the config cannot
+express: memory its model holds that training never uses, a compiled model that returns only the loss),
+:func:`summarize` gives the mean absolute errors overall and per *regime* (eager / compiled, small / large
+micro-batch, one GPU / several), and :func:`markdown_table` the table of docs/estimate.md. The per-regime
+errors are what :mod:`.uncertainty` prints beside every estimate; ``tests/test_estimate_validation.py``
+recomputes all of it, so the file, the doc and the printed ranges cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import tomllib
+
+from tokenmill import config as C
+
+SMALL_BATCH_TOKENS = 8192  # a micro-batch of fewer tokens per GPU is 'small': the host can set the pace
+
+
+@dataclass
+class Case:
+    id: str
+    family: str
+    source: str
+    config: str
+    gpu: str
+    preset: Optional[str] = None
+    flags: dict[str, Any] = field(default_factory=dict)
+    nproc: int = 1
+    returns_logits: bool = True
+    other_mib: float = 0.0
+    memory_metric: str = "allocated"
+    memory_mib: Optional[float] = None
+    tokens_per_sec: Optional[float] = None
+    memory_error: Optional[float] = None  # recorded in the file (estimate / measured - 1)
+    speed_error: Optional[float] = None
+
+
+def load(path: str | Path) -> tuple[list[Case], dict[str, Any]]:
+    """The cases and the ``[summary]`` table of a validation file."""
+    doc = tomllib.loads(Path(path).read_text())
+    return [Case(**c) for c in doc.get("case", [])], doc.get("summary", {})
+
+
+def config_of(case: Case) -> C.Config:
+    """The tokenmill config that expresses the case (synthetic data: nothing is prepared)."""
+    overrides = {"data.source": "synthetic", **case.flags}
+    return C.resolve(case.preset, overrides=overrides, overrides_from_string=False)
+
+
+def regime(case: Case) -> tuple[str, str, str]:
+    """(compiled | eager, small | large micro-batch, one | many GPUs) of a case."""
+    cfg = config_of(case)
+    return regime_of(cfg, case.nproc)
+
+
+def regime_of(cfg: C.Config, nproc: int) -> tuple[str, str, str]:
+    tokens = cfg.train.batch_size * cfg.model.block_size
+    return ("compiled" if cfg.compile.enabled else "eager", "small" if tokens < SMALL_BATCH_TOKENS else "large",
+            "one" if nproc == 1 else "many")
+
+
+def run_case(case: Case) -> dict[str, Any]:
+    """Estimate a case; its errors (estimate / measured - 1) where the source measured memory or speed."""
+    from tokenmill.estimate import estimate
+    from tokenmill.estimate.compiled import returning_logits
+
+    cfg = config_of(case)
+    with returning_logits(case.returns_logits):
+        est = estimate(cfg, case.gpu, case.nproc)
+    out: dict[str, Any] = {"id": case.id, "regime": regime_of(cfg, case.nproc), "est_tokens_per_sec": est.tokens_per_sec,
+                           "est_memory_mib": None, "memory_error": None, "speed_error": None}
+    if case.memory_mib is not None:
+        mem = est.peak_alloc_mb if case.memory_metric == "allocated" else est.peak_reserved_mb
+        out["est_memory_mib"] = mem
+        out["memory_error"] = mem / (case.memory_mib - case.other_mib) - 1
+    if case.tokens_per_sec is not None:
+        out["speed_error"] = est.tokens_per_sec / case.tokens_per_sec - 1
+    return out
+
+
+def _mean_abs(values: list[Optional[float]]) -> Optional[float]:
+    vals = [abs(v) for v in values if v is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean absolute errors: overall, and per regime (with the number of cases behind each)."""
+    by: dict[tuple, list] = {}
+    for r in results:
+        by.setdefault(tuple(r["regime"]), []).append(r)
+    regimes = {k: {"memory": _mean_abs([r["memory_error"] for r in v]), "speed": _mean_abs([r["speed_error"] for r in v]),
+                   "n_memory": sum(r["memory_error"] is not None for r in v),
+                   "n_speed": sum(r["speed_error"] is not None for r in v)} for k, v in sorted(by.items())}
+    return {"memory": _mean_abs([r["memory_error"] for r in results]),
+            "speed": _mean_abs([r["speed_error"] for r in results]),
+            "n_memory": sum(r["memory_error"] is not None for r in results),
+            "n_speed": sum(r["speed_error"] is not None for r in results), "regimes": regimes}
+
+
+def _pct(v: Optional[float]) -> str:
+    return "" if v is None else f"{100 * v:+.1f}%"
+
+
+def flags_of(case: Case) -> str:
+    """The ``tokenmill estimate`` command line of a case."""
+    def value(v: Any) -> str:
+        return str(v).lower() if isinstance(v, bool) else str(v)
+
+    words = ([f"--preset {case.preset}"] if case.preset else []) + [f"--gpu {case.gpu}"]
+    words += [f"--nproc {case.nproc}"] if case.nproc > 1 else []
+    words += [f"--{k} {value(v)}" for k, v in case.flags.items()]
+    return " ".join(words) + ("" if case.returns_logits else " (the model returns only the loss)")
+
+
+def markdown_table(cases: list[Case], results: list[dict[str, Any]]) -> str:
+    """The table of docs/estimate.md: one row per case, then the mean absolute errors."""
+    rows = ["| case | config | tokenmill flags | memory MiB (measured / estimated) | error | tokens/s (measured / "
+            "estimated) | error |", "|---|---|---|---|---|---|---|"]
+    for c, r in zip(cases, results):
+        mem = "" if c.memory_mib is None else f"{c.memory_mib - c.other_mib:,.0f} / {r['est_memory_mib']:,.0f}"
+        tps = "" if c.tokens_per_sec is None else f"{c.tokens_per_sec:,.0f} / {r['est_tokens_per_sec']:,.0f}"
+        rows.append(f"| [{c.id}]({c.source}) | {c.config} | `{flags_of(c)}` | {mem} | {_pct(r['memory_error'])} "
+                    f"| {tps} | {_pct(r['speed_error'])} |")
+    s = summarize(results)
+    rows.append(f"| **mean absolute error** | | | {s['n_memory']} cases | **{100 * (s['memory'] or 0):.1f}%** "
+                f"| {s['n_speed']} cases | **{100 * (s['speed'] or 0):.1f}%** |")
+    return "\n".join(rows)

@@ -1,0 +1,78 @@
+"""tokenmill estimate against published GPU measurements (benchmarks/validation/published.toml): every error
+recomputed, the means held at what the estimator reached, the doc's table and the printed error ranges the
+same figures as the file."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tokenmill import config as C
+from tokenmill.cli import main
+from tokenmill.estimate import estimate
+from tokenmill.estimate.uncertainty import MIN_CASES, OVERALL, REGIME_ERRORS, error_for, regime_table
+from tokenmill.estimate.validation import load, markdown_table, regime_of, run_case, summarize
+
+ROOT = Path(__file__).resolve().parents[1]
+FILE = ROOT / "benchmarks" / "validation" / "published.toml"
+
+
+def test_validation_file_is_complete():
+    cases, summary = load(FILE)
+    assert len(cases) >= 15 and len({c.id for c in cases}) == len(cases)
+    assert {c.family for c in cases} == {"gpt2", "llama"}
+    assert sum(c.memory_mib is not None for c in cases) >= 10 and sum(c.tokens_per_sec is not None for c in cases) >= 15
+    for c in cases:
+        assert c.source.startswith("https://github.com/") and c.config and c.gpu
+        assert (c.memory_mib is None) == (c.memory_error is None) and (c.tokens_per_sec is None) == (c.speed_error is None)
+        assert c.memory_metric in ("allocated", "reserved")
+    assert summary["max_mean_memory_error"] <= 0.10 and summary["max_mean_speed_error"] <= 0.20
+
+
+@pytest.mark.slow
+def test_published_measurements_errors_doc_and_ranges():
+    cases, summary = load(FILE)
+    results = [run_case(c) for c in cases]
+    for c, r in zip(cases, results):  # the errors the file records are the estimator's
+        for key in ("memory_error", "speed_error"):
+            if getattr(c, key) is not None:
+                assert r[key] == pytest.approx(getattr(c, key), abs=0.005), (c.id, key, r[key])
+    s = summarize(results)
+    assert s["memory"] <= summary["max_mean_memory_error"] and s["speed"] <= summary["max_mean_speed_error"]
+    # the compiled-loss configuration of GPT-2 124M at batch 8-64: within 10% on memory
+    big = [r for c, r in zip(cases, results) if c.id.startswith("gollem-h100-all-b") and c.flags["train.batch_size"] >= 8
+           and r["memory_error"] is not None]
+    assert len(big) == 4 and all(abs(r["memory_error"]) <= 0.10 for r in big)
+    doc = (ROOT / "docs" / "estimate.md").read_text()
+    table = doc.split("<!-- validation-table:start -->")[1].split("<!-- validation-table:end -->")[0].strip()
+    assert table == markdown_table(cases, results)
+    assert regime_table(s) == {"regimes": REGIME_ERRORS, "overall": OVERALL}
+
+
+def test_regimes_and_the_printed_range(capsys):
+    small = C.resolve("gpt2-124m", overrides={"data.source": "synthetic", "train.batch_size": 1,
+                                              "compile.enabled": True}, overrides_from_string=False)
+    assert regime_of(small, 1) == ("compiled", "small", "one")
+    assert regime_of(C.resolve("gpt2-124m", overrides={"data.source": "synthetic"}, overrides_from_string=False),
+                     8) == ("eager", "large", "many")
+    u = error_for(small, 1)
+    mem, n_mem, speed, n_speed = REGIME_ERRORS[("compiled", "small", "one")]
+    assert n_mem >= MIN_CASES and u["memory"] == mem and u["speed"] == speed
+    # a regime without enough measurements borrows the overall error, and says so
+    u_many = error_for(small, 4)
+    assert u_many["memory"] == OVERALL["memory"][0] and "all" in u_many["memory_basis"]
+    cfg = C.resolve("gpt2-124m", overrides={"data.source": "synthetic", "train.batch_size": 4},
+                    overrides_from_string=False)
+    est = estimate(cfg, "a100-40gb")
+    lo, hi = est.memory_range_mb
+    assert lo < est.peak_reserved_mb < hi and hi / est.peak_reserved_mb - 1 == pytest.approx(est.uncertainty["memory"])
+    t_lo, t_hi = est.tokens_per_sec_range
+    assert t_lo < est.tokens_per_sec < t_hi
+    assert main(["estimate", "--preset", "gpt2-124m", "--data.source", "synthetic", "--train.batch_size", "4",
+                 "--gpu", "a100-40gb", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["uncertainty"]["regime"] == "eager/small/one" and len(out["memory_range_mb"]) == 2
+    assert main(["estimate", "--preset", "gpt2-124m", "--data.source", "synthetic", "--train.batch_size", "4",
+                 "--gpu", "a100-40gb"]) == 0
+    text = capsys.readouterr().out
+    assert text.count("expected error +-") == 2 and "published measurements" in text
