@@ -374,8 +374,14 @@ def from_(rung: str, but: tuple[str, ...] = ()) -> Select:
     return lambda names: [n for n in names[_index(names, rung):] if n not in but]
 
 
+def span(first: str, stop: str, but: tuple[str, ...] = ()) -> Select:
+    """``first`` and the rungs after it, up to (not including) ``stop``."""
+    return lambda names: [n for n in names[_index(names, first):_index(names, stop)] if n not in but]
+
+
 _BEST_1 = ("baseline", "cudnn-attention", "compile")
 _BEST_2 = ("vocab-pad-64", "batch-32", "batch-64")
+RECOMPUTE = ("checkpoint-blocks", "selective-checkpointing")  # the last rungs of best and llama: speed for memory
 
 # in order of value: the CUDA tier, the headline goals, then the remaining ladders
 PARTS = [
@@ -384,8 +390,12 @@ PARTS = [
                 "best", 150, these(*_BEST_1)),
     ladder_part("best-2", "best ladder: vocab-pad-64, batch-32, batch-64 (on top of best)", "600k tokens/s",
                 "best", 150, these(*_BEST_2), BEST_DEFERRED),
-    ladder_part("best-3", "best ladder: chunked-loss and every later rung but max-autotune (on top of best-2)",
-                "600k tokens/s", "best", 200, from_("chunked-loss", but=tuple(BEST_DEFERRED)), BEST_DEFERRED),
+    ladder_part("best-3", "best ladder: chunked-loss .. fp8-tensorwise but max-autotune (on top of best-2)",
+                "600k tokens/s", "best", 200, span("chunked-loss", RECOMPUTE[0], but=tuple(BEST_DEFERRED)),
+                BEST_DEFERRED),
+    ladder_part("best-4", "best ladder: whole-block and selective checkpointing and every later rung (on top of "
+                "best-3)", "what recomputation costs, whole blocks vs selective", "best", 200,
+                from_(RECOMPUTE[0], but=tuple(BEST_DEFERRED)), BEST_DEFERRED),
     Part("memory", "configs/book-memory-5gb.toml and the book-memory baseline rung",
          "<= 5 GB peak at <= 1.5 x the baseline's step time", part_memory),
     Part("max-model", "bench max-model with configs/max-model-memory.toml", ">= 9B parameters on one 80 GB GPU",
@@ -400,18 +410,25 @@ PARTS = [
                 "the naive Llama 3.2 1B and what each eager switch buys", "llama", 55, before("compile")),
     ladder_part("llama-2", "llama ladder: compile and batch-4 (on top of llama)",
                 "what torch.compile and a larger batch add", "llama", 220, these("compile", "batch-4")),
-    ladder_part("llama-3", "llama ladder: chunked-loss and every later rung (on top of llama-2)",
-                "the fastest Llama 3.2 1B configuration on one GPU", "llama", 220, from_("chunked-loss")),
+    ladder_part("llama-3", "llama ladder: chunked-loss and batch-8 (on top of llama-2)",
+                "the fastest Llama 3.2 1B configuration on one GPU", "llama", 220, span("chunked-loss", RECOMPUTE[0])),
+    ladder_part("llama-4", "llama ladder: whole-block and selective checkpointing and every later rung (on top of "
+                "llama-3)", "what recomputation costs, whole blocks vs selective", "llama", 240, from_(RECOMPUTE[0])),
     ladder_part("memory-ladder", "memory ladder: the rungs before the optimizer switches",
                 "one rung per memory switch", "memory", 90, before("optimizer-in-backward")),
     ladder_part("memory-ladder-2", "memory ladder: the optimizer switches (on top of memory-ladder)",
-                "one rung per memory switch", "memory", 110, from_("optimizer-in-backward")),
+                "one rung per memory switch", "memory", 110, span("optimizer-in-backward", "lora")),
+    ladder_part("memory-ladder-3", "memory ladder: LoRA, then LoRA on Llama 3.1 8B, and every later rung (on top "
+                "of memory-ladder-2)", "the largest preset a 24 GB GPU fine-tunes", "memory", 200, from_("lora")),
     ladder_part("book-memory", "book-memory ladder (the FSDP rung needs 2 GPUs)", "the book's direction per rung",
                 "book-memory", 100),
     Part("book-perf", "book-perf ladder, after preparing the byte-level corpus (the DDP rung needs 2 GPUs)",
          "the book's direction per rung", part_book_perf, ladder="book-perf", rungs=lambda names: list(names)),
-    ladder_part("best-autotune", "best ladder: compile-max-autotune on top of every other best rung",
-                "what max-autotune adds", "best", 480, these(*BEST_DEFERRED), [], fold_all=True),
+    ladder_part("optimizers", "optimizers ladder: AdamW and Muon at equal tokens (gpt-mini, 65,536 samples)",
+                "Muon's final loss against AdamW's at equal tokens, and what its step costs", "optimizers", 110),
+    ladder_part("best-autotune", "best ladder: compile-max-autotune on top of every other best rung but the "
+                "checkpointing ones", "what max-autotune adds", "best", 480, these(*BEST_DEFERRED), list(RECOMPUTE),
+                fold_all=True),
 ]
 
 

@@ -32,7 +32,7 @@ from tokenmill.cli import build_parser, main
 CPU_ONLY = not torch.cuda.is_available()
 CPU_ENV = {"cuda_available": False, "gpu_count": 0, "gpu_names": [], "torch": torch.__version__, "cuda": None}
 GPU_ENV = {"cuda_available": True, "gpu_count": 1, "gpu_names": ["NVIDIA H100 80GB HBM3"], "torch": "2.x", "cuda": "12.x"}
-SHIPPED = ["best", "book-memory", "book-perf", "llama", "memory", "rasbt", "scale-out"]
+SHIPPED = ["best", "book-memory", "book-perf", "llama", "memory", "optimizers", "rasbt", "scale-out"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -112,10 +112,10 @@ def test_memory_ladder_one_rung_per_switch():
     assert [r.name for r in ladder.rungs] == [
         "baseline", "bf16", "chunked-loss", "activation-checkpointing", "offload-activations",
         "allocator-split-gc", "expandable-segments", "optimizer-in-backward", "adamw-8bit", "optimizer-offload",
-        "offload-gradients"]
+        "offload-gradients", "lora", "lora-llama3.1-8b"]
     base = rung_config(ladder, 0).config
     assert 350e6 < count_params(base) < 360e6 and base.model.block_size == 1024
-    last = rung_config(ladder, len(ladder.rungs) - 1).config
+    last = rung_config(ladder, len(ladder.rungs) - 3).config
     assert (last.train.precision, last.model.loss_impl, last.memory.activation_checkpointing,
             last.memory.expandable_segments) == ("bf16", "chunked", 1, True)
     switches = ("optimizer_in_backward", "optimizer_8bit", "optimizer_offload")
@@ -134,7 +134,30 @@ def test_memory_ladder_one_rung_per_switch():
     if eight.missing_packages():
         assert "torchao" in why and "pip install torchao" in why
     assert [n for n, why in _cpu_smoke_plan(ladder) if why is None] == [
-        "baseline", "bf16", "chunked-loss", "activation-checkpointing", "optimizer-in-backward"]
+        "baseline", "bf16", "chunked-loss", "activation-checkpointing", "optimizer-in-backward", "lora",
+        "lora-llama3.1-8b"]
+
+
+def test_memory_ladder_lora_rungs_fine_tune_the_largest_preset_a_24gb_gpu_holds():
+    """LoRA instead of the optimizer switches (plain AdamW over the adapters), then Llama 3.1 8B, the largest
+    preset, which fits a 24 GB GPU (rtx-4090) with LoRA by estimate, and does not as a full fine-tune."""
+    from tokenmill.estimate import estimate
+
+    ladder = load_ladder("memory")
+    names = [r.name for r in ladder.rungs]
+    lora = rung_config(ladder, names.index("lora")).config
+    assert lora.lora.rank == 16 and not any(getattr(lora.memory, k) for k in (
+        "optimizer_in_backward", "optimizer_8bit", "optimizer_offload", "offload_gradients"))
+    big = rung_config(ladder, names.index("lora-llama3.1-8b")).config
+    preset = C.resolve("llama3.1-8b").model
+    shape = [k for k in C.shape_fields() if k != "vocab_size"]
+    assert {k: getattr(big.model, k) for k in shape} == {k: getattr(preset, k) for k in shape}
+    assert big.model.vocab_size == preset.vocab_size and count_params(big) == count_params(C.resolve("llama3.1-8b"))
+    assert max(count_params(C.resolve(p)) for p in C.preset_names()) == count_params(big)  # the largest preset
+    assert estimate(big, "rtx-4090").fits
+    full = C.from_dict(big.to_dict())
+    full.lora.rank = 0
+    assert not estimate(full, "rtx-4090").fits
 
 
 def test_best_ladder_smoke_runs_the_cpu_rungs():
@@ -142,7 +165,8 @@ def test_best_ladder_smoke_runs_the_cpu_rungs():
     assert ladder.requires is None  # CUDA is required rung by rung
     plan = dict(_cpu_smoke_plan(ladder))
     assert [n for n, why in plan.items() if why is None] == [
-        "baseline", "vocab-pad-64", "batch-32", "batch-64", "chunked-loss", "batch-128"]
+        "baseline", "vocab-pad-64", "batch-32", "batch-64", "chunked-loss", "batch-128", "checkpoint-blocks",
+        "selective-checkpointing"]
     assert all("CUDA" in plan[n] for n in ("cudnn-attention", "compile", "compile-max-autotune"))
     names = [r.name for r in ladder.rungs]
     assert names.index("batch-128") == names.index("chunked-loss") + 1
@@ -150,7 +174,7 @@ def test_best_ladder_smoke_runs_the_cpu_rungs():
 
 
 LLAMA_RUNGS = ["baseline", "tf32", "fused-adamw", "pin-memory", "bf16-autocast", "native-rmsnorm", "sdpa",
-               "fused-qkv", "compile", "batch-4", "chunked-loss", "batch-8"]
+               "fused-qkv", "compile", "batch-4", "chunked-loss", "batch-8", "checkpoint-blocks", "selective-checkpointing"]
 
 
 def test_llama_ladder_from_naive_to_fastest():
@@ -167,7 +191,7 @@ def test_llama_ladder_from_naive_to_fastest():
     assert 1.23e9 < count_params(base) < 1.24e9  # Llama 3.2 1B, tied head
     # no vocabulary-padding rung: 128,256 ids are a multiple of 64 already
     assert m.vocab_size % 64 == 0 and not any("model.vocab_pad_multiple" in r.set for r in ladder.rungs)
-    last = rung_config(ladder, len(ladder.rungs) - 1).config
+    last = rung_config(ladder, LLAMA_RUNGS.index("batch-8")).config
     assert (last.model.norm, last.model.attention, last.model.fused_qkv, last.model.loss_impl) == (
         "native", "sdpa", True, "chunked")
     assert (last.train.precision, last.train.tf32, last.optim.impl, last.compile.enabled, last.train.batch_size) == (
@@ -179,7 +203,7 @@ def test_llama_ladder_from_naive_to_fastest():
     plan = dict(_cpu_smoke_plan(ladder))
     assert [n for n, why in plan.items() if why is None] == [
         "baseline", "fused-adamw", "bf16-autocast", "native-rmsnorm", "sdpa", "fused-qkv", "batch-4", "chunked-loss",
-        "batch-8"]
+        "batch-8", "checkpoint-blocks", "selective-checkpointing"]
     assert all("CUDA" in plan[n] for n in ("tf32", "pin-memory", "compile"))
 
 

@@ -398,7 +398,8 @@ RUN_VARIANTS = [
     {"log.every_steps": 1}, {"train.precision": "fp32", "train.tf32": True}, {"data.cpu_work_ms": 5.0},
     {"model.norm": "manual", "model.gelu": "manual", "model.fused_qkv": False},
     {"train.eval_every_steps": 5, "train.eval_batches": 20, "checkpoint.every_steps": 10},
-    {"train.batch_size": 2, "train.grad_accum_steps": 8},
+    {"train.batch_size": 2, "train.grad_accum_steps": 8}, {"train.init_from": "models/a-hugging-face-folder"},
+    {"train.fp8": "tensorwise"},
 ]
 SYNC_SOURCES = [{"call": "cudaStreamSynchronize", "op": "aten::item", "parent": "aten::copy_", "region": r,
                  "python": "", "per_step": 1.0} for r in ("h2d", "forward")]
@@ -426,6 +427,7 @@ PLANTED_CUDA = [
     dict(activation_mb=60000.0, **MEMORY), dict(optimizer_state_mb=40000.0, **MEMORY),
     dict(device_busy_fraction=0.3, device_idle_share=0.7, mean_kernel_us=8.0, kernels_per_step=8000),
     dict(recompute_share=0.3, recompute_ms=30.0, recompute_source="x", peak_reserved_mb=20000.0),
+    dict(recompute_share=0.3, recompute_ms=30.0, recompute_source="x", **MEMORY),  # checkpointing while memory is tight
 ]
 
 

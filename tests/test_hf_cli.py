@@ -238,6 +238,13 @@ def test_export_refuses_what_gpt2_cannot_express_and_never_overwrites(tmp_path, 
         export_hf(tmp_path / "r", out)
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
     first = checkpoint.list_checkpoints(tmp_path / "r")[0][1]
+    # --overwrite replaces only an earlier export: a folder with other files is refused, untouched
+    assert main(["export", "--run-dir", str(tmp_path / "r"), "--out", str(out), "--overwrite"]) == 1
+    assert "keep.txt" in capsys.readouterr().err and sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    assert main(["export", "--run-dir", str(tmp_path / "r"), "--out", str(out)]) == 1  # not empty
+    (out / "keep.txt").unlink()
+    assert main(["export", "--run-dir", str(tmp_path / "r"), "--out", str(out)]) == 0  # an earlier export
+    capsys.readouterr()
     assert main(["export", "--run-dir", str(tmp_path / "r"), "--out", str(out), "--overwrite", "--checkpoint",
                  str(first)]) == 0
     printed = capsys.readouterr()

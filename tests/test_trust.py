@@ -745,14 +745,15 @@ def test_second_run_is_locked_out_and_a_killed_run_resumes(env, capsys):
 
 def test_rotation_never_deletes_the_checkpoint_just_written(env, capsys):
     """With a damaged newer checkpoint and keep_last 1, the resumed run keeps its fresh checkpoint (the
-    damaged one is neither loaded nor counted, and not deleted)."""
+    damaged one is neither loaded nor counted, and not deleted) and the one before it, which stays until the
+    fresh one has proved itself by a finite next step (see test_trust_numerics.py)."""
     run = env.run
     bad = run / "checkpoints" / f"step_{PLANTED_STEP:08d}.pt"
     bad.write_bytes(os.urandom(3000))
     rc, out = cli(["train", "--resume", "--run-dir", run, "--train.max_steps", STEPS + 1, "--checkpoint.keep_last",
                    1], capsys)
     assert rc == 0 and f"{bad} is damaged" in out, out
-    assert [p.name for p in checkpoints(run)] == [f"step_{STEPS + 1:08d}.pt", bad.name]
+    assert [p.name for p in checkpoints(run)] == [f"step_{STEPS:08d}.pt", f"step_{STEPS + 1:08d}.pt", bad.name]
 
 
 # ----------------------------------------------------------------------------------------------

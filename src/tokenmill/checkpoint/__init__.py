@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from tokenmill import config as C
-from tokenmill.checkpoint import dcp
+from tokenmill.checkpoint import background, dcp
 from tokenmill.checkpoint.files import (
     DCP_NAME,
     FILE_NAME,
@@ -39,7 +39,7 @@ from tokenmill.parallel import World, unwrap
 from tokenmill.parallel.world import barrier
 
 __all__ = [
-    "checkpoint_dir", "clean_stale_tmp", "data_position", "global_batch", "list_checkpoints", "load_latest",
+    "background", "checkpoint_dir", "clean_stale_tmp", "data_position", "global_batch", "list_checkpoints", "load_latest",
     "load_model", "read_latest", "read_state", "save_checkpoint", "saved_global_samples", "set_rng_state",
     "tokenizer_dir",
 ]
@@ -119,11 +119,17 @@ def save_checkpoint(run_dir, step, model, optimizer, scheduler, scaler, cfg, wor
     """Save step ``step`` (a collective under torchrun: every rank must call it), then keep the newest
     ``checkpoint.keep_last``. ``global_samples``: samples of the global data stream consumed so far
     (default ``step`` x the current global batch; a resumed run whose global batch changed passes the
-    true count)."""
+    true count).
+
+    ``checkpoint.async_save``: the state is staged in host memory and written in the background
+    (:mod:`tokenmill.checkpoint.background`), except at ``train.max_steps`` (nothing left to overlap).
+    Every save first waits for the one in flight, whose failure is raised here."""
+    background.wait()
+    in_background = cfg.checkpoint.async_save and step < cfg.train.max_steps
+    rotate = (lambda: _rotate(run_dir, step, cfg.checkpoint.keep_last)) if world.is_rank0 else None
     if world.sharded:
-        path = dcp.save_dcp(dcp_path(run_dir, step), model, optimizer, world)
-        if world.is_rank0:
-            atomic_torch_save(_extra(model, scheduler, scaler, cfg, world, step, global_samples), path / "extra.pt")
+        extra = _extra(model, scheduler, scaler, cfg, world, step, global_samples) if world.is_rank0 else None
+        path = dcp.save_dcp(dcp_path(run_dir, step), model, optimizer, world, extra, rotate, in_background)
     else:
         path = file_path(run_dir, step)
         optim_sd = consolidated_state_dict(optimizer, world)
@@ -132,18 +138,25 @@ def save_checkpoint(run_dir, step, model, optimizer, scheduler, scaler, cfg, wor
             state["model"] = clean_state_dict(unwrap(model).state_dict())
             state["optimizer"] = optim_sd
             path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_torch_save(state, path)
-    if world.is_rank0:  # keep the newest keep_last up to this step; a newer one (a damaged checkpoint the run
-        # fell back from) is neither counted nor deleted, so rotation never removes the checkpoint just written.
-        # The newest older one is kept too until this one has proved itself (a finite loss at the next step,
-        # see set_aside): a run stopped by a NaN always has a checkpoint that did not produce it.
-        kept = [p for s, p in list_checkpoints(run_dir) if s <= step]
-        protect = kept[-2] if len(kept) >= 2 else None
-        for old in kept[: -cfg.checkpoint.keep_last]:
-            if old != protect:
-                shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)
+            if in_background:
+                background.PENDING.start(state, path, after=rotate)
+            else:
+                atomic_torch_save(state, path)
+                rotate()
     barrier(world)
     return path
+
+
+def _rotate(run_dir, step: int, keep_last: int) -> None:
+    """Keep the newest ``keep_last`` checkpoints up to ``step``; a newer one (a damaged checkpoint the run
+    fell back from) is neither counted nor deleted, so rotation never removes the checkpoint just written.
+    The newest older one is kept too until this one has proved itself (a finite loss at the next step, see
+    :func:`set_aside`): a run stopped by a NaN always has a checkpoint that did not produce it."""
+    kept = [p for s, p in list_checkpoints(run_dir) if s <= step]
+    protect = kept[-2] if len(kept) >= 2 else None
+    for old in kept[:-keep_last]:
+        if old != protect:
+            shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)
 
 
 SET_ASIDE = ".nonfinite"  # suffix of a checkpoint whose weights produced a non-finite loss
@@ -152,7 +165,12 @@ SET_ASIDE = ".nonfinite"  # suffix of a checkpoint whose weights produced a non-
 def set_aside(run_dir: str | Path, from_step: int) -> list[Path]:
     """Rename the checkpoints at ``from_step`` and later to ``NAME.nonfinite``: kept on disk, never loaded
     again (the loader lists only proper names), so ``--resume`` starts from the newest checkpoint whose next
-    step was finite. Returns the new paths."""
+    step was finite. A background save in flight lands first (its failure is only reported: the run is
+    stopping for the non-finite loss). Returns the new paths."""
+    try:
+        background.wait()
+    except CheckpointError as e:
+        _warn(str(e))
     moved = []
     for s, p in list_checkpoints(run_dir):
         if s >= from_step:
@@ -200,6 +218,7 @@ def load_latest(run_dir, model, optimizer, world: World,
             state = read_state(path)
             if check is not None:
                 check(state)
+            _check_optimizer_kind(path, state, optimizer)
             if path.is_dir():
                 dcp.load_dcp(path, model, optimizer)
             else:
@@ -220,6 +239,19 @@ def load_latest(run_dir, model, optimizer, world: World,
     return None
 
 
+def _check_optimizer_kind(path: Path, state: dict[str, Any], optimizer) -> None:
+    """Refuse to load one optimizer kind's state into the other (``optim.name``), naming the flag: their
+    states do not convert (Muon keeps one momentum buffer per hidden matrix, AdamW two moments)."""
+    from tokenmill.optim import MuonWithAdamW
+
+    saved = ((state.get("config") or {}).get("optim") or {}).get("name", "adamw")
+    now = "muon" if isinstance(optimizer, MuonWithAdamW) else "adamw"
+    if saved in ("adamw", "muon") and saved != now:
+        raise ConfigError(f"checkpoint {path} was saved with optim.name = '{saved}', this run uses '{now}': "
+                          f"their optimizer states do not convert. Resume with --optim.name {saved}, or start a "
+                          "new run (train.init_from takes the weights alone).")
+
+
 def _load_file_state(path: Path, state: dict[str, Any], model, optimizer) -> None:
     """Load a single file's model and optimizer entries; one that does not fit is a :class:`CheckpointError`
     (the caller tries the previous checkpoint)."""
@@ -237,8 +269,10 @@ def _load_file_state(path: Path, state: dict[str, Any], model, optimizer) -> Non
 def load_model(run_dir: str | Path, checkpoint: str | Path | None = None):
     """The model of a run directory's newest good checkpoint (or of ``checkpoint``), on the CPU, with the
     run's config and the checkpoint's path: ``(GPT, Config, Path)``. Single files and sharded (DCP)
-    folders of FSDP, TP and PP runs alike (a DCP checkpoint is read whole in this one process)."""
+    folders of FSDP, TP and PP runs alike (a DCP checkpoint is read whole in this one process). A LoRA
+    run's adapters are merged into the base weights (:func:`tokenmill.model.lora.merge_lora`): a plain GPT."""
     from tokenmill.model import GPT
+    from tokenmill.model.lora import apply_lora, merge_lora
 
     run_dir = Path(run_dir)
     if checkpoint is not None:
@@ -257,10 +291,10 @@ def load_model(run_dir: str | Path, checkpoint: str | Path | None = None):
             cfg = C.from_dict(state["config"])
             vocab = state.get("vocab_size") or cfg.model.vocab_size or _data_vocab(run_dir, cfg)
             _check_shapes(path, state, cfg, vocab)  # before allocating: a bad config could ask for any size
-            model = GPT(cfg.model, vocab)
+            model = apply_lora(GPT(cfg.model, vocab), cfg.lora, init=False)  # lora.rank 0: the plain GPT
             weights = dcp.load_model_weights(path, model) if path.is_dir() else state["model"]
             model.load_state_dict(weights)
-            return model, cfg, path
+            return merge_lora(model), cfg, path
         except (CheckpointError, ConfigError) as e:
             msg = str(e) if str(path) in str(e) else f"{path}: {e}"
             problems.append(msg)

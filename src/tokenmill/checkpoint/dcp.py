@@ -19,6 +19,7 @@ import enum
 import os
 import pickle
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,13 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from tokenmill.checkpoint.files import first_line, fsync_dir, refused_message, unpickling_detail
+from tokenmill.checkpoint.files import (
+    atomic_torch_save,
+    first_line,
+    fsync_dir,
+    refused_message,
+    unpickling_detail,
+)
 from tokenmill.errors import CheckpointError
 from tokenmill.parallel.world import World, barrier
 
@@ -157,10 +164,16 @@ def _inner_errors(e: BaseException) -> list[BaseException]:
     return out
 
 
-def save_dcp(final: Path, model, optimizer, world: World) -> Path:
-    """Write model and optimizer shards of every rank into ``final`` (via a temporary folder)."""
+def save_dcp(final: Path, model, optimizer, world: World, extra: dict | None = None,
+             after: Callable[[], None] | None = None, background: bool = False) -> Path:
+    """Write model and optimizer shards of every rank into ``final`` (via a temporary folder renamed once
+    every rank has written), then, on rank 0, ``extra`` as ``extra.pt`` (the mark of a complete folder) and
+    ``after()`` (rotation). ``background`` (``checkpoint.async_save``): ``dcp.async_save``, the rename and
+    the rest done by a thread once the shards are written (:mod:`tokenmill.checkpoint.background`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from tokenmill.checkpoint.background import PENDING, stage
 
     d = final.parent
     tmp = d / f".{final.name}.tmp"
@@ -169,12 +182,24 @@ def save_dcp(final: Path, model, optimizer, world: World) -> Path:
         tmp.mkdir(parents=True)
     barrier(world)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
-    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp))
-    barrier(world)
-    if world.is_rank0:
+    extra = stage(extra) if background and extra is not None else extra  # the live scheduler may change
+
+    def commit() -> None:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         fsync_dir(d)
+        if extra is not None:
+            atomic_torch_save(extra, final / "extra.pt")
+        if after is not None:
+            after()
+
+    if background:
+        PENDING.start_dcp({"model": model_sd, "optimizer": optim_sd}, tmp, commit if world.is_rank0 else None)
+        return final
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp))
+    barrier(world)
+    if world.is_rank0:
+        commit()
     barrier(world)
     return final
 

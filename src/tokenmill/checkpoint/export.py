@@ -9,7 +9,9 @@ else ``Qwen3ForCausalLM`` (q/k norms), ``Qwen2ForCausalLM`` (q/k/v biases only) 
 padded vocabularies, fused or separate q/k/v) and, when the run's tokenizer has a Hugging Face form,
 ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json`` (``AutoTokenizer`` loads
 them). Any checkpoint loads: single files and sharded DCP folders of FSDP/TP/PP runs alike
-(:func:`tokenmill.checkpoint.load_model`).
+(:func:`tokenmill.checkpoint.load_model`). A LoRA run (``lora.rank > 0``) exports its adapters merged into
+the base weights, ``W + (alpha / r) B A`` (:func:`tokenmill.model.lora.merge_lora`): an ordinary folder of
+the same class, which ``from_pretrained`` loads with no adapter library.
 
 Models no class can express (e.g. GPT-2 without biases, rotary with q/k norms and biases) are refused
 with the reason before anything is written. The folder is written under a temporary name next to ``out_dir`` and renamed into place when
@@ -59,10 +61,10 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, checkpoint: str | Path |
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise CheckpointError(f"--out {out} exists and is not empty; choose a new folder, or pass --overwrite to "
                               "replace it (it is replaced only once the export is complete).")
-    if overwrite and out.exists():
-        _check_replaceable(out)
     model, cfg, path = load_model(run_dir, checkpoint)
     check_output(out, {"the run's data folder": cfg.data.path, "the run's train.init_from": cfg.train.init_from})
+    if overwrite and out.exists():
+        _check_replaceable(out)
     like = _source_config(cfg.train.init_from)
     arch = hf.export_architecture(cfg.model, like)  # before anything is written
     tok_dir = None if cfg.data.source == "synthetic" else tokenizer_dir(run_dir, cfg, progress=False)

@@ -19,6 +19,7 @@ else:  # pragma: no cover
 
 import tomli_w
 
+from tokenmill.config.lora import LORA_ROLES
 from tokenmill.config.schema import Config, describe_range, field_ranges, field_specs, sections
 from tokenmill.config.suggest import suggest
 from tokenmill.errors import ConfigError
@@ -187,7 +188,35 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("compile.loss_outside compiles the model without its head and loss; it needs "
                           "compile.scope='model' (per-block compilation leaves the loss outside anyway).")
     _validate_memory_and_parallel(cfg)
+    _validate_lora(cfg)
     return cfg
+
+
+def check_lora_targets(cfg: Config) -> None:
+    """``lora.targets`` names only projections the model has: no 'gate' in a GELU MLP."""
+    names = [t.strip() for t in cfg.lora.targets.split(",")]
+    if "gate" in names and cfg.model.mlp != "swiglu":
+        raise ConfigError("lora.targets names 'gate', but a GELU MLP (model.mlp='gelu') has no gate projection; "
+                          "its projections are up (c_fc) and down (c_proj).")
+
+
+def _validate_lora(cfg: Config) -> None:
+    """``lora.targets`` names known projections the model has; LoRA does not compose with TP or PP."""
+    lo = cfg.lora
+    names = [t.strip() for t in lo.targets.split(",") if t.strip()]
+    bad = [n for n in names if n not in (*LORA_ROLES, "all")]
+    if bad or not names:
+        raise ConfigError(f"lora.targets: {bad[0] if bad else lo.targets!r} is not a projection; name some of "
+                          f"{', '.join(LORA_ROLES)} (comma-separated), or 'all'.{_closest(bad[0], list(LORA_ROLES)) if bad else ''}")
+    if not cfg.train.init_from:  # else the source decides model.mlp: checked once its shape is adopted
+        check_lora_targets(cfg)
+    if lo.rank and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
+        raise ConfigError("lora.rank > 0 works with one process, DDP and FSDP (parallel.dp_replicate / dp_shard), "
+                          "not with parallel.tp or parallel.pp: the adapters are not split by heads or stages. "
+                          "Shard with --parallel.dp_shard instead (the frozen base has no optimizer state to shard).")
+    if lo.rank and getattr(cfg.train, "fp8", "off") != "off":
+        raise ConfigError("lora.rank > 0 does not combine with train.fp8: the FP8 conversion would replace the adapted "
+                          "projections (and their adapters) by float8 Linears. Use one of them (--train.fp8 off).")
 
 
 def _validate_architecture(m) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from tokenmill.config.field import F
+from tokenmill.config.lora import LoraConfig
 from tokenmill.config.model import ModelConfig
 
 
@@ -23,7 +24,7 @@ class DataConfig:
     )
     path: Optional[str] = F(
         None,
-        "A folder written by `tokenmill prepare` (meta.json + train.bin + val.bin). None: the embedded "
+        "A folder written by `tokenmill prepare` (meta.json + token shards). None: the embedded "
         "corpus (this Python's standard-library sources), prepared on first use and cached.",
     )
     tokenizer: Literal["gpt2", "bytes", "bpe"] = F(
@@ -94,6 +95,19 @@ class TrainConfig:
         "Allow TF32 tensor-core matmuls for fp32 math (set_float32_matmul_precision('high')). None (auto): on "
         "on CUDA, off elsewhere; the seed ladders set it explicitly.",
     )
+    fp8: Literal["off", "tensorwise", "rowwise"] = F(
+        "off",
+        "FP8 matmuls for the blocks' linear layers (torchao float8 training, `pip install torchao`; CUDA GPUs "
+        "with FP8 tensor cores: H100/H200, L4, RTX 4090 and newer): inputs, weights and output gradients are "
+        "cast to float8 with dynamic scales, one per tensor ('tensorwise', the fastest) or one per row "
+        "('rowwise', more accurate); weights stay in their precision. Approximate (a few tenths of a percent "
+        "per matmul). Embeddings, the head and layers whose sizes are not multiples of 16 stay as they are.",
+    )
+    fp8_all_gather: bool = F(
+        False,
+        "With train.fp8 = 'tensorwise' and FSDP2 (parallel.dp_shard > 1): all-gather the sharded weights in "
+        "float8 (half the bytes of bf16), the scale computed once for all shards.",
+    )
     eval_every_steps: int = F(0, "Evaluate the validation loss every N steps (0 = only at the end).", ge=0)
     eval_inference_mode: bool = F(
         True,
@@ -119,8 +133,26 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW and the learning-rate schedule."""
+    """The optimizer (AdamW, or Muon for the hidden matrices) and the learning-rate schedule."""
 
+    name: Literal["adamw", "muon"] = F(
+        "adamw",
+        "'adamw' = AdamW for every parameter; 'muon' = Muon (momentum, then the update orthogonalised by a "
+        "quintic Newton-Schulz iteration) for the blocks' 2-D weight matrices, with AdamW (optim.lr, betas, "
+        "weight_decay) for embeddings, head, norm gains and biases. One momentum buffer per hidden matrix "
+        "instead of AdamW's two moments. Single process, DDP, FSDP2 and TP (the full matrix is gathered for the "
+        "orthogonalisation); not with parallel.zero1 or the memory.optimizer_* switches.",
+    )
+    muon_lr: float = F(
+        0.02,
+        "Muon's peak learning rate for the hidden matrices (follows the same schedule as optim.lr, scaled "
+        "by muon_lr / lr); each update is also scaled by sqrt(max(1, rows / cols)).",
+        ge=0,
+    )
+    muon_momentum: float = F(0.95, "Muon's momentum (Nesterov).", ge=0, lt=1)
+    muon_weight_decay: float = F(
+        0.0, "Muon's decoupled weight decay on the hidden matrices (w -= lr * muon_weight_decay * w).", ge=0
+    )
     lr: float = F(6e-4, "Peak learning rate.", ge=0)
     min_lr: float = F(6e-5, "Final learning rate of the cosine schedule.", ge=0)
     schedule: Literal["cosine", "constant"] = F("cosine", "'cosine' = linear warm-up then cosine decay to min_lr; 'constant'.")
@@ -180,6 +212,15 @@ class MemoryConfig:
     activation_checkpointing: int = F(
         0, "Recompute activations in backward for every n-th block (0 = off, 1 = every block).",
         ge=0,
+    )
+    activation_checkpointing_policy: Literal["full", "save-matmuls"] = F(
+        "full",
+        "What a block checkpointed by memory.activation_checkpointing keeps for backward: 'full' = only its "
+        "input, backward recomputes its whole forward; 'save-matmuls' = selective (op-level) checkpointing "
+        "(torch.utils.checkpoint.create_selective_checkpoint_contexts): the outputs of its matrix products and "
+        "fused attention are kept too, so backward recomputes only the cheap element-wise ops (norms, GELU/SiLU, "
+        "RoPE, dropout, residual adds): memory between 'full' and no checkpointing, most of the recompute time "
+        "saved. The same gradients, bit for bit.",
     )
     optimizer_in_backward: bool = F(
         False,
@@ -297,6 +338,13 @@ class CheckpointConfig:
     every_steps: int = F(0, "Save a checkpoint every N steps (0 = only at the end).", ge=0)
     keep_last: int = F(2, "Keep the newest K checkpoints; older ones are deleted.", ge=1)
     save_final: bool = F(True, "Save a checkpoint when training ends.")
+    async_save: bool = F(
+        False,
+        "Save in the background: the state is copied to (pinned) host memory at the save step and a writer "
+        "thread writes it (same atomic write; DCP folders by dcp.async_save) while training goes on. At most one "
+        "save in flight (the next save waits for it); the final save is synchronous; a failed background write "
+        "is reported, with its path, at the next save. Costs one host copy of model and optimizer state.",
+    )
 
 
 @dataclass
@@ -339,6 +387,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)

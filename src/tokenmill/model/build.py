@@ -1,6 +1,7 @@
 """From a config to a model, below everything that needs one: building (on a device or on ``meta``),
 the parameter counts, and the model-level switches that change neither the parameters nor the math
-of one process: the precision cast, activation checkpointing and compile.
+of one process: the precision cast, activation checkpointing (whole blocks or selective) and compile;
+and LoRA (``apply_lora``), which adds adapters and freezes the rest.
 
 The trainer (``train/parallelize.py``) applies them in its fixed order, between the pipeline split,
 tensor parallelism and data parallelism; the estimator (``estimate/trace.py``) applies the same
@@ -9,17 +10,21 @@ functions to the model it traces on ``meta``, so both see one implementation of 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from tokenmill import config as C
+from tokenmill.model import lora
 from tokenmill.model.gpt import GPT
 
-__all__ = ["ParamCounts", "apply_activation_checkpointing", "apply_compile", "apply_precision", "build_gpt",
-           "checkpointed_blocks", "count_params", "param_counts"]
+__all__ = ["ParamCounts", "apply_activation_checkpointing", "apply_compile", "apply_lora", "apply_precision",
+           "build_gpt", "checkpointed_blocks", "count_params", "param_counts", "save_matmuls_policy",
+           "trainable_params"]
 
 
 def build_gpt(cfg: C.ModelConfig, vocab_size: int, device: torch.device | str, dtype: torch.dtype | None = None) -> GPT:
@@ -76,15 +81,66 @@ def checkpointed_blocks(n_layer: int, every_n: int) -> list[bool]:
     return [every_n > 0 and i % every_n == 0 for i in range(n_layer)]
 
 
-def apply_activation_checkpointing(model: nn.Module, every_n: int) -> nn.Module:
+def apply_activation_checkpointing(model: nn.Module, every_n: int, policy: str = "full") -> nn.Module:
     """``memory.activation_checkpointing``: wrap blocks 0, n, 2n, ... so that their activations are
     recomputed in backward instead of stored (non-reentrant ``torch.utils.checkpoint``; 0 = off). The
-    wrapper strips its prefix from state dicts, so checkpoints keep the plain parameter names."""
+    wrapper strips its prefix from state dicts, so checkpoints keep the plain parameter names.
+
+    ``policy`` (``memory.activation_checkpointing_policy``): 'full' keeps only each wrapped block's input;
+    'save-matmuls' is selective checkpointing: the outputs of the block's matrix products and fused
+    attention are cached in the forward (:func:`save_matmuls_policy`) and handed back to the recomputation,
+    which then runs only the element-wise ops between them."""
     wrap = checkpointed_blocks(len(model.blocks), every_n)
+    kwargs = {}
+    if policy == "save-matmuls":
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, save_matmuls_policy)
     for i, block in model.present_blocks():
         if wrap[i]:
-            model.blocks[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+            model.blocks[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)
     return model
+
+
+_ATEN = torch.ops.aten
+# what 'save-matmuls' keeps: matrix products (FP8's _scaled_mm too) and the fused attention kernels of every backend
+_MATMULS = frozenset(getattr(_ATEN, n).default for n in (
+    "mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_fused_attention_overrideable") if hasattr(_ATEN, n))
+
+
+def save_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """The 'save-matmuls' op policy: keep the outputs of matrix products and fused attention (the costly
+    kernels to recompute), recompute everything else (norms, activations, RoPE, dropout, adds: cheap,
+    memory-bound). A fused attention with dropout is recomputed too: it draws random numbers, and
+    skipping it in the recomputation would shift the random stream of every dropout after it (the
+    recomputation must draw what the forward drew, in the same order)."""
+    if op not in _MATMULS:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    names = [a.name for a in op._schema.arguments]
+    if "dropout_p" in names:
+        i = names.index("dropout_p")
+        p = kwargs.get("dropout_p", args[i] if i < len(args) else 0.0)
+        if p:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE
+
+
+def apply_lora(model: nn.Module, cfg: C.LoraConfig, init: bool = True) -> nn.Module:
+    """``lora.rank > 0``: adapters on the ``lora.targets`` projections of every block, everything else
+    frozen (:func:`tokenmill.model.lora.apply_lora`; ``init=False`` leaves the adapters to be loaded)."""
+    return lora.apply_lora(model, cfg, init)
+
+
+def trainable_params(cfg: C.ModelConfig, vocab_size: int, lora_cfg: C.LoraConfig | None = None) -> int:
+    """Parameters that train (get gradients and optimizer state): all of them, or with ``lora.rank > 0``
+    the adapters only (counted on a one-block model on ``meta``, as :func:`param_counts`)."""
+    if lora_cfg is None or lora_cfg.rank == 0:
+        return count_params(cfg, vocab_size)
+    one = C.ModelConfig(**{**cfg.__dict__, "n_layer": 1, "norm": "native" if cfg.norm == "triton" else cfg.norm})
+    with torch.device("meta"):
+        model = lora.apply_lora(GPT(one, vocab_size), lora_cfg, init=False)
+    return cfg.n_layer * sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def apply_compile(model: nn.Module, cfg: C.CompileConfig) -> nn.Module:

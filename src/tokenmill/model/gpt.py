@@ -210,6 +210,19 @@ class GPT(nn.Module):
         other stages by ``nn.Identity``, keeping the indices and so the parameter names)."""
         return [(i, b) for i, b in enumerate(self.blocks) if not isinstance(b, nn.Identity)]
 
+    def hidden_matrices(self) -> list[tuple[nn.Parameter, list[int] | None]]:
+        """The blocks' 2-D weight matrices (attention and MLP projections), the "hidden" matrices that Muon
+        orthogonalises, each with the row split of a fused matrix (the fused q/k/v ``c_attn`` is three
+        matrices: its q, k and v rows) or None. Embeddings, the head, norm gains and biases are not among
+        them. The parameters are the live ones (DTensors after TP or FSDP)."""
+        out = []
+        for _, block in self.present_blocks():
+            for name, p in block.named_parameters():
+                if p.ndim == 2:
+                    fused = name.endswith("c_attn.weight")
+                    out.append((p, _qkv_rows(self.cfg) if fused else None))
+        return out
+
     # --- structure the parallel mechanisms ask the model for
 
     def keep_stage(self, keep: range, first: bool, last: bool) -> None:

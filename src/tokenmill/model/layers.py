@@ -364,6 +364,23 @@ class Block(nn.Module):
         x = x + self.mlp(self.ln_2(x))
         return x
 
+    def projections(self) -> dict[str, tuple[str, int, int]]:
+        """The block's projections by role (``lora.targets`` names them), role -> (module path in the block,
+        first output row, rows): 'q', 'k', 'v' (three Linears, or row ranges of the fused ``attn.c_attn``),
+        'o' (``attn.c_proj``), 'gate' (SwiGLU only), 'up' (``mlp.c_fc``), 'down' (``mlp.c_proj``)."""
+        attn, mlp = self.attn, self.mlp
+        q, kv = attn.n_head * attn.head_dim, attn.n_kv_head * attn.head_dim
+        if attn.fused_qkv:
+            out = {"q": ("attn.c_attn", 0, q), "k": ("attn.c_attn", q, kv), "v": ("attn.c_attn", q + kv, kv)}
+        else:
+            out = {"q": ("attn.q_proj", 0, q), "k": ("attn.k_proj", 0, kv), "v": ("attn.v_proj", 0, kv)}
+        out["o"] = ("attn.c_proj", 0, attn.c_proj.out_features)
+        if hasattr(mlp, "c_gate"):
+            out["gate"] = ("mlp.c_gate", 0, mlp.c_gate.out_features)
+        out["up"] = ("mlp.c_fc", 0, mlp.c_fc.out_features)
+        out["down"] = ("mlp.c_proj", 0, mlp.c_proj.out_features)
+        return out
+
     def tp_plan(self) -> dict[str, str]:
         """The block's tensor-parallel plan, module path -> 'colwise' | 'rowwise' (Megatron style): the
         projections into heads and into the MLP's hidden units split by output features, so each rank

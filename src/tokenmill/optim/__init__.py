@@ -2,6 +2,7 @@
 (:func:`optimizer_step`); no other module knows the kinds.
 
 - ``adamw``: AdamW with GPT-2 weight-decay groups (``optim.impl``, ``optim.decay_groups``).
+- ``muon``: Muon for the hidden matrices with AdamW for the rest (``optim.name``).
 - ``memory``: optimizer in backward, CPU offload (optionally of gradients), 8-bit AdamW.
 - ``zero``: ZeRO-1 (optimizer state sharded over data-parallel ranks).
 - ``grad_norm``: the global gradient norm when parameters are split over ranks (TP, PP).
@@ -16,10 +17,11 @@ import torch
 from torch import nn
 
 from tokenmill.config import Config
-from tokenmill.errors import MemoryOptionError
+from tokenmill.errors import ConfigError, MemoryOptionError
 from tokenmill.optim.adamw import adamw, build_adamw, param_groups
 from tokenmill.optim.grad_norm import clip_grad_norm
 from tokenmill.optim.memory import CPUOffloadOptimizer, OptimizerInBackward, build_adamw_8bit
+from tokenmill.optim.muon import MuonWithAdamW, build_muon
 from tokenmill.optim.schedule import (
     build_scheduler,
     hyperparameters,
@@ -31,15 +33,25 @@ from tokenmill.optim.zero import build_zero1_optimizer, consolidated_state_dict
 from tokenmill.parallel.world import World
 
 __all__ = [
-    "adamw", "build_adamw", "build_optimizer", "build_scheduler", "consolidated_state_dict",
+    "MuonWithAdamW", "adamw", "build_adamw", "build_optimizer", "build_scheduler", "consolidated_state_dict",
     "hyperparameters", "load_scheduler_state", "lr_at", "optimizer_step", "param_groups", "reapply_hyperparameters",
 ]
 
+MEMORY_OPTIMIZERS = ("optimizer_in_backward", "optimizer_offload", "optimizer_8bit")
+
 
 def build_optimizer(model: nn.Module, cfg: Config, world: Optional[World] = None) -> torch.optim.Optimizer:
-    """ZeRO-1 (``parallel.zero1``), a memory switch (``memory.optimizer_*``), or the plain AdamW."""
+    """Muon with AdamW (``optim.name='muon'``), ZeRO-1 (``parallel.zero1``), a memory switch
+    (``memory.optimizer_*``), or the plain AdamW."""
     world = world or World(device=next(model.parameters()).device)
     mem = cfg.memory
+    if cfg.optim.name == "muon":
+        taken = [k for k, on in (("parallel.zero1", cfg.parallel.zero1),
+                                 *((f"memory.{k}", getattr(mem, k)) for k in MEMORY_OPTIMIZERS)) if on]
+        if taken:
+            raise ConfigError(f"optim.name='muon' does not combine with {', '.join(taken)} (each is its own AdamW); "
+                              "drop it, or use --optim.name adamw.")
+        return build_muon(model, cfg.optim)
     if cfg.parallel.zero1:
         return build_zero1_optimizer(model, cfg.optim, world)
     if world.distributed and (mem.optimizer_in_backward or mem.optimizer_offload):

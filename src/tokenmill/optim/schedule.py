@@ -49,20 +49,24 @@ def reapply_hyperparameters(optimizer: torch.optim.Optimizer, scheduler, built: 
                             max_steps: int) -> None:
     """After a checkpoint was loaded: the current config's settings win over the saved ones (learning rate
     and schedule, weight decay, betas, eps), so what a user passes on resume takes effect; the step count
-    and the optimizer moments stay as loaded."""
+    and the optimizer moments stay as loaded. A group built with another peak than ``optim.lr`` (Muon's
+    ``optim.muon_lr``) keeps its ratio to it."""
     groups = optimizer.param_groups
+    base = cfg.lr if cfg.lr > 0 else 1.0
+    scales = [1.0] * len(groups)
     if len(built) == len(groups):
-        for g, b in zip(groups, built):
-            for k in ("weight_decay", "betas", "eps"):
+        for i, (g, b) in enumerate(zip(groups, built)):
+            for k in ("weight_decay", "betas", "eps", "momentum"):
                 if k in b:
                     g[k] = b[k]
-    base = cfg.lr if cfg.lr > 0 else 1.0
-    scheduler.base_lrs = [base] * len(groups)
+            if cfg.lr > 0:
+                scales[i] = b.get("initial_lr", base) / base
+    scheduler.base_lrs = [base * s for s in scales]
     lr = lr_at(scheduler.last_epoch, cfg, max_steps)
-    for g in groups:
-        g["initial_lr"] = base
+    for g, s in zip(groups, scales):
+        g["initial_lr"] = base * s
         if isinstance(g["lr"], torch.Tensor):
-            g["lr"].fill_(lr)
+            g["lr"].fill_(lr * s)
         else:
-            g["lr"] = lr
-    scheduler._last_lr = [lr] * len(groups)
+            g["lr"] = lr * s
+    scheduler._last_lr = [lr * s for s in scales]

@@ -32,8 +32,8 @@ ATTENTION_WORDS = ("flash", "fmha", "attention", "efficient_attention", "cudnn_s
 # region they are the forward recomputed under activation checkpointing; outside every phase region
 # they are a forward pass that is not training (an evaluation).
 FORWARD_OPS = frozenset({
-    "aten::linear", "aten::layer_norm", "aten::gelu", "aten::scaled_dot_product_attention", "aten::softmax",
-    "aten::embedding", "aten::cross_entropy_loss",
+    "aten::linear", "aten::layer_norm", "aten::rms_norm", "aten::gelu", "aten::silu",
+    "aten::scaled_dot_product_attention", "aten::softmax", "aten::embedding", "aten::cross_entropy_loss",
 })
 
 
@@ -80,8 +80,8 @@ def _outermost_forward_ops(trace: Trace, spans) -> list[Span]:
 def recompute(trace: Trace) -> dict[str, Any]:
     """Forward work repeated inside ``backward`` regions (activation checkpointing), per step.
 
-    Found by the outermost forward operators of the layers (``aten::linear``, ``layer_norm``,
-    ``gelu``, ``scaled_dot_product_attention``, ...; no backward formula calls them) that run inside
+    Found by the outermost forward operators of the layers (``aten::linear``, ``layer_norm``/``rms_norm``,
+    ``gelu``/``silu``, ``scaled_dot_product_attention``, ...; no backward formula calls them) that run inside
     backward. They are only part of a forward (residual adds, reshapes and dropout come between
     them), so their time is scaled by the forward phase's own ratio of its whole time to the time of
     the same operators in it. With device events, the same for the device time of the kernels they
@@ -95,7 +95,7 @@ def recompute(trace: Trace) -> dict[str, Any]:
     fwd_ms = sum(r.dur for r in trace.regions if r.name == "forward" and trace.step_at(r.ts) is not None) / 1000
     host_ops = sum(s.dur for s in again) / 1000
     scale = fwd_ms / (sum(s.dur for s in first) / 1000) if first else 1.0
-    out: dict[str, Any] = {"basis": "outermost forward operators (linear, layer_norm, gelu, attention, ...) inside "
+    out: dict[str, Any] = {"basis": "outermost forward operators (linear, norms, gelu/silu, attention, ...) inside "
                            "backward regions, scaled by the forward phase's time over the same operators' time in it",
                            "ops_per_step": len(again) / n, "ops_host_ms_per_step": host_ops / n,
                            "host_ms_per_step": host_ops * scale / n, "device_ms_per_step": None}
@@ -235,7 +235,7 @@ def syncs(trace: Trace) -> dict[str, Any]:
             if s.cat not in ("cuda_runtime", "cuda_driver") or s.name not in SYNC_RUNTIME:
                 continue
         else:
-            if s.cat != "cpu_op" or s.name not in SYNC_OPS:
+            if s.cat != "cpu_op" or s.name not in SYNC_OPS or not _reads_back(s):
                 continue
             if any(a.name in SYNC_OPS for a in s.ancestors()):
                 continue  # counted at the outermost sync operator (item -> _local_scalar_dense)
@@ -260,6 +260,17 @@ def syncs(trace: Trace) -> dict[str, Any]:
         "sources": sources,
         "in_evaluation_per_step": in_eval / n,
     }
+
+
+def _reads_back(s: Span) -> bool:
+    """Whether an operator of :data:`SYNC_OPS` reads device memory back here. ``repeat_interleave`` does
+    only with a tensor of repeats (its output size depends on their values); with an int (grouped-query
+    attention repeating its key/value heads) it is an expand and a copy. Told apart by the recorded input
+    types where the trace has them, else counted."""
+    if s.name == "aten::repeat_interleave":
+        types = s.args.get("Input type") or []
+        return not (len(types) > 1 and types[1] == "Scalar")
+    return True
 
 
 def _source(trace: Trace, s: Span) -> tuple:

@@ -99,7 +99,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
-MEMORY_RULES = ("logits_peak", "activation_memory", "optimizer_state_memory", "allocator_thrash")
+MEMORY_RULES = ("logits_peak", "activation_memory", "optimizer_state_memory", "allocator_thrash", "lora_finetune")
 
 
 def memory_estimate(run_dir: str, verdict: dict) -> str | None:

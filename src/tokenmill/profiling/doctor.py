@@ -11,7 +11,6 @@ the wall-clock time outside the steady state (:func:`wall_facts`). ``--try`` is 
 
 from __future__ import annotations
 
-import functools
 import json
 import statistics
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any, Optional
 from tokenmill import config as C
 from tokenmill.errors import DoctorError
 from tokenmill.profiling import rules
+from tokenmill.profiling.layer_ops import is_matmul, layer_form_ops
 from tokenmill.profiling.trace import OUTSIDE
 from tokenmill.train.timing import PHASES
 
@@ -206,7 +206,7 @@ def _profile_facts(p: dict[str, Any]) -> dict[str, Any]:
                                  "backward" if cuda else "measured in the profile: forward operators inside backward")
     f["host_mean_op_us"] = p["host_busy"]["mean_op_us"]
     # matrix products' share of the host operators' time (CPU; CUDA reads it from the kernels below)
-    f["host_matmul_share"] = sum(r["share"] for r in p.get("top_ops", []) if _is_matmul(r["name"]))
+    f["host_matmul_share"] = sum(r["share"] for r in p.get("top_ops", []) if is_matmul(r["name"]))
     f["host_ops_per_step"] = p["host_busy"]["ops_per_step"]
     d = p.get("device_busy")
     if d:
@@ -255,8 +255,9 @@ def memory_facts(f: dict[str, Any], config: dict[str, Any], summary: dict[str, A
         return {}
     width = 2 if rules.config_value(config, "train.precision") == "bf16" else 4
     param_mb = params * width / 1024**2
-    out.update(param_mb=param_mb, grad_mb=param_mb, optimizer_state_mb=2 * param_mb)
-    persistent = 3 * param_mb  # weights + AdamW state; gradients are freed (set_to_none) before forward
+    grad_mb = (summary.get("trainable_params") or params) * width / 1024**2  # LoRA: the adapters only
+    out.update(param_mb=param_mb, grad_mb=grad_mb, optimizer_state_mb=2 * grad_mb)
+    persistent = param_mb + 2 * grad_mb  # weights + AdamW state; gradients are freed (set_to_none) before forward
     if f.get("memory_device") == "cuda" and f.get("peak_mb"):
         total = f["peak_mb"]
         act = f.get("transient_mb")
@@ -280,6 +281,7 @@ def gather_facts(run: dict[str, Any]) -> dict[str, Any]:
     f.update(facts_from_metrics(steady_rows(run)))
     if prof:
         f.update(facts_from_profile(prof))
+    cfg = f["config"] = as_run(cfg, f)
     f["gpu_name"] = f.get("gpu_name") or summary.get("gpu_name")
     f["tokens_per_step"] = (prof or {}).get("tokens_per_step") or summary.get("tokens_per_step")
     fpt = summary.get("flops_per_token") or (6.0 * summary["params"] if summary.get("params") else None)
@@ -295,74 +297,27 @@ def gather_facts(run: dict[str, Any]) -> dict[str, Any]:
         f["recompute_ms"] = max(0.0, f["backward_ms"] - 2.0 * f["forward_ms"])
         f["recompute_share"] = f["recompute_ms"] / f["step_ms"]
         f["recompute_source"] = "estimated: backward minus twice the forward (no profile)"
-    f["layer_forms"] = layer_form_ops(cfg)
+    f["layer_forms"] = layer_form_ops(cfg, cuda=f["device"] == "cuda")
     f.update(wall_facts(run, f))
-    n_layer, n_embd, block = (rules.config_value(cfg, f"model.{k}") for k in ("n_layer", "n_embd", "block_size"))
-    f["attention_flop_share"] = rules.attention_flop_share(n_layer, n_embd, block, summary.get("params"))
+    n_layer, n_head, n_embd, head_dim, block = (rules.config_value(cfg, f"model.{k}") for k in
+                                                ("n_layer", "n_head", "n_embd", "head_dim", "block_size"))
+    f["attention_flop_share"] = rules.attention_flop_share(n_layer, n_head, head_dim or n_embd // n_head, block,
+                                                           summary.get("flops_per_token"), summary.get("params"))
     f.update(memory_facts(f, cfg, summary))
     return f
 
 
-def layer_form_ops(config: dict[str, Any]) -> dict[str, dict[str, int]]:
-    """For each slow layer form the run uses (:data:`rules.LAYER_FORMS`): the operators of one
-    forward + backward of a narrow copy of the run's model (same layers and forms, width 4 per head,
-    4 tokens), and how many of them the fast form would not run: ``{field: {"total", "extra"}}``.
-    Counted, not typed in: the same code as the run's model."""
-    slow = {k: fast for k, (bad, fast, _) in rules.LAYER_FORMS.items() if rules.config_value(config, k) == bad}
-    if not slow:
-        return {}
-    model = {k.split(".", 1)[1]: v for k, v in config.items() if k.startswith("model.")}
-    counted = _count_ops(tuple(sorted(model.items())))
-    out = {}
-    for key, fast in slow.items():
-        n = _count_ops(tuple(sorted({**model, key.split(".", 1)[1]: fast}.items())))
-        if counted and n is not None:
-            out[key] = {"total": counted[0], "matmul": counted[1], "extra": max(0, counted[0] - n[0])}
-    return out
-
-
-@functools.cache
-def _count_ops(model_items: tuple) -> Optional[tuple[int, int]]:
-    """(all, matrix-product) ATen operators dispatched by one forward + backward of a narrow copy of
-    the model (None when the copy cannot be built here, e.g. a GPU-only kernel)."""
-    import dataclasses
-
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from tokenmill.model.gpt import GPT
-
-    known = {f.name for f in dataclasses.fields(C.ModelConfig)}
-    m = {k: v for k, v in dict(model_items).items() if k in known}
-    heads = m.get("n_head", 1)
-    m.update(n_embd=4 * heads, block_size=4, dropout=0.0, vocab_size=16, vocab_pad_multiple=1, sdpa_backend="auto")
-    if m.get("norm") not in ("native", "manual"):
-        m["norm"] = "native"  # a GPU kernel (triton) counts like the native one
-
-    class Count(TorchDispatchMode):
-        n, matmul = 0, 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.n += 1
-            Count.matmul += _is_matmul(str(func.overloadpacket))
-            return func(*args, **(kwargs or {}))
-
-    try:
-        model = GPT(C.ModelConfig(**m), 16)
-        idx = torch.zeros(1, 4, dtype=torch.long)
-        with Count():
-            _, loss = model(idx, idx)
-            loss.backward()
-    except Exception:  # a form this machine cannot build: no count, no estimate
-        return None
-    return Count.n, Count.matmul
-
-
-def _is_matmul(name: str) -> bool:
-    """Whether an operator name (``aten.addmm``, ``aten::bmm``) is a matrix product or fused attention."""
-    op = name.replace("::", ".").split(".")[-1] if name.startswith("aten") else name
-    return op in ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear") or "scaled_dot_product" in op \
-        or "flash_attention" in op or "efficient_attention" in op
+def as_run(config: dict[str, Any], f: dict[str, Any]) -> dict[str, Any]:
+    """The run's config with ``train.precision='auto'`` and ``train.tf32`` unset made what they were on its
+    device (:func:`tokenmill.config.concrete`, the trainer's own choice), so the rules read what ran. A
+    run's config.toml records them made already; a run without one has the defaults."""
+    precision, tf32 = (rules.config_value(config, k) for k in ("train.precision", "train.tf32"))
+    if precision != "auto" and tf32 is not None:
+        return config
+    cap = f.get("gpu_capability")
+    made = C.concrete(C.Config(train=C.TrainConfig(precision=precision, tf32=tf32)), f["device"],
+                      bf16=not cap or cap[0] >= 8).train
+    return {**config, "train.precision": made.precision, "train.tf32": made.tf32}
 
 
 def wall_facts(run: dict[str, Any], f: dict[str, Any]) -> dict[str, Any]:

@@ -35,6 +35,19 @@ def _split_batch(f: dict, why: str) -> dict:
     return advice(why, f"--train.batch_size {b // 2} --train.grad_accum_steps {2 * a}")
 
 
+def _from_list(f: dict, parts: set[str]) -> list[dict]:
+    """The switches of the one list (:mod:`tokenmill.config.memory_switches`) that shrink ``parts`` of the
+    peak and that this run does not use yet, as suggestions."""
+    from tokenmill.config.memory_switches import memory_switches
+
+    out = []
+    for s in memory_switches(lambda key: cfg(f, key)):
+        if s.saves & parts:
+            (key, value), *rest = s.overrides.items()
+            out.append(switch(key, value, s.why, also=dict(rest)))
+    return out
+
+
 def logits_peak(f: dict) -> Optional[Finding]:
     vocab, peak = f.get("vocab_sized_mb"), f.get("memory_total_mb")
     region = f.get("peak_region", "")
@@ -65,14 +78,7 @@ def activation_memory(f: dict) -> Optional[Finding]:
         return None
     ev = [f"activations and temporaries of the step (logits excluded): {act:.0f} MB of the {total:.0f} MB peak "
           f"({pct(share)})"]
-    sug = []
-    if cfg(f, "memory.activation_checkpointing") != 1:
-        sug.append(switch("memory.activation_checkpointing", 1, "recompute activations in backward (~30% slower)"))
-    sug.append(_split_batch(f, "half the activations, same global batch"))
-    if cfg(f, "train.precision") == "fp32":
-        sug.append(switch("train.precision", "bf16-autocast", "half-size activations"))
-    if cfg(f, "model.attention") == "manual":
-        sug.append(switch("model.attention", "sdpa", "no T x T attention matrices"))
+    sug = _from_list(f, {"activations"})
     return Finding(_clamp(0.4 * share * _memory_weight(f)), "activation-dominated memory", ev, sug, measure="memory")
 
 
@@ -82,37 +88,7 @@ def optimizer_state_memory(f: dict) -> Optional[Finding]:
         return None
     share = state / total
     ev = [f"AdamW state (2 tensors per parameter) is about {state:.0f} MB of the {total:.0f} MB peak ({pct(share)})"]
-    sug = []
-    if cfg(f, "train.precision") != "bf16":
-        sug.append(switch("train.precision", "bf16", "pure bf16 halves weights, gradients and optimizer state"))
-    # memory.optimizer_8bit / _offload / _in_backward exclude each other: offered only when none is on
-    alternative = not any(cfg(f, f"memory.{k}") for k in ("optimizer_8bit", "optimizer_offload",
-                                                                     "optimizer_in_backward"))
-    fp16 = cfg(f, "train.precision") == "fp16-autocast"
-    model_parallel = cfg(f, "parallel.tp") > 1 or cfg(f, "parallel.pp") > 1
-    if alternative and not model_parallel:
-        sug.append(switch("memory.optimizer_8bit", True, "8-bit AdamW state, about a quarter of fp32 state "
-                          "(needs torchao)"))
-    if alternative and not fp16:
-        sug.append(switch("memory.optimizer_offload", True, "AdamW state and its step in CPU memory"))
-    if cfg(f, "memory.optimizer_offload") and not cfg(f, "memory.offload_gradients"):
-        sug.append(switch("memory.offload_gradients", True, "the gradients too: each leaves the device "
-                          "inside backward, as soon as it is complete"))
-    if cfg(f, "parallel.dp_shard") == 1 and not cfg(f, "parallel.zero1"):
-        if not model_parallel:
-            sug.append(switch("parallel.zero1", True, "with several GPUs: shard the optimizer state over "
-                              "data-parallel ranks"))
-        # only one of dp_replicate and dp_shard may be -1 (the rest of the world size)
-        also = {"parallel.dp_replicate": 1} if cfg(f, "parallel.dp_replicate") == -1 else {}
-        sug.append(switch("parallel.dp_shard", -1, "with several GPUs: FSDP shards parameters, gradients and state",
-                          also=also))
-    if alternative and not fp16 and cfg(f, "train.grad_accum_steps") == 1:
-        # the step in backward cannot clip the global gradient norm
-        also = {"optim.grad_clip": 0} if cfg(f, "optim.grad_clip") > 0 else {}
-        sug.append(switch("memory.optimizer_in_backward", True, "step in backward: no full set of gradient buffers"
-                          + (" (no gradient clipping)" if also else ""), also=also))
-    if cfg(f, "optim.impl") != "for-loop":
-        sug.append(switch("optim.impl", "for-loop", "smaller optimizer temporaries (the state itself stays)"))
+    sug = _from_list(f, {"optimizer", "gradients", "weights"})
     return Finding(_clamp(0.4 * share * _memory_weight(f)), "optimizer-state-dominated memory", ev, sug, measure="memory")
 
 

@@ -10,6 +10,7 @@ from tokenmill.profiling.findings import (
     _clamp,
     _idle_not_data,
     cfg,
+    config_value,
     pct,
     switch,
 )
@@ -19,20 +20,50 @@ LAYER_FORMS = {  # config field -> (slow value, fast value, what the slow form i
     "model.gelu": ("manual", "native", "hand-written tanh-GELU (the formula as separate element-wise ops)"),
     "model.fused_qkv": (False, True, "separate q, k and v projections (three matrix products instead of one)"),
 }
+RMSNORM_FORM = "hand-written RMSNorm (square, mean, rsqrt and scale as separate ops)"
+
+
+def slow_forms(config: dict) -> list[str]:
+    """The fields of :data:`LAYER_FORMS` a run's config has in their slow form and could switch: the
+    GELU only where the MLP has one (SwiGLU's SiLU is always the native function), separate q/k/v only
+    without tensor parallelism (which splits the three projections by heads)."""
+    slow = [k for k, (bad, _fast, _what) in LAYER_FORMS.items() if config_value(config, k) == bad]
+    if config_value(config, "model.mlp") != "gelu" and "model.gelu" in slow:
+        slow.remove("model.gelu")
+    if config_value(config, "parallel.tp") > 1 and "model.fused_qkv" in slow:
+        slow.remove("model.fused_qkv")
+    return slow
+
+
+def form_what(config: dict, key: str) -> tuple[str, str]:
+    """(what the slow form of ``key`` is, what its fast form does) for this run's model family."""
+    if key == "model.norm":
+        if config_value(config, "model.norm_type") == "rmsnorm":  # no Triton RMSNorm: native is the fast form
+            return RMSNORM_FORM, "nn.RMSNorm: torch's fused rms_norm kernels on CUDA"
+        return LAYER_FORMS[key][2], "the fused native kernel"
+    if key == "model.gelu":
+        return LAYER_FORMS[key][2], "the fused native kernel"
+    heads = config_value(config, "model.n_head")
+    kv = config_value(config, "model.n_kv_head") or heads
+    what = LAYER_FORMS[key][2]
+    if kv < heads:  # grouped-query attention: k and v are narrower than q
+        what += f"; {heads} query and {kv} key/value heads"
+    return what, f"one [q; k; v] matrix product ({heads} + {kv} + {kv} heads)"
 
 
 def layer_forms(f: dict) -> Optional[Finding]:
-    """Hand-written LayerNorm / GELU and separate q/k/v: many small operators where one would do.
+    """Hand-written norms / GELU and separate q/k/v: many small operators where one would do.
     Their cost: the extra operators' fraction of the model's operators other than matrix products
-    (counted on the model's own layers), times the time forward + backward spend outside matrix
-    products (the matmul share measured by the profile: kernels on CUDA, host operators on CPU)."""
-    slow = [k for k, (bad, _good, _what) in LAYER_FORMS.items() if cfg(f, k) == bad]
-    if "model.fused_qkv" in slow and cfg(f, "parallel.tp") > 1:
-        slow.remove("model.fused_qkv")  # tensor parallelism needs the separate projections
+    (counted on the model's own layers, as the run's device runs them), times the time forward +
+    backward spend outside matrix products (the matmul share measured by the profile: kernels on CUDA,
+    host operators on CPU). A form that adds no operator on this device (a hand-written RMSNorm on a
+    CPU, where nn.RMSNorm runs the same operators) is not named."""
+    counts = f.get("layer_forms") or {}
+    slow = [k for k in slow_forms(f["config"]) if (counts.get(k) or {}).get("extra", 1) > 0]
     if not slow:
         return None
-    counts = f.get("layer_forms") or {}
-    ev = [f"{k} = {str(cfg(f, k)).lower()}: {LAYER_FORMS[k][2]}" for k in slow]
+    forms = {k: form_what(f["config"], k) for k in slow}
+    ev = [f"{k} = {str(cfg(f, k)).lower()}: {forms[k][0]}" for k in slow]
     fb = (f.get("forward_share") or 0.0) + (f.get("backward_share") or 0.0)
     mm = f.get("gemm_share") if f.get("device") == "cuda" else f.get("host_matmul_share")
     share = None
@@ -49,8 +80,7 @@ def layer_forms(f: dict) -> Optional[Finding]:
     else:
         ev.append("their share of the step is unknown (no forward/backward split, or the model could not be "
                   "built here to count its operators)")
-    sug = [switch(k, LAYER_FORMS[k][1], "the fused native kernel" if k != "model.fused_qkv" else
-                  "one [q; k; v] matrix product") for k in slow]
+    sug = [switch(k, LAYER_FORMS[k][1], forms[k][1]) for k in slow]
     score = 0.9 * share if share is not None else 0.05
     return Finding(_clamp(score), "hand-written layers: " + ", ".join(k.split(".")[1] for k in slow)
                    + " as many small operators", ev, sug)
@@ -116,7 +146,13 @@ def attention(f: dict) -> Optional[Finding]:
     elif f.get("attention_flop_share"):
         ev.append(f"attention is {pct(f['attention_flop_share'])} of the model FLOPs at block_size "
                   f"{cfg(f, 'model.block_size')}")
-    sug = [switch("model.attention", "sdpa", "scaled_dot_product_attention: flash / memory-efficient kernels")
+    heads = cfg(f, "model.n_head")
+    kv = cfg(f, "model.n_kv_head") or heads
+    if kind == "manual" and kv < heads:
+        ev.append(f"grouped-query attention: the {kv} key/value heads are copied to all {heads} query heads in "
+                  "every block's forward (repeat_interleave), which SDPA's enable_gqa does not do")
+    sug = [switch("model.attention", "sdpa", "scaled_dot_product_attention: flash / memory-efficient kernels"
+                  + (", grouped heads without copies" if kv < heads else ""))
            if kind == "manual" else switch("model.sdpa_backend", "auto", "let PyTorch pick a fused kernel")]
     if kind == "manual" and cfg(f, "model.causal_mask") == "on_the_fly":
         n_layer = cfg(f, "model.n_layer")

@@ -41,18 +41,28 @@ from tokenmill.profiling.findings import (
     share_lo,
     switch,
 )
+from tokenmill.profiling.fp8_rules import fp8_cannot_pay
 from tokenmill.profiling.memory_rules import (
     activation_memory,
     allocator_thrash,
     logits_peak,
     optimizer_state_memory,
 )
-from tokenmill.profiling.model_rules import LAYER_FORMS, attention, compile_off, fp32_math, layer_forms
+from tokenmill.profiling.model_rules import (
+    LAYER_FORMS,
+    attention,
+    compile_off,
+    form_what,
+    fp32_math,
+    layer_forms,
+    slow_forms,
+)
+from tokenmill.profiling.technique_rules import lora_finetune, selective_recompute
 
 # the doctor and the tests reach every rule and helper through this module
 __all__ = [
     "CPU_OVERHEAD_FLOPS_PER_OP", "LAYER_FORMS", "MIN_SCORE", "RULES", "Finding", "attention_flop_share", "cfg",
-    "config_value", "doc", "env_setting", "optimizer_impl", "switch", "workers_needed",
+    "config_value", "doc", "env_setting", "form_what", "optimizer_impl", "slow_forms", "switch", "workers_needed",
 ]
 
 # ----------------------------------------------------------------------------------------------
@@ -439,13 +449,15 @@ RULES: list[Callable[[dict], Optional[Finding]]] = [
     data_bound, copy_bound, host_sync, launch_overhead, compile_off, micro_batch, optimizer_impl,
     activation_recompute, layer_forms, thread_oversubscription, outside_steady_state, fp32_math, attention,
     logits_peak, activation_memory, optimizer_state_memory, allocator_thrash, memory_savers_with_room,
+    selective_recompute, lora_finetune, fp8_cannot_pay,
 ]
 
 
-def attention_flop_share(n_layer: int, n_embd: int, block_size: int, params: Optional[int]) -> Optional[float]:
-    """Share of ``12*L*H*Q*T`` in the per-token FLOPs ``6*N + 12*L*H*Q*T`` (H*Q = n_embd)."""
-    if not params:
-        return None
-    att = 12.0 * n_layer * n_embd * block_size
-    total = 6.0 * params + att
-    return att / total if total > 0 and math.isfinite(total) else None
+def attention_flop_share(n_layer: int, n_head: int, head_width: int, block_size: int,
+                         flops_per_token: Optional[float] = None, params: Optional[int] = None) -> Optional[float]:
+    """Share of the attention term ``12*L*H*Q*T`` (H query heads of width Q: ``model.head_dim`` where a
+    model declares it, as Qwen3 does, else n_embd / n_head) in the per-token FLOPs: the run's own
+    ``flops_per_token`` (summary.json), else ``6 * params + 12*L*H*Q*T`` (a run of an older version)."""
+    att = 12.0 * n_layer * n_head * head_width * block_size
+    total = flops_per_token or (6.0 * params + att if params else None)
+    return att / total if total and total > 0 and math.isfinite(total) else None

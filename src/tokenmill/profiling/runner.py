@@ -152,8 +152,9 @@ def analyse(
     vocab = getattr(model, "vocab_size", None) or m.vocab_size or 0
     padded = getattr(model, "padded_vocab", vocab)
     bt = t.batch_size * m.block_size
-    # logits-sized blocks are only recognisable when the vocabulary is wider than the MLP (4 x n_embd)
-    numels = (bt * vocab, bt * padded) if vocab > 4 * m.n_embd else ()
+    # logits-sized blocks are only recognisable when the vocabulary is wider than every other activation:
+    # the MLP's hidden units and the query heads (wider than n_embd where a model declares its head_dim)
+    numels = (bt * vocab, bt * padded) if vocab > max(m.mlp_width, m.n_head * m.head_width, m.n_embd) else ()
     out: dict[str, Any] = {
         "version": 1,
         "device": "cuda" if cuda else "cpu",

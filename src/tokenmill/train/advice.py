@@ -20,20 +20,9 @@ def oom_message(cfg: C.Config, device: torch.device, err: BaseException) -> str:
     peak = memory_stats(device).get("peak_alloc_mb")
     peak_s = f"{peak:,.0f} MB" if peak is not None else "unknown"
     t, m = cfg.train, cfg.model
-    tips = [
-        f"--train.batch_size {max(1, t.batch_size // 2)} --train.grad_accum_steps {t.grad_accum_steps * 2} "
-        "(same global batch, half the activations)",
-    ]
-    if cfg.memory.activation_checkpointing != 1:
-        tips.append("--memory.activation_checkpointing 1 (recompute activations in backward)")
-    if t.precision == "fp32":
-        tips.append("--train.precision bf16-autocast (half-size activations)")
-    if m.attention == "manual":
-        tips.append("--model.attention sdpa (no T x T attention matrix)")
-    if m.loss_impl == "full":
-        tips.append("--model.loss_impl chunked (no full vocabulary logits)")
-    if cfg.optim.impl != "for-loop":
-        tips.append("--optim.impl for-loop (smaller optimizer temporaries)")
+    from tokenmill.config.memory_switches import flags, getter, memory_switches
+
+    tips = [f"{flags(sw)} ({sw.why})" for sw in memory_switches(getter(cfg)) if not sw.several_gpus]
     lines = "\n".join(f"  {x}" for x in tips)
     estimate = ""
     if device.type == "cuda":  # the estimator's figure for this config and GPU, and the switch that fits
@@ -46,6 +35,10 @@ def oom_message(cfg: C.Config, device: torch.device, err: BaseException) -> str:
         f"(peak allocated {peak_s}).\nSwitches that reduce memory:\n{lines}\n{estimate}"
         f"Find the largest batch that fits with `tokenmill bench max-batch`. ({str(err).splitlines()[0]})"
     )
+
+
+LORA_TIP = ("--lora.rank 16 (fine-tune LoRA adapters only: no gradients or AdamW state for the base weights; "
+            "`tokenmill estimate --finetune` compares)")
 
 
 def nan_stop(cfg: C.Config, run_dir, rank0: bool, value: float, step: int) -> str:
@@ -77,16 +70,18 @@ def nan_message(cfg: C.Config, value: float, step: int, last_good: str | None, a
 # Before anything is allocated: can the training state fit at all?
 
 
-def state_bytes(cfg: C.Config, n_params: int, world: World) -> tuple[int, int]:
+def state_bytes(cfg: C.Config, n_params: int, world: World, n_trainable: Optional[int] = None) -> tuple[int, int]:
     """A lower bound of this rank's training state (weights, gradients, AdamW moments; activations and
     temporaries not counted): ``(device bytes, host bytes)``. Sharding (FSDP, TP, PP, ZeRO-1) divides it;
-    offloading moves parts to the host; on a CPU run everything is host memory."""
+    offloading moves parts to the host; on a CPU run everything is host memory. ``n_trainable``: the
+    parameters that get gradients and moments (LoRA's adapters; default all)."""
     mem, par = cfg.memory, cfg.parallel
     per = 2 if cfg.train.precision == "bf16" else 4  # bytes per weight (and per gradient)
     shard = max(1, world.dp_shard) * max(1, world.tp) * max(1, world.pp)
     n = n_params / shard
-    weights = grads = n * per
-    moments = n * (2 if mem.optimizer_8bit else 2 * per)
+    t = (n_params if n_trainable is None else n_trainable) / shard
+    weights, grads = n * per, t * per
+    moments = t * (2 if mem.optimizer_8bit else 2 * per)
     if par.zero1:
         moments /= max(1, world.dp_size)
     if world.device.type != "cuda":
@@ -94,7 +89,7 @@ def state_bytes(cfg: C.Config, n_params: int, world: World) -> tuple[int, int]:
     if par.fsdp_cpu_offload:
         return 0, int(weights + grads + moments)
     if mem.optimizer_offload:  # fp32 master weights and moments on the host; gradients too with offload_gradients
-        host = n * 4 + n * 8 + (grads if mem.offload_gradients else 0)
+        host = t * 4 + t * 8 + (grads if mem.offload_gradients else 0)
         return int(weights + (0 if mem.offload_gradients else grads)), int(host)
     return int(weights + grads + moments), 0
 
@@ -122,10 +117,12 @@ def check_fits(cfg: C.Config, vocab_size: int, world: World, n_params: Optional[
     optimizer state alone cannot fit (e.g. ``--model.vocab_size 1000000000000``), instead of an
     allocator traceback or a machine swapping for minutes. ``n_params``: the model's parameters (counted
     on the ``meta`` device when not given)."""
+    from tokenmill.model.build import trainable_params
     from tokenmill.train.parallelize import count_params
 
     n = n_params if n_params is not None else count_params(cfg.model, vocab_size)
-    need_dev, need_host = state_bytes(cfg, n, world)
+    trainable = trainable_params(cfg.model, vocab_size, cfg.lora) if cfg.lora.rank else None
+    need_dev, need_host = state_bytes(cfg, n, world, trainable)
     free_dev, free_host = available_memory(world.device)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if world.size > 1 else 1  # ranks sharing this host
     where = None
@@ -161,6 +158,8 @@ def too_big_message(cfg: C.Config, vocab_size: int, n: int, need: int, free: int
             f"(the {biggest} alone holds {parts[biggest]:,} parameters)"]
     if cfg.train.precision != "bf16":
         tips.append("--train.precision bf16 (half-size weights, gradients and optimizer state)")
+    if cfg.train.init_from and not cfg.lora.rank:
+        tips.append(LORA_TIP)
     if world.device.type == "cuda":
         if not mem.optimizer_8bit and not mem.optimizer_offload:
             tips.append("--memory.optimizer_8bit true (8-bit AdamW state) or --memory.optimizer_offload true "

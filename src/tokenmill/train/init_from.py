@@ -237,12 +237,16 @@ def prepare_init_from(cfg: C.Config, has_checkpoints: bool, quiet: bool = False
         return cfg, None
     src = find_source(cfg.train.init_from)
     cfg = adopt_shape(cfg, src)
+    C.check_lora_targets(cfg)  # lora.targets against the source's MLP
     if cfg.data.source == "tokens" and cfg.data.path:
         from tokenmill.data.meta import read_meta
 
         src.check_data(int(read_meta(cfg.data.path)["vocab_size"]), Path(cfg.data.path))
     if not quiet:
-        print(f"tokenmill: fine-tuning from {src.describe()}: its weights, a fresh optimizer and schedule from step 0")
+        lora = cfg.lora
+        how = (f"LoRA adapters of rank {lora.rank} on {','.join(C.lora_roles(lora.targets, cfg.model.mlp))}, its "
+               "weights frozen" if lora.rank else "its weights")
+        print(f"tokenmill: fine-tuning from {src.describe()}: {how}, a fresh optimizer and schedule from step 0")
     return cfg, src
 
 

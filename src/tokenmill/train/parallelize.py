@@ -1,20 +1,30 @@
 """From a config to a ready model: :func:`build_model` builds the GPT and :func:`parallelize` applies every
 model-level switch, in one fixed order:
 
+0. ``apply_lora`` (``lora.rank``): adapters on the chosen projections, every other weight frozen. First, on
+   the whole model as built (and loaded from ``train.init_from``): every rank draws the same adapters; the
+   precision cast then casts them with the base; the checkpoint wrappers and compiled graphs see the
+   adapted modules; DDP and FSDP see which parameters are frozen (no gradient reduction for them). Not with
+   tensor or pipeline parallelism (refused by the config).
 1. ``apply_pipeline_split`` (``parallel.pp``): each rank keeps its own stage's blocks first, so every
    later step touches only the modules this rank holds.
 2. ``apply_precision`` (``train.precision='bf16'``): cast before any sharding, so TP and FSDP shard the
    bf16 parameters (casting DTensors or FSDP's sharded parameters afterwards would break their views).
+2a. ``apply_fp8`` (``train.fp8``, :mod:`tokenmill.model.fp8`): the block linears become torchao's
+   ``Float8Linear`` after the cast (their weights keep their final dtype) and before anything wraps or
+   shards them (torchtitan converts first too): the checkpoint wrappers and compiled graphs trace the FP8
+   forward (compile fuses its casts), and FSDP2's float8 all-gather needs the converted weights.
 3. ``apply_tensor_parallel`` (``parallel.tp``): split the blocks' matrices into DTensors before anything
    wraps the blocks, so the checkpoint wrappers and compiled graphs see the parallel modules.
-4. ``apply_activation_checkpointing`` (``memory.activation_checkpointing``): wrap blocks before compiling,
-   so the recomputation is traced into the compiled graph.
+4. ``apply_activation_checkpointing`` (``memory.activation_checkpointing``, with
+   ``memory.activation_checkpointing_policy``): wrap blocks before compiling, so the recomputation (and a
+   selective policy's choice of what to keep) is traced into the compiled graph.
 5. ``apply_compile`` (``compile.*``): compile the blocks (or the model) before data parallelism, so FSDP's
    per-block communication hooks stay outside the compiled graphs (torchtitan's order).
 6. ``apply_data_parallel`` (``parallel.dp_replicate``/``dp_shard``): DDP or FSDP2 last, over the final
    modules (FSDP composes with TP's DTensors into 2-D sharding).
 
-Building, the precision cast, activation checkpointing, compile and the parameter count live in
+Building, LoRA, the precision cast, activation checkpointing, compile and the parameter count live in
 :mod:`tokenmill.model.build`, below the estimator, which applies the same functions to the model it
 traces. The pipeline schedule (:class:`~tokenmill.parallel.pipeline.Pipeline`) runs the split model;
 the trainer builds it.
@@ -32,10 +42,12 @@ from tokenmill import config as C
 from tokenmill.model.build import (
     apply_activation_checkpointing,
     apply_compile,
+    apply_lora,
     apply_precision,
     build_gpt,
     count_params,
 )
+from tokenmill.model.fp8 import apply_fp8
 from tokenmill.parallel import World, apply_data_parallel
 from tokenmill.parallel.pipeline import apply_pipeline_split
 from tokenmill.parallel.tensor_parallel import apply_tensor_parallel
@@ -77,9 +89,12 @@ def seed_dropout(seed: int, dp_rank: int, start_step: int = 0) -> None:
 
 def parallelize(model: nn.Module, cfg: C.Config, world: World) -> nn.Module:
     """Apply the switches in the order of the module docstring; returns the model to train."""
+    apply_lora(model, cfg.lora)
     apply_pipeline_split(model, world)
     apply_precision(model, cfg.train)
+    apply_fp8(model, cfg.train, cfg.parallel, world.device)
     apply_tensor_parallel(model, world)
-    apply_activation_checkpointing(model, cfg.memory.activation_checkpointing)
+    apply_activation_checkpointing(model, cfg.memory.activation_checkpointing,
+                                   cfg.memory.activation_checkpointing_policy)
     apply_compile(model, cfg.compile)
     return apply_data_parallel(model, world, cfg.parallel)

@@ -116,6 +116,24 @@ def check_same_model(saved: dict[str, Any], cfg: C.Config) -> None:
             hint += (" Tensor parallelism needs --model.fused_qkv false and pipeline parallelism "
                      "--model.tie_embeddings false; to use them later, train from the start with those.")
         raise TrainingError(f"cannot resume: the model differs from the checkpoint's ({pairs}). {hint}")
+    check_same_adapters(saved.get("lora") or {}, cfg)
+
+
+def check_same_adapters(saved_lora: dict[str, Any], cfg: C.Config) -> None:
+    """LoRA's rank and targets fix which adapters a checkpoint holds (a checkpoint without a ``lora`` entry
+    has none): they cannot change on resume. lora.alpha and lora.dropout may."""
+    before = (int(saved_lora.get("rank", 0) or 0), C.lora_roles(str(saved_lora.get("targets", "all")), cfg.model.mlp))
+    now = (cfg.lora.rank, C.lora_roles(cfg.lora.targets, cfg.model.mlp))
+    if before[0] == now[0] == 0 or before == now:
+        return
+    keep = f"--lora.rank {before[0]}" + (f" --lora.targets {','.join(before[1])}" if before[0] else "")
+    raise TrainingError(f"cannot resume: the checkpoint has LoRA {_adapters(*before)}, this config "
+                        f"{_adapters(*now)}. Resume with {keep}, or start a new run (to fine-tune a LoRA run's "
+                        "merged weights further: --train.init_from RUN).")
+
+
+def _adapters(rank: int, roles: tuple[str, ...]) -> str:
+    return f"rank {rank} on {','.join(roles)}" if rank else "no adapters (rank 0)"
 
 
 def cli_value(v: Any) -> str:

@@ -153,7 +153,8 @@ class Trainer:
         self.tokens_per_step = self.global_batch * cfg.model.block_size
         # a fresh run, or a checkpoint without a reliable data position: every step at this global batch
         self.start_sample = self.start_step * self.global_batch if start_sample is None else start_sample
-        self.info = {**device_info(device), "world_size": world.size, "layout": world.layout()}
+        self.info = {**device_info(device), "world_size": world.size, "layout": world.layout(),
+                     "trainable_params": sum(p.numel() for p in self.params)}  # LoRA: the adapters (this rank's)
         peak = peak_flops(self.info.get("gpu_name", "cpu"), math_mode(t.precision, t.tf32))
         self.peak = peak * world.size if peak else peak  # MFU of the whole job
         self.loader = loader = build_train_loader(self.data.train, cfg.data, t.batch_size, t.grad_accum_steps, self.start_step,

@@ -1,0 +1,46 @@
+"""The ``[lora]`` section: LoRA fine-tuning's fields, and the projection roles ``lora.targets`` names (the
+model maps each role to its modules: :meth:`tokenmill.model.layers.Block.projections`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenmill.config.field import F
+
+__all__ = ["LORA_ROLES", "LoraConfig", "lora_roles"]
+
+LORA_ROLES = ("q", "k", "v", "o", "gate", "up", "down")  # the projections lora.targets may name
+
+
+def lora_roles(targets: str, mlp: str) -> tuple[str, ...]:
+    """The roles ``lora.targets`` names, in block order (``'all'``: every projection a block of this MLP
+    kind has). Unknown names, or ``gate`` without a SwiGLU MLP, are left to :func:`tokenmill.config.validate`."""
+    names = [t.strip() for t in targets.split(",") if t.strip()]
+    if "all" in names:
+        return tuple(r for r in LORA_ROLES if r != "gate" or mlp == "swiglu")
+    return tuple(r for r in LORA_ROLES if r in names)
+
+
+@dataclass
+class LoraConfig:
+    """LoRA fine-tuning: low-rank adapters on chosen projections, every other weight frozen."""
+
+    rank: int = F(
+        0,
+        "Rank r of the adapters (0 = off: every weight trains). On: each chosen projection W (out x in) gets "
+        "A (r x in, Kaiming-uniform) and B (out x r, zero), its output becomes W x + (alpha / r) B A dropout(x), "
+        "and every other weight (embeddings, norms, head, biases, W itself) is frozen: no gradients and no "
+        "optimizer state for them. Starts as the base model exactly (B = 0); use with train.init_from. "
+        "Checkpoints hold base and adapters; sample, eval and export merge them (W + alpha/r B A). Not with "
+        "parallel.tp or parallel.pp.",
+        ge=0,
+    )
+    alpha: float = F(16.0, "LoRA scale numerator: the adapters' output is multiplied by alpha / rank.", gt=0)
+    targets: str = F(
+        "all",
+        "The projections of every block that get adapters, comma-separated: q, k, v (query, key, value; parts "
+        "of the fused q/k/v matrix with model.fused_qkv, each with its own adapter), o (attention output), "
+        "gate, up, down (the MLP: gate only in a SwiGLU MLP; up/down are GPT-2's c_fc/c_proj), or 'all' "
+        "(every projection the block has).",
+    )
+    dropout: float = F(0.0, "Dropout on the adapters' input (the frozen path sees x unchanged).", ge=0, lt=1)

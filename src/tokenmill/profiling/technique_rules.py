@@ -1,0 +1,102 @@
+"""Doctor rules that ask the estimator about a technique the run does not use: selective activation
+checkpointing where whole blocks are recomputed, LoRA where a full fine-tune fills the GPU.
+
+Both apply only to a CUDA run whose GPU memory is known and tight (the peak at least
+:data:`~tokenmill.profiling.rules.TIGHT_MEMORY` of it: where memory is not tight, ``activation_recompute``
+and the memory rules speak), and each runs ``tokenmill estimate`` on the run's config with the switch, on
+the run's GPU with its measured memory: a finding only when the estimate says the switch fits."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+from tokenmill.profiling.findings import Finding, _clamp, cfg, pct, switch
+
+FITS = 0.9  # an estimate fits when its peak reserved memory is at most this share of the GPU
+LORA_RANK = 16
+
+
+def _tight(f: dict) -> Optional[float]:
+    """The peak's share of the GPU when memory is tight (at least rules.TIGHT_MEMORY of it), else None."""
+    from tokenmill.profiling.rules import TIGHT_MEMORY, memory_fill
+
+    fill = memory_fill(f)
+    return fill if fill is not None and fill >= TIGHT_MEMORY else None
+
+
+def _estimate(f: dict, overrides: dict[str, Any]):
+    """``tokenmill estimate`` of the run's config with ``overrides`` on the run's GPU (its measured memory),
+    or None when the config or the estimate does not work out here."""
+    from tokenmill import config as C
+    from tokenmill.errors import TokenmillError
+    from tokenmill.estimate import GPUS, estimate, gpu_spec
+
+    specs = C.field_specs()
+    try:
+        run = {k: v for k, v in f["config"].items() if k in specs and v is not None}
+        config = C.validate(C.apply_overrides(C.apply_overrides(C.Config(), run), overrides))
+        try:
+            g = gpu_spec(f.get("gpu_name") or "")
+        except TokenmillError:
+            g = GPUS["h100-sxm"]
+        gpu = dataclasses.replace(g, memory_mb=f["device_total_mb"])  # the run's GPU, all its specs
+        return estimate(config, gpu, int(f.get("world_size") or 1))
+    except (TokenmillError, ValueError, KeyError, TypeError, RuntimeError):
+        return None
+
+
+def selective_recompute(f: dict) -> Optional[Finding]:
+    """Whole blocks recomputed (``activation_checkpointing_policy = 'full'``) while memory is tight, where
+    the estimate says the selective policy, which keeps the matmul outputs and recomputes only the
+    element-wise ops, still fits: most of the recompute time back for a little memory."""
+    every, share, fill = cfg(f, "memory.activation_checkpointing"), f.get("recompute_share"), _tight(f)
+    if not every or cfg(f, "memory.activation_checkpointing_policy") != "full" or fill is None:
+        return None
+    if share is None or share < 0.05:
+        return None
+    sel = _estimate(f, {"memory.activation_checkpointing_policy": "save-matmuls"})
+    full = _estimate(f, {})
+    none = _estimate(f, {"memory.activation_checkpointing": 0})
+    cap = f["device_total_mb"]
+    if sel is None or full is None or sel.peak_reserved_mb > FITS * cap:
+        return None
+    recompute = (full.step_ms - none.step_ms) if none is not None else 0.0
+    saved = (full.step_ms - sel.step_ms) / recompute if recompute > 0 else 0.5
+    ev = [f"memory.activation_checkpointing = {every}, policy 'full': backward recomputes the whole forward of "
+          + ("every block" if every == 1 else f"every {every}th block")
+          + f"; recompute {f.get('recompute_ms', 0.0):.1f} ms of {f.get('step_ms', 0.0):.1f} ms per step ({pct(share)})",
+          f"memory is tight ({pct(fill)} of the GPU), so checkpointing is needed, but the estimate with the "
+          f"selective policy is {sel.peak_reserved_mb / 1024:.1f} GB peak reserved of {cap / 1024:.1f} GB "
+          f"(whole blocks: {full.peak_reserved_mb / 1024:.1f} GB), and it saves about {pct(max(0.0, saved))} of "
+          "the recompute time (estimated)"]
+    sug = [switch("memory.activation_checkpointing_policy", "save-matmuls",
+                  "selective checkpointing: keep the matmul and attention outputs, recompute only element-wise ops")]
+    return Finding(_clamp(0.9 * share * max(0.0, min(1.0, saved))),
+                   "whole-block recompute where selective checkpointing fits", ev, sug)
+
+
+def lora_finetune(f: dict) -> Optional[Finding]:
+    """A full fine-tune (``train.init_from``, no LoRA) that fills the GPU, where the estimate says LoRA
+    (frozen base: no gradients or AdamW state for it) fits with room."""
+    if not cfg(f, "train.init_from") or cfg(f, "lora.rank"):
+        return None
+    fill = _tight(f)
+    if fill is None:
+        return None
+    lora = _estimate(f, {"lora.rank": LORA_RANK})
+    full = _estimate(f, {})
+    cap = f["device_total_mb"]
+    if lora is None or lora.peak_reserved_mb > FITS * cap:
+        return None
+    state = (f.get("grad_mb") or 0.0) + (f.get("optimizer_state_mb") or 0.0)
+    ev = [f"a full fine-tune (train.init_from, every weight trains) fills {pct(fill)} of the GPU"
+          + (f"; gradients and AdamW state of every weight are about {state / 1024:.1f} GB of it" if state else ""),
+          f"with LoRA rank {LORA_RANK} (the base frozen: gradients and optimizer state for the adapters only) the "
+          f"estimate is {lora.peak_reserved_mb / 1024:.1f} GB peak reserved of {cap / 1024:.1f} GB"
+          + (f" (this config: {full.peak_reserved_mb / 1024:.1f} GB)" if full is not None else "")]
+    sug = [switch("lora.rank", LORA_RANK, "LoRA: low-rank adapters on every projection; the merged export loads "
+                  "in transformers as the base does (a different fine-tune: compare the validation loss)")]
+    gain = 1.0 - lora.peak_reserved_mb / full.peak_reserved_mb if full is not None else 0.5
+    return Finding(_clamp(0.4 * fill * max(0.0, gain)), "a full fine-tune fills the GPU where LoRA fits",
+                   ev, sug, measure="memory")
