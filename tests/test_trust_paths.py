@@ -76,3 +76,24 @@ def test_train_run_dir_never_overlaps_its_data_or_source(world, run_dir, flags, 
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     assert how in out.stderr, out.stderr
     assert tree(world) == before
+
+
+@pytest.mark.parametrize("inputs, out, how", [
+    (["text"], "text", "is the input"),
+    (["text"], "text/data", "lies inside the input"),
+    (["text/a.txt"], "text", "contains the input"),
+    (["text/*.txt"], "text/out", "lies inside the input"),  # a glob reads below its folder
+])
+def test_prepare_never_writes_over_its_inputs(world, tmp_path, inputs, out, how):
+    before = tree(world)
+    res = tokenmill("prepare", *inputs, "--out", out, "--tokenizer", "bytes", cwd=world)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    assert how in res.stderr and "nothing was written" in res.stderr, res.stderr
+    assert tree(world) == before
+
+
+def test_prepare_with_tokenizer_from_its_own_output_is_refused(world):
+    before = tree(world)
+    res = tokenmill("prepare", "text", "--out", "data", "--tokenizer-from", "data", cwd=world)
+    assert res.returncode == 1 and "the --tokenizer-from source" in res.stderr, res.stderr
+    assert tree(world) == before

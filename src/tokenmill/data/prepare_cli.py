@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from tokenmill.errors import DataError
+from tokenmill.paths import check_output
 
 from .meta import META_NAME
 from .prepare import DEFAULT_GLOB, ON_BAD, prepare
@@ -176,9 +177,20 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     return parser
 
 
+def _glob_root(pattern: str) -> str:
+    """The folder a glob pattern reads below (the path up to its first wildcard); the path itself else."""
+    parts = Path(pattern).parts
+    for i, part in enumerate(parts):
+        if any(c in part for c in "*?["):
+            return str(Path(*parts[:i])) if i else "."
+    return pattern
+
+
 def run_prepare(args: argparse.Namespace) -> int:
     """Run ``prepare`` from parsed arguments, print a summary; DataError propagates. Returns 0."""
     source = getattr(args, "tokenizer_from", None)
+    inputs = {f"the input {i}": _glob_root(i) for i in (args.input or [])}
+    check_output(args.out, {**inputs, "the --tokenizer-from source": source})  # before anything is written
     if source is not None:
         given = [f for f, v in (("--tokenizer", args.tokenizer), ("--vocab-size", args.vocab_size)) if v is not None]
         if given:
