@@ -35,3 +35,17 @@ def cpu_env() -> dict:
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
     return env
+
+
+def block_import(monkeypatch, prefix: str) -> None:
+    """Make ``import prefix...`` fail as if the package were not installed (for the install messages)."""
+    import builtins
+
+    real = builtins.__import__
+
+    def refuse(name, *a, **k):
+        if name.startswith(prefix):
+            raise ImportError(f"No module named '{name}'")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", refuse)

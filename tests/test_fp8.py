@@ -6,7 +6,6 @@ and a tiny model that trains as well as without FP8. The CUDA test is ``gpu``-ma
 
 from __future__ import annotations
 
-import builtins
 import copy
 import dataclasses
 import importlib.util
@@ -15,7 +14,7 @@ import math
 import pytest
 import torch
 
-from conftest import tiny_cfg
+from conftest import block_import, tiny_cfg
 from tokenmill import config as C
 from tokenmill.errors import ConfigError
 from tokenmill.model import GPT
@@ -70,14 +69,7 @@ def test_unsupported_combinations_are_refused(train, parallel, match):
 
 
 def test_without_torchao_the_error_names_the_install(monkeypatch):
-    real = builtins.__import__
-
-    def no_torchao(name, *a, **k):
-        if name.startswith("torchao"):
-            raise ImportError("No module named 'torchao'")
-        return real(name, *a, **k)
-
-    monkeypatch.setattr(builtins, "__import__", no_torchao)
+    block_import(monkeypatch, "torchao")
     with pytest.raises(ConfigError, match=r"needs torchao's float8 training.*`pip install torchao`"):
         apply_fp8(GPT(model_cfg(), 64), fp8_train(), C.ParallelConfig(), CPU, emulate=True)
 

@@ -5,13 +5,12 @@ Tolerances: fp32, only the order of floating-point sums may differ -> rtol 1e-5,
 
 from __future__ import annotations
 
-import builtins
 import os
 
 import pytest
 import torch
 
-from conftest import tiny_cfg
+from conftest import block_import, tiny_cfg
 from tokenmill import checkpoint as ckpt
 from tokenmill.config import ConfigError
 from tokenmill.train.metrics import read_metrics
@@ -151,14 +150,7 @@ def test_optimizer_offload_keeps_state_off_gpu():
 
 
 def test_8bit_adamw_without_torchao_names_the_install(tmp_path, monkeypatch):
-    real_import = builtins.__import__
-
-    def no_torchao(name, *a, **k):
-        if name.startswith("torchao"):
-            raise ImportError("No module named 'torchao'")
-        return real_import(name, *a, **k)
-
-    monkeypatch.setattr(builtins, "__import__", no_torchao)
+    block_import(monkeypatch, "torchao")
     from tokenmill.optim.memory import MemoryOptionError
 
     with pytest.raises(MemoryOptionError, match="pip install torchao"):

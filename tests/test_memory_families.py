@@ -14,11 +14,10 @@ without the switch, as tests/test_memory.py and tests/test_switches.py check for
 
 from __future__ import annotations
 
-import builtins
-
 import pytest
 import torch
 
+from conftest import block_import
 from test_memory import _stop_at, assert_runs_match, losses
 from test_parallel import preset_cfg
 from tokenmill import checkpoint as ckpt
@@ -129,14 +128,7 @@ def test_memory_optimizers_resume_bit_exact(tmp_path, switch, extra):
 
 
 def test_8bit_adamw_without_torchao_names_the_install(tmp_path, monkeypatch):
-    real_import = builtins.__import__
-
-    def no_torchao(name, *a, **k):
-        if name.startswith("torchao"):
-            raise ImportError("No module named 'torchao'")
-        return real_import(name, *a, **k)
-
-    monkeypatch.setattr(builtins, "__import__", no_torchao)
+    block_import(monkeypatch, "torchao")
     from tokenmill.optim.memory import MemoryOptionError
 
     with pytest.raises(MemoryOptionError, match="pip install torchao"):

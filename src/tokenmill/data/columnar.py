@@ -12,8 +12,7 @@ from collections.abc import Iterator
 
 from tokenmill.errors import DataError
 
-from .readers import Piece, missing_input
-from .sources import InputFile
+from .sources import InputFile, Piece, missing_input
 
 
 def _pyarrow():

@@ -181,3 +181,33 @@ def _expand(item, glob: str | None, fmt: str, prefix: bool) -> tuple[list[InputF
         f"input '{path}' does not exist. Fix: pass a text, JSONL or Parquet file, a folder, a quoted glob pattern, "
         "or no INPUT for the embedded corpus."
     )
+
+
+@dataclass
+class Piece:
+    """A bounded part of input file ``file`` (its index). ``start``/``end``: positions ``[unit, record]``
+    before and after it (``end`` None: the file ends with it); ``span``: the units it covers (a byte
+    range, or row groups / record batches [a, b)); ``data``: its bytes when read from a stream;
+    ``disk``: the file bytes it accounts for (progress); ``error``: a problem found while cutting."""
+
+    file: int
+    start: list
+    end: list | None
+    span: tuple[int, int]
+    data: bytes | None = None
+    disk: int = 0
+    error: str | None = None
+
+    @property
+    def first(self) -> bool:
+        return self.start[0] == 0
+
+
+def missing_input(inp: InputFile) -> DataError:
+    e = DataError(
+        f"input file '{inp.path}' was listed when prepare started but is gone now (a shard that vanished "
+        "mid-run). Fix: restore it and run the same command again (prepare resumes where it stopped), or "
+        "leave it out of INPUT."
+    )
+    e.resumable = True
+    return e

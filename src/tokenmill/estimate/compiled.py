@@ -29,7 +29,6 @@ plus a one-time import of ``torch._functorch`` (about 1.5 s).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
@@ -39,27 +38,7 @@ from torch import nn
 
 from tokenmill.estimate.device import DeviceModel
 from tokenmill.estimate.inductor import GraphPlan, plan_graph
-from tokenmill.estimate.trace import PieceTrace, Round
-
-# Whether the compiled model returns its logits beside the loss. tokenmill's GPT does (``forward`` returns
-# ``(logits, loss)``); code that returns only the loss (``return_logits=False`` in nanoGPT-style models)
-# saves the zero gradient and lets backward overwrite the logits in place. The validation set estimates such
-# sources with ``returning_logits(False)``.
-_LOGITS_RETURNED: contextvars.ContextVar[bool] = contextvars.ContextVar("logits_returned", default=True)
-
-
-def logits_returned() -> bool:
-    return _LOGITS_RETURNED.get()
-
-
-@contextlib.contextmanager
-def returning_logits(flag: bool):
-    """Estimate a compiled head whose model does (True, tokenmill's) or does not return the logits."""
-    token = _LOGITS_RETURNED.set(flag)
-    try:
-        yield
-    finally:
-        _LOGITS_RETURNED.reset(token)
+from tokenmill.estimate.pieces import PieceTrace, Round, logits_returned, returning_logits  # noqa: F401
 
 
 class _Call(nn.Module):
@@ -130,7 +109,6 @@ def capture(module: nn.Module, fn: Callable, names: list[str], acts: list[tuple]
 
 
 def _null():
-    import contextlib
 
     return contextlib.nullcontext()
 

@@ -21,44 +21,8 @@ from torch import nn
 
 from tokenmill import config as C
 from tokenmill.estimate.device import DeviceModel
-from tokenmill.estimate.recorder import OpCost, Recorder
-
-
-@dataclass
-class Round:
-    """One forward and backward of a piece: events (``fwd`` then ``bwd``) and op costs."""
-
-    fwd: list[tuple]
-    bwd: list[tuple]
-    fwd_costs: list[OpCost]
-    bwd_costs: list[OpCost]
-    grads: dict[str, int]  # parameter name -> storage id of its gradient after this round
-    x: Optional[int] = None  # boundary storages (see PieceTrace)
-    y: Optional[int] = None
-    gy: Optional[int] = None
-    gx: Optional[int] = None
-    fwd_ops: int = 0  # ATen operations dispatched (views included): the host's work in eager mode
-    bwd_ops: int = 0
-    compiled: bool = False  # the costs are an Inductor graph's kernels (:mod:`.compiled`)
-
-
-@dataclass
-class PieceTrace:
-    """A traced piece (see the module doc). Each round's boundary storage ids: ``x`` (its input; None
-    for the embeddings), ``y`` (its output: hidden states, or the logits of the head), ``gy`` (the
-    gradient of its output, made by the harness), ``gx`` (the gradient of its input). ``rounds[0]``:
-    gradients created; ``rounds[1]``: gradients accumulated."""
-
-    name: str
-    rounds: list[Round]
-    sizes: dict[int, int]
-    param_bytes: dict[str, int] = field(default_factory=dict)
-    param_dtype: dict[str, torch.dtype] = field(default_factory=dict)
-    param_shape: dict[str, tuple] = field(default_factory=dict)
-    param_trainable: dict[str, bool] = field(default_factory=dict)  # False: frozen (LoRA's base)
-    harness: set[int] = field(default_factory=set)  # storages made by the harness, not the model
-    buffer_bytes: int = 0
-    host_bytes: int = 0  # saved tensors moved to the host by memory.offload_activations, per forward
+from tokenmill.estimate.pieces import PieceTrace, Round, logits_returned, returning_logits  # noqa: F401
+from tokenmill.estimate.recorder import Recorder
 
 
 class _Source(torch.autograd.Function):
@@ -317,7 +281,7 @@ def trace_pieces(cfg: C.Config, vocab_size: int, device: str, batch: Optional[in
            cfg.train.grad_accum_steps > 1, cfg.memory.activation_checkpointing,
            cfg.memory.activation_checkpointing_policy, tuple(sorted(cfg.lora.__dict__.items())),
            getattr(cfg.memory, "offload_activations", False), vocab_size, device, tp, pipelined,
-           tuple(sorted(compiled_pieces(cfg, pipelined))), _logits_returned(), pad_balance)
+           tuple(sorted(compiled_pieces(cfg, pipelined))), logits_returned(), pad_balance)
     hit = _CACHE.get(key)
     if hit is None:
         hit = _trace_pieces(cfg, vocab_size, device, batch, tp, pipelined, pad_balance)
@@ -330,10 +294,6 @@ def trace_pieces(cfg: C.Config, vocab_size: int, device: str, batch: Optional[in
 _CACHE: dict[tuple, Pieces] = {}
 
 
-def _logits_returned() -> bool:
-    from tokenmill.estimate.compiled import logits_returned
-
-    return logits_returned()
 
 
 def compiled_pieces(cfg: C.Config, pipelined: bool = False) -> set[str]:

@@ -106,3 +106,15 @@ def _idle_not_data(f: dict) -> float:
     if idle is None:
         idle = 1.0 - (f.get("device_busy_fraction") or 1.0)
     return max(0.0, idle - (f.get("data_share") or 0.0) - (f.get("h2d_share") or 0.0))
+
+
+TIGHT_MEMORY = 0.8  # peak / device memory above which memory-saving switches are worth their time
+
+
+def memory_fill(f: dict) -> Optional[float]:
+    """The peak's fraction of the GPU's memory (None on CPU or when either is unknown)."""
+    total = f.get("device_total_mb")
+    peak = f.get("peak_reserved_mb") or f.get("peak_mb")
+    if f.get("device") != "cuda" or not total or not peak:
+        return None
+    return peak / total

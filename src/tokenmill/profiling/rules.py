@@ -29,6 +29,7 @@ from typing import Any, Optional
 from tokenmill.profiling.findings import (
     CPU_OVERHEAD_FLOPS_PER_OP,
     MIN_SCORE,
+    TIGHT_MEMORY,
     Finding,
     _clamp,
     _idle_not_data,
@@ -37,6 +38,7 @@ from tokenmill.profiling.findings import (
     config_value,
     doc,
     env_setting,
+    memory_fill,
     pct,
     share_lo,
     switch,
@@ -276,7 +278,6 @@ def activation_recompute(f: dict) -> Optional[Finding]:
                    ev, sug)
 
 
-TIGHT_MEMORY = 0.8  # peak / device memory above which memory-saving switches are worth their time
 
 # memory-saving switches that cost time (field, its cheaper value, what the time goes to)
 TIME_FOR_MEMORY = {
@@ -305,15 +306,6 @@ def memory_savers_with_room(f: dict) -> Optional[Finding]:
     moved = sum(f.get(x) or 0.0 for x in ("h2d_share", "optimizer_share")) if f.get("device") == "cuda" else 0.0
     score = max(0.12 * len(on), 0.8 * moved)
     return Finding(_clamp(score), "memory-saving switches cost time while memory is not tight", ev, sug)
-
-
-def memory_fill(f: dict) -> Optional[float]:
-    """The peak's fraction of the GPU's memory (None on CPU or when either is unknown)."""
-    total = f.get("device_total_mb")
-    peak = f.get("peak_reserved_mb") or f.get("peak_mb")
-    if f.get("device") != "cuda" or not total or not peak:
-        return None
-    return peak / total
 
 
 def micro_batch(f: dict) -> Optional[Finding]:

@@ -2,7 +2,7 @@
 checkpointing where whole blocks are recomputed, LoRA where a full fine-tune fills the GPU.
 
 Both apply only to a CUDA run whose GPU memory is known and tight (the peak at least
-:data:`~tokenmill.profiling.rules.TIGHT_MEMORY` of it: where memory is not tight, ``activation_recompute``
+:data:`~tokenmill.profiling.findings.TIGHT_MEMORY` of it: where memory is not tight, ``activation_recompute``
 and the memory rules speak), and each runs ``tokenmill estimate`` on the run's config with the switch, on
 the run's GPU with its measured memory: a finding only when the estimate says the switch fits."""
 
@@ -19,7 +19,7 @@ LORA_RANK = 16
 
 def _tight(f: dict) -> Optional[float]:
     """The peak's share of the GPU when memory is tight (at least rules.TIGHT_MEMORY of it), else None."""
-    from tokenmill.profiling.rules import TIGHT_MEMORY, memory_fill
+    from tokenmill.profiling.findings import TIGHT_MEMORY, memory_fill
 
     fill = memory_fill(f)
     return fill if fill is not None and fill >= TIGHT_MEMORY else None

@@ -37,9 +37,6 @@ def oom_message(cfg: C.Config, device: torch.device, err: BaseException) -> str:
     )
 
 
-LORA_TIP = ("--lora.rank 16 (fine-tune LoRA adapters only: no gradients or AdamW state for the base weights; "
-            "`tokenmill estimate --finetune` compares)")
-
 
 def nan_stop(cfg: C.Config, run_dir, rank0: bool, value: float, step: int) -> str:
     """Stop a run whose loss at ``step`` is ``value`` (not finite): the checkpoint at ``step - 1`` (and any
@@ -158,8 +155,9 @@ def too_big_message(cfg: C.Config, vocab_size: int, n: int, need: int, free: int
             f"(the {biggest} alone holds {parts[biggest]:,} parameters)"]
     if cfg.train.precision != "bf16":
         tips.append("--train.precision bf16 (half-size weights, gradients and optimizer state)")
-    if cfg.train.init_from and not cfg.lora.rank:
-        tips.append(LORA_TIP)
+    from tokenmill.config.memory_switches import flags, getter, memory_switches
+
+    tips += [f"{flags(s)} ({s.why})" for s in memory_switches(getter(cfg)) if "lora.rank" in s.overrides]
     if world.device.type == "cuda":
         if not mem.optimizer_8bit and not mem.optimizer_offload:
             tips.append("--memory.optimizer_8bit true (8-bit AdamW state) or --memory.optimizer_offload true "

@@ -1,0 +1,73 @@
+"""What a traced piece is (:class:`Round`, :class:`PieceTrace`) and whether the compiled model returns its
+logits: shared by the eager trace (:mod:`.trace`) and the compiled one (:mod:`.compiled`), below both."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from tokenmill.estimate.recorder import OpCost
+
+__all__ = ["PieceTrace", "Round", "logits_returned", "returning_logits"]
+
+
+@dataclass
+class Round:
+    """One forward and backward of a piece: events (``fwd`` then ``bwd``) and op costs."""
+
+    fwd: list[tuple]
+    bwd: list[tuple]
+    fwd_costs: list[OpCost]
+    bwd_costs: list[OpCost]
+    grads: dict[str, int]  # parameter name -> storage id of its gradient after this round
+    x: Optional[int] = None  # boundary storages (see PieceTrace)
+    y: Optional[int] = None
+    gy: Optional[int] = None
+    gx: Optional[int] = None
+    fwd_ops: int = 0  # ATen operations dispatched (views included): the host's work in eager mode
+    bwd_ops: int = 0
+    compiled: bool = False  # the costs are an Inductor graph's kernels (:mod:`.compiled`)
+
+
+@dataclass
+class PieceTrace:
+    """A traced piece (see the module doc). Each round's boundary storage ids: ``x`` (its input; None
+    for the embeddings), ``y`` (its output: hidden states, or the logits of the head), ``gy`` (the
+    gradient of its output, made by the harness), ``gx`` (the gradient of its input). ``rounds[0]``:
+    gradients created; ``rounds[1]``: gradients accumulated."""
+
+    name: str
+    rounds: list[Round]
+    sizes: dict[int, int]
+    param_bytes: dict[str, int] = field(default_factory=dict)
+    param_dtype: dict[str, torch.dtype] = field(default_factory=dict)
+    param_shape: dict[str, tuple] = field(default_factory=dict)
+    param_trainable: dict[str, bool] = field(default_factory=dict)  # False: frozen (LoRA's base)
+    harness: set[int] = field(default_factory=set)  # storages made by the harness, not the model
+    buffer_bytes: int = 0
+    host_bytes: int = 0  # saved tensors moved to the host by memory.offload_activations, per forward
+
+
+# Whether the compiled model returns its logits beside the loss. tokenmill's GPT does (``forward`` returns
+# ``(logits, loss)``); code that returns only the loss (``return_logits=False`` in nanoGPT-style models)
+# saves the zero gradient and lets backward overwrite the logits in place. The validation set estimates such
+# sources with ``returning_logits(False)``.
+_LOGITS_RETURNED: contextvars.ContextVar[bool] = contextvars.ContextVar("logits_returned", default=True)
+
+
+def logits_returned() -> bool:
+    return _LOGITS_RETURNED.get()
+
+
+@contextlib.contextmanager
+def returning_logits(flag: bool):
+    """Estimate a compiled head whose model does (True, tokenmill's) or does not return the logits."""
+    token = _LOGITS_RETURNED.set(flag)
+    try:
+        yield
+    finally:
+        _LOGITS_RETURNED.reset(token)
