@@ -145,7 +145,9 @@ def test_emulated_fp8_against_bf16(recipe, family):
 @needs_torchao
 def test_emulated_fp8_training_converges_like_bf16():
     """60 steps on a Markov chain (entropy floor 1.61 nats), fp32 master weights under bf16 autocast: the
-    FP8 run's final loss is within 2% of the run without FP8, both far below the start (4.16)."""
+    FP8 run's final loss is at most 2% above the run without FP8, both far below the start (4.16). One-sided:
+    the two runs' rounding differs from one CPU to another (on this AMD host the FP8 run ends 2.2% *lower*),
+    and a lower loss is not a failure to converge."""
     from test_muon import markov_batches
 
     def run(fp8: str) -> float:
@@ -165,7 +167,7 @@ def test_emulated_fp8_training_converges_like_bf16():
         return sum(losses[-10:]) / 10
 
     base, fp8 = run("off"), run("tensorwise")
-    assert abs(fp8 - base) < 0.02 * base and base < 2.3 and math.isfinite(fp8), (base, fp8)
+    assert fp8 < 1.02 * base and base < 2.3 and math.isfinite(fp8) and fp8 > 1.61, (base, fp8)
 
 
 @pytest.mark.gpu

@@ -14,7 +14,7 @@ import torch
 from conftest import tiny_cfg
 from tokenmill import checkpoint as ckpt
 from tokenmill import config as C
-from tokenmill.errors import ConfigError
+from tokenmill.errors import ConfigError, TrainingError
 from tokenmill.model import GPT
 from tokenmill.optim import MuonWithAdamW, build_optimizer, build_scheduler
 from tokenmill.optim.muon import Muon
@@ -141,6 +141,12 @@ def test_fused_qkv_is_orthogonalised_as_three_matrices():
         opt.step()
     got, before = _split(fused.state_dict(), sep), _split(start, sep)
     for k, v in sep.state_dict().items():
+        if k.endswith("k_proj.bias"):
+            # a key bias has a zero gradient in exact arithmetic (softmax ignores a shift shared by every
+            # key), so its AdamW step is lr x the sign of rounding noise, which differs between the two
+            # forwards and from one CPU to another: equal within one step either way
+            assert torch.allclose(got[k], v, atol=2 * cfg.optim.lr + 1e-6), k
+            continue
         assert torch.allclose(got[k], v, atol=1e-6), k
     # the q/k/v rows moved by Muon steps of their own: lr x sqrt(max(1, rows/cols)) x orthogonal entries
     moved = (got["blocks.0.attn.k_proj.weight"] - before["blocks.0.attn.k_proj.weight"]).abs().max()
@@ -218,7 +224,7 @@ def test_resume_is_bit_exact_and_keeps_muon_lr(tmp_path):
 
 def test_switching_the_optimizer_on_resume_is_refused_naming_the_flag(tmp_path):
     train(tiny_cfg(**{"train.max_steps": 2, "optim.name": "muon"}), tmp_path / "run", quiet=True)
-    with pytest.raises(ConfigError, match="optim.name = 'muon'.*--optim.name muon"):
+    with pytest.raises(TrainingError, match="optim.name: checkpoint 'muon' vs now 'adamw'.*--optim.name muon"):
         train(tiny_cfg(**{"train.max_steps": 4}), tmp_path / "run", resume=True, quiet=True)
 
 
