@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .dataset import SyntheticDataset, WindowDataset, global_indices, id_dtype, open_token_data
+from .mixture import MixtureDataset, open_mixture
 
 
 class StreamBatchSampler(Sampler[list[int]]):
@@ -54,6 +55,10 @@ class StreamBatchSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         return max(0, self.max_steps - self.start_step) * self.grad_accum
+
+    def samples_after(self, step: int) -> int:
+        """Global samples of the stream consumed once step ``step`` is done (the stream's first ones)."""
+        return self.start_sample + (step - self.start_step) * self.global_batch
 
 
 def build_train_loader(
@@ -99,10 +104,13 @@ def val_batches(
     type with ``data.narrow_ids``), the same on every call.
 
     For a token dataset: ``batch_size * n_batches`` windows with starts spread evenly over the val file
-    (non-overlapping while the file is long enough). Otherwise (synthetic): samples ``0 .. N-1``.
+    (non-overlapping while the file is long enough); a mixture: each source's share of them, spread over
+    its val split (:meth:`MixtureDataset.spread`). Otherwise (synthetic): samples ``0 .. N-1``.
     """
     n = batch_size * n_batches
-    if isinstance(val_dataset, WindowDataset):
+    if isinstance(val_dataset, MixtureDataset):
+        samples = val_dataset.spread(n)
+    elif isinstance(val_dataset, WindowDataset):
         span = val_dataset.n_starts
         samples = [val_dataset.window(i * span // n) for i in range(n)]
     else:
@@ -213,9 +221,15 @@ def build_datasets(
     with_val: bool = True,
     progress: bool = True,
 ) -> DataSources:
-    """Train/val datasets for a DataConfig: synthetic ids, ``data_cfg.path``, or the embedded corpus
-    (prepared and cached on first use). Raises DataError for bad data (checked per data_cfg.validate).
-    ``with_val=False`` skips the val split (no evaluation), so a short val file is no error."""
+    """Train/val datasets for a DataConfig: synthetic ids, ``data_cfg.path``, a mixture of prepared folders
+    (``data_cfg.mixture``: see :mod:`tokenmill.data.mixture`; ``data_dir`` is its first folder, all share
+    one tokenizer), or the embedded corpus (prepared and cached on first use). Raises DataError for bad
+    data (checked per data_cfg.validate). ``with_val=False`` skips the val split (no evaluation), so a
+    short val file is no error."""
+    if getattr(data_cfg, "mixture", None):
+        train, val, vocab, first = open_mixture(data_cfg, block_size, seed, model_vocab_size, with_val,
+                                                lambda v: id_dtype(v, data_cfg.narrow_ids), progress)
+        return DataSources(train, val, vocab, first)
     if data_cfg.source == "synthetic":
         if model_vocab_size is None:
             raise ValueError("synthetic data needs model_vocab_size (model.vocab_size)")

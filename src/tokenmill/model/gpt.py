@@ -38,7 +38,17 @@ import torch.nn.functional as F
 
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ParallelError, SampleError
-from tokenmill.model.layers import NORMS, Block, KVCache, causal_mask, make_norm, rope_tables, upcast
+from tokenmill.model.layers import (
+    NORMS,
+    Block,
+    KVCache,
+    causal_mask,
+    document_mask,
+    document_positions,
+    make_norm,
+    rope_tables,
+    upcast,
+)
 
 __all__ = ["GPT", "Block", "KVCache", "adapt_state_dict", "sample_next_token"]
 
@@ -87,6 +97,20 @@ class GPT(nn.Module):
             self.to_empty(device=device)
         self.init_weights()
         self.hidden_output = False  # True on the last pipeline stage (see forward)
+        self.doc_eot_id: int | None = None  # data.document_mask: documents end with this id (keep_documents_apart)
+        self.doc_positions = False  # data.document_positions: positions restart in every document
+
+    def keep_documents_apart(self, eot_id: int, restart_positions: bool = False) -> None:
+        """``data.document_mask``: from now on a training forward (no KV cache) attends only within a
+        document, a document being the tokens up to and including an ``eot_id`` (derived from the input ids
+        themselves, so the data, the loader and data parallelism need no change); ``restart_positions``
+        (``data.document_positions``): each document's positions start at 0 (learned or rotary), so every
+        document is computed as if it were alone at the start of a window. The loss is unchanged: every
+        position counts, the end-of-text token predicting the next document's first token from its own
+        document only."""
+        if not 0 <= eot_id < self.vocab_size:
+            raise ValueError(f"end-of-text id {eot_id} is outside the vocabulary (0..{self.vocab_size - 1})")
+        self.doc_eot_id, self.doc_positions = int(eot_id), bool(restart_positions)
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -169,16 +193,25 @@ class GPT(nn.Module):
         T, P = idx.shape[1], (cache.pos if cache is not None else 0)
         if P + T > self.cfg.block_size:
             raise ValueError(f"sequence length {P + T} exceeds model.block_size {self.cfg.block_size}")
+        docs = cache is None and self.doc_eot_id is not None and self.wte is not None  # data.document_mask
+        pos = document_positions(idx, self.doc_eot_id) if docs else None
         if self.wte is not None:
             x = self.wte(idx)
             if self.wpe is not None:
-                x = x + self.wpe(torch.arange(P, P + T, device=idx.device))
+                at = pos if docs and self.doc_positions else torch.arange(P, P + T, device=idx.device)
+                x = x + self.wpe(at)
             x = self.drop(x)
         else:  # a later pipeline stage: idx holds the previous stage's hidden states
             x = idx
         rope = (self.rope_cos, self.rope_sin) if self.cfg.pos_emb == "rope" else None
+        if docs and self.doc_positions and rope is not None:  # each token's angles, (B, 1, T, head_width)
+            rope = (rope[0][pos].unsqueeze(1), rope[1][pos].unsqueeze(1))
+        mask = document_mask(pos, self.cfg.attention, _attention_dtype(x)) if docs else None
         for _, block in self.present_blocks():
-            x = block(x, rope, cache) if cache is not None else block(x, rope)
+            if cache is not None:
+                x = block(x, rope, cache)
+            else:
+                x = block(x, rope, None, mask) if docs else block(x, rope)
         if cache is not None:
             cache.pos += T
         return self.ln_f(x) if self.ln_f is not None else x
@@ -327,6 +360,12 @@ class GPT(nn.Module):
         if exclude_embeddings:
             n -= self.wte.weight.numel()
         return n
+
+
+def _attention_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype attention will run in: autocast's on ``x``'s device when autocast is on, else ``x``'s."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
 
 def _qkv_rows(cfg: ModelConfig) -> list[int]:

@@ -163,6 +163,33 @@ def causal_mask(T: int, device: torch.device | str | None = None) -> torch.Tenso
     return torch.ones(T, T, dtype=torch.bool, device=device).triu(diagonal=1)
 
 
+def document_positions(idx: torch.Tensor, eot_id: int) -> torch.Tensor:
+    """(B, T) long: each token's position inside its document (``data.document_mask``), documents ending
+    with ``eot_id`` (prepare writes it after every document, so an end-of-text token is the last token of
+    the document it ends, and the token after it is position 0). A window's first token is position 0
+    (a document cut by the window's start counts from there)."""
+    t = torch.arange(idx.size(1), device=idx.device)
+    first = torch.ones_like(idx, dtype=torch.bool)
+    first[:, 1:] = idx[:, :-1] == eot_id
+    return t - torch.where(first, t, 0).cummax(dim=1).values
+
+
+def document_mask(pos: torch.Tensor, attention: str, dtype: torch.dtype) -> torch.Tensor:
+    """The mask of ``data.document_mask`` from :func:`document_positions` ``pos`` (B, T): query i may look
+    at key j when j <= i and j is in i's document (j >= i - pos[i]), i.e. causal AND same document.
+    Built once per forward and shared by every layer, (B, 1, T, T): for manual attention a bool mask,
+    True where i may NOT look (as :func:`causal_mask`); for SDPA an additive mask of ``dtype`` (the
+    attention's dtype), 0 where i may look and -inf elsewhere, which SDPA keeps for backward as it is
+    (a bool mask would be converted to a new float copy in every layer, each kept for backward)."""
+    T = pos.size(1)
+    t = torch.arange(T, device=pos.device)
+    blocked = (t[None, None, :] > t[None, :, None]) | (t[None, None, :] < (t - pos)[:, :, None])
+    blocked = blocked.unsqueeze(1)
+    if attention == "manual":
+        return blocked
+    return torch.zeros(blocked.shape, dtype=dtype, device=pos.device).masked_fill_(blocked, float("-inf"))
+
+
 def _sdpa_backends() -> dict[str, object]:
     """``model.sdpa_backend`` name -> ``SDPBackend`` member (those this torch build has)."""
     from torch.nn.attention import SDPBackend
@@ -208,9 +235,11 @@ class CausalSelfAttention(nn.Module):
     ``model.attention='sdpa'``: ``F.scaled_dot_product_attention`` (``enable_gqa`` for grouped heads);
     ``sdpa_backend`` other than 'auto' forces one kernel and fails with a clear message where it cannot.
 
-    ``forward(x, rope, cache)``: ``rope`` = the model's (cos, sin) tables (None: learned positions);
+    ``forward(x, rope, cache, doc_mask)``: ``rope`` = the model's (cos, sin) tables (None: learned
+    positions), or with ``data.document_positions`` the angles of each token (B, 1, T, head_width);
     ``cache`` (:class:`KVCache`, generation) = keys and values of earlier positions: ``x`` then holds the
-    new positions ``cache.pos ...`` only.
+    new positions ``cache.pos ...`` only; ``doc_mask`` (``data.document_mask``, :func:`document_mask`)
+    replaces the causal mask: causal AND within one document (SDPA then cannot use the flash kernel).
     """
 
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
@@ -254,7 +283,7 @@ class CausalSelfAttention(nn.Module):
         return [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim]
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                cache: KVCache | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, doc_mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         if self.fused_qkv:
             q, k, v = self.c_attn(x).split(self.split_sizes(), dim=2)
@@ -267,8 +296,8 @@ class CausalSelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         P = cache.pos if cache is not None else 0
-        if rope is not None:
-            cos, sin = rope[0][P : P + T], rope[1][P : P + T]
+        if rope is not None:  # the tables of every position, or each token's angles (B, 1, T, hd)
+            cos, sin = rope if rope[0].dim() == 4 else (rope[0][P : P + T], rope[1][P : P + T])
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         mask = None  # None: causal from position 0; else True where a new query may not look
         if cache is not None:
@@ -276,6 +305,8 @@ class CausalSelfAttention(nn.Module):
             if P > 0:
                 mask = causal_mask(P + T, q.device)[P:] if T > 1 else torch.zeros(1, P + 1, dtype=torch.bool,
                                                                                    device=q.device)
+        if doc_mask is not None:  # data.document_mask (training forwards, no cache): causal and same document
+            mask = doc_mask
         y = self._manual(q, k, v, mask) if self.attention == "manual" else self._sdpa(q, k, v, mask)
         y = y.transpose(1, 2).contiguous().view(B, T, -1)
         return self.resid_dropout(self.c_proj(y))
@@ -294,8 +325,20 @@ class CausalSelfAttention(nn.Module):
         return att @ v
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """``mask``: None (causal), a bool mask True where a query may not look, or an additive float
+        mask (:func:`document_mask`), passed as it is. With an additive mask and grouped key/value heads
+        on CUDA, the keys and values are repeated per query head here: the memory-efficient kernel, the
+        one that takes a mask, has no grouped form, and ``enable_gqa`` would send PyTorch to the math path
+        (the whole (B, heads, T, T) attention matrix kept for backward)."""
         p = self.dropout if self.training else 0.0
-        kw = {"dropout_p": p, "is_causal": mask is None, "attn_mask": None if mask is None else ~mask}
+        if mask is not None and mask.dtype != torch.bool:
+            attn_mask = mask if mask.dtype == q.dtype else mask.to(q.dtype)
+            if q.is_cuda and q.size(1) != k.size(1):
+                groups = q.size(1) // k.size(1)
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        else:
+            attn_mask = None if mask is None else ~mask
+        kw = {"dropout_p": p, "is_causal": mask is None, "attn_mask": attn_mask}
         if q.size(1) != k.size(1):
             kw["enable_gqa"] = True
         if self.sdpa_backend == "auto":
@@ -348,8 +391,8 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """One pre-norm transformer block, self-contained: ``forward(x, rope=None, cache=None) -> x`` of the
-    same shape, so it can be wrapped for activation checkpointing, compiled or sharded on its own."""
+    """One pre-norm transformer block, self-contained: ``forward(x, rope=None, cache=None, doc_mask=None) ->
+    x`` of the same shape, so it can be wrapped for activation checkpointing, compiled or sharded on its own."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
         super().__init__()
@@ -359,8 +402,8 @@ class Block(nn.Module):
         self.mlp = SwiGLU(cfg) if cfg.mlp == "swiglu" else MLP(cfg)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                cache: KVCache | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), rope, cache)
+                cache: KVCache | None = None, doc_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), rope, cache, doc_mask)
         x = x + self.mlp(self.ln_2(x))
         return x
 

@@ -47,6 +47,8 @@ from tokenmill.data.tokenizers import (
 )
 from tokenmill.errors import DataError
 from tokenmill.model import GPT
+from tokenmill.model.build import apply_document_mask
+from tokenmill.train.parallelize import document_eot_id
 
 __all__ = ["EVAL_FILE", "evaluate_model", "evaluate_run", "token_byte_lengths", "whole_split_batches"]
 
@@ -139,6 +141,9 @@ def _data_folder(cfg: C.Config, data_path: Optional[str | Path], run_dir: Path) 
     if cfg.data.source == "synthetic":
         raise DataError(f"{run_dir} was trained on synthetic tokens: there is no text to evaluate on. Pass a "
                         "prepared folder with the run's vocabulary: --data.path DATA.")
+    if cfg.data.mixture:  # one folder's val split at a time: the user says which
+        raise DataError(f"{run_dir} was trained on a data mixture ({cfg.data.mixture}); evaluate one of its folders "
+                        "at a time: --data.path DATA.")
     if cfg.data.path:
         return Path(cfg.data.path)
     from tokenmill.data import ensure_embedded_corpus
@@ -172,6 +177,7 @@ def evaluate_run(run_dir: str | Path, data_path: Optional[str | Path] = None, ba
     run_dir = Path(run_dir)
     model, cfg, path = checkpoint.load_model(run_dir, checkpoint_path)
     folder = _data_folder(cfg, data_path, run_dir)
+    apply_document_mask(model, cfg.data, document_eot_id(cfg, folder))  # data.document_mask: as it trained
     run_tok = None if cfg.data.source == "synthetic" else tokenizer_dir(run_dir, cfg)
     _check_same_tokenizer(folder, run_tok, model.vocab_size)
     vf = open_token_data(folder, "val", model.vocab_size, "quick")

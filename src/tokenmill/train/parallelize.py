@@ -33,15 +33,19 @@ the trainer builds it.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Optional
 
 import torch
 from torch import nn
 
 from tokenmill import config as C
+from tokenmill.data.meta import read_meta
+from tokenmill.errors import ConfigError, DataError
 from tokenmill.model.build import (
     apply_activation_checkpointing,
     apply_compile,
+    apply_document_mask,
     apply_lora,
     apply_precision,
     build_gpt,
@@ -52,23 +56,59 @@ from tokenmill.parallel import World, apply_data_parallel
 from tokenmill.parallel.pipeline import apply_pipeline_split
 from tokenmill.parallel.tensor_parallel import apply_tensor_parallel
 
-__all__ = ["build_model", "count_params", "parallelize", "seed_dropout"]
+__all__ = ["build_model", "count_params", "document_eot_id", "parallelize", "seed_dropout"]
 
 
 def build_model(cfg: C.Config, vocab_size: int, device: torch.device, world: Optional[World] = None,
-                weights: Optional[Mapping[str, torch.Tensor]] = None) -> nn.Module:
+                weights: Optional[Mapping[str, torch.Tensor]] = None,
+                data_dir: Optional[Path] = None) -> nn.Module:
     """The GPT with every model-level switch applied, on ``device`` (this rank's pipeline stage and
     shards under ``world``); initialised from ``train.seed``, identically on every rank.
 
     ``weights`` (``train.init_from``, see :mod:`tokenmill.train.init_from`): a state dict of the whole
     plain GPT, loaded before any switch, so the pipeline split, tensor parallelism and FSDP split the
-    loaded values."""
+    loaded values. ``data_dir``: the prepared folder the run reads (None: synthetic data), whose
+    end-of-text id ``data.document_mask`` separates documents by (:func:`document_eot_id`)."""
+    eot = document_eot_id(cfg, data_dir)  # checked before anything is built
     torch.manual_seed(cfg.train.seed)
     dtype = torch.bfloat16 if cfg.train.precision == "bf16" else None
     model = build_gpt(cfg.model, vocab_size, device, dtype)
     if weights is not None:
         model.load_state_dict(weights)  # strict: the source matches this GPT's names and shapes
+    apply_document_mask(model, cfg.data, eot)  # read by the trunk: before anything wraps or compiles it
     return parallelize(model, cfg, world or World(device=device))
+
+
+def document_eot_id(cfg: C.Config, data_dir: Optional[Path]) -> Optional[int]:
+    """``data.document_mask``: the end-of-text id that ends each document of the data in ``data_dir``
+    (its meta.json's ``tokenizer.eot_id``; a folder whose meta.json predates that key: its tokenizer's);
+    None when the switch is off. Refuses, with one line, what cannot work."""
+    d, m = cfg.data, cfg.model
+    if d.document_positions and not d.document_mask:
+        raise ConfigError("data.document_positions restarts positions per document: it needs data.document_mask true.")
+    if not d.document_mask:
+        return None
+    if cfg.parallel.pp > 1:
+        raise ConfigError("data.document_mask derives documents from the token ids, which only the first pipeline "
+                          "stage sees: it does not work with parallel.pp > 1.")
+    if m.attention == "sdpa" and m.sdpa_backend == "flash":
+        raise ConfigError("data.document_mask passes SDPA an explicit mask, which the flash kernel does not take: "
+                          "use --model.sdpa_backend auto (or efficient / cudnn / math).")
+    if d.source == "synthetic" or data_dir is None:
+        raise ConfigError("data.document_mask needs prepared token data whose documents end with an end-of-text "
+                          "token; synthetic data has no documents.")
+    info = read_meta(data_dir)["tokenizer"]
+    eot = info.get("eot_id") if isinstance(info, dict) else None
+    if isinstance(info, dict) and "eot_id" not in info:  # an early folder: ask its tokenizer
+        from tokenmill.data.tokenizers import load_tokenizer_for_data
+
+        eot = load_tokenizer_for_data(data_dir).eot_id
+    if not isinstance(eot, int) or isinstance(eot, bool):
+        name = info.get("name") if isinstance(info, dict) else None
+        raise DataError(f"data.document_mask needs an end-of-text token between documents, but the data in "
+                        f"'{data_dir}' (tokenizer {name!r}) has none (documents end with a newline); prepare it "
+                        "with --tokenizer bpe or gpt2, or turn data.document_mask off.")
+    return eot
 
 
 _RESUME_SEED_STRIDE = 1_000_003  # > any data-parallel degree: (rank, step) pairs get distinct seeds

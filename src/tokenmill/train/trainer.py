@@ -29,7 +29,7 @@ from torch.profiler import record_function
 
 from tokenmill import checkpoint
 from tokenmill import config as C
-from tokenmill.data import build_datasets, build_train_loader, to_device, val_batches
+from tokenmill.data import build_datasets, build_train_loader, mixture, to_device, val_batches
 from tokenmill.data.loader import DevicePrefetcher
 from tokenmill.data.meta import write_text_atomic
 from tokenmill.errors import AlreadyTrained, TrainingError
@@ -127,8 +127,8 @@ class Trainer:
         vocab_size = cfg.model.vocab_size or self.data.vocab_size
         self.n_params = count_params(cfg.model, vocab_size)  # on meta: nothing allocated
         check_fits(cfg, vocab_size, world, self.n_params)  # an absurd size: the OOM message, not a traceback
-        self.model = build_model(cfg, vocab_size, device, world,  # train.init_from: weights before the switches
-                                 self.init and self.init.load(cfg.model, vocab_size, self.data))
+        self.model = build_model(cfg, vocab_size, device, world,  # init_from's weights; the data's eot id (document_mask)
+                                 self.init and self.init.load(cfg.model, vocab_size, self.data), self.data.data_dir)
         if self.cb.on_model_built:
             self.cb.on_model_built(self.model)
         self.fpt = flops_per_token(cfg.model, flop_params(cfg.model, vocab_size), cfg.model.block_size)
@@ -255,7 +255,7 @@ class Trainer:
                     with m.outside("log"):
                         sync(device)
                         losses = self._check_losses(done)
-                        rec = m.record(done, losses[-1], lr, grad_norm, memory_stats(device))
+                        rec = m.record(done, losses[-1], lr, grad_norm, memory_stats(device)) | mixture.realised_shares(self.loader, done)
                         self.writer.write(rec)
                         self.last["loss"] = losses[-1]
                         self.progress.log(format_record(rec) + self.progress.status())
@@ -330,7 +330,7 @@ class Trainer:
             **self.info,
             "peak_flops": self.peak,
             "threads": thread_settings(),
-        }
+        } | mixture.mixture_summary(self.loader, t.max_steps)  # a data mixture: each source's target and realised share
         if rank0:
             write_text_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2))
         if t.sample_at_end and self.data.data_dir is not None and not self.quiet and rank0 and not self.world.sharded:
