@@ -418,8 +418,8 @@ PARTS = [
                 "one rung per memory switch", "memory", 90, before("optimizer-in-backward")),
     ladder_part("memory-ladder-2", "memory ladder: the optimizer switches (on top of memory-ladder)",
                 "one rung per memory switch", "memory", 110, span("optimizer-in-backward", "lora")),
-    ladder_part("memory-ladder-3", "memory ladder: LoRA, then LoRA on Llama 3.1 8B, and every later rung (on top "
-                "of memory-ladder-2)", "the largest preset a 24 GB GPU fine-tunes", "memory", 200, from_("lora")),
+    ladder_part("memory-ladder-3", "memory ladder: LoRA, then LoRA and QLoRA on Llama 3.1 8B, and every later rung "
+                "(on top of memory-ladder-2)", "the largest preset a 24 GB GPU fine-tunes", "memory", 200, from_("lora")),
     ladder_part("book-memory", "book-memory ladder (the FSDP rung needs 2 GPUs)", "the book's direction per rung",
                 "book-memory", 100),
     Part("book-perf", "book-perf ladder, after preparing the byte-level corpus (the DDP rung needs 2 GPUs)",

@@ -359,6 +359,19 @@ FAMILIES = {
 }
 
 
+def source_and_data(tmp_path: Path, name: str = "llama"):
+    """A random ``name`` folder in ``tmp_path/src`` and NEW prepared with its tokenizer in ``tmp_path/data``
+    through the CLI (the start of every fine-tuning walk); returns (source, its tokenizer)."""
+    from tokenmill.cli import main
+
+    src = tmp_path / "src"
+    tok = hf_folder(src, name)
+    (tmp_path / "new.txt").write_text(NEW)
+    assert main(["prepare", str(tmp_path / "new.txt"), "--out", str(tmp_path / "data"), "--tokenizer-from", str(src),
+                 "--no-progress", "--workers", "1"]) == 0
+    return src, tok
+
+
 def hf_folder(folder: Path, name: str, seed: int = 0):
     """A random ``name`` model of a tiny BPE's vocabulary (plus extra embedding rows, as Qwen pads its
     own), saved in shards with the tokenizer files; returns the ``tokenizers.Tokenizer``."""

@@ -24,13 +24,9 @@ def test_lora_finetune_of_a_llama_folder_through_the_cli(tmp_path, capsys):
     """prepare with the folder's tokenizer -> train 4 steps with --lora.rank 4 (base frozen: the checkpoint's
     base weights are the folder's, bit for bit) -> sample -> eval -> export (merged) -> transformers loads it
     and gives the adapter model's logits within 1e-5."""
-    from test_hf_families import NEW, TRAIN, hf_folder, ids, logits
+    from test_hf_families import TRAIN, ids, logits, source_and_data
 
-    src = tmp_path / "src"
-    tok = hf_folder(src, "llama")
-    (tmp_path / "new.txt").write_text(NEW)
-    assert main(["prepare", str(tmp_path / "new.txt"), "--out", str(tmp_path / "data"), "--tokenizer-from", str(src),
-                 "--no-progress", "--workers", "1"]) == 0
+    src, tok = source_and_data(tmp_path)
     run = tmp_path / "run"
     assert main(["train", "--train.init_from", str(src), "--data.path", str(tmp_path / "data"), "--run-dir", str(run),
                  "--train.max_steps", "4", "--log.every_steps", "1", "--optim.lr", "5e-2", "--lora.rank", "4",

@@ -54,6 +54,10 @@ def _activation_switches(get: Get) -> list[MemorySwitch]:
         out.append(MemorySwitch({"memory.activation_checkpointing": 1},
                                 "recompute activations in backward (about a third more compute)",
                                 frozenset({ACTIVATIONS})))
+    elif get("memory.activation_checkpointing_policy") != "full":  # every block checkpointed, selectively
+        out.append(MemorySwitch({"memory.activation_checkpointing_policy": "full"},
+                                "recompute the matmuls too: keep only each block's input",
+                                frozenset({ACTIVATIONS})))
     b, a = get("train.batch_size"), get("train.grad_accum_steps")
     pp = get("parallel.pp")
     pp_micro = (get("parallel.pp_microbatches") or pp) if pp > 1 else 1
@@ -103,6 +107,10 @@ def _optimizer_alternatives(get: Get) -> list[MemorySwitch]:
     if free and not model_parallel:
         out.append(MemorySwitch({"memory.optimizer_8bit": True}, "8-bit AdamW state, about a quarter of fp32 state "
                                 "(needs torchao)", frozenset({OPTIMIZER})))
+    if get("lora.rank") and get("lora.quantize_base") == "none" and get("parallel.dp_shard") == 1:
+        out.append(MemorySwitch({"lora.quantize_base": "nf4"}, "QLoRA: the frozen base's adapted weights as NF4, "
+                                "about a quarter of bf16 (needs torchao; the base is rounded to 4 bits)",
+                                frozenset({WEIGHTS})))
     if free and not fp16 and get("train.grad_accum_steps") == 1:
         also = {"optim.grad_clip": 0} if get("optim.grad_clip") > 0 else {}
         out.append(MemorySwitch({"memory.optimizer_in_backward": True, **also}, "step in backward: no full set "

@@ -13,9 +13,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from tokenmill import config as C
+from tokenmill.config.size import check_size
 from tokenmill.errors import ConfigError, ParallelError
 from tokenmill.estimate.gpus import GPU, gpu_spec
 from tokenmill.estimate.step import PipelineStep, Plan, Step, rank_params
+from tokenmill.estimate.techniques import nf4_base_bytes
 from tokenmill.estimate.timeline import CATEGORIES, Layout, Memory
 from tokenmill.estimate.trace import Pieces, trace_pieces
 
@@ -66,11 +68,18 @@ def vocab_size_of(cfg: C.Config) -> int:
     if cfg.model.vocab_size:
         return cfg.model.vocab_size
     d = cfg.data
-    if d.path:
-        meta = Path(d.path) / "meta.json"
+    path, key = d.path, "data.path"
+    if d.mixture:  # its folders share one tokenizer: the first one's vocabulary
+        from tokenmill.data.mixture import parse_mixture
+
+        path, key = parse_mixture(d.mixture)[0].path, "data.mixture's first folder"
+    if path:
+        meta = Path(path) / "meta.json"
         if meta.is_file():
-            return int(json.loads(meta.read_text())["vocab_size"])
-        raise ConfigError(f"data.path '{d.path}' has no meta.json; prepare it first or set model.vocab_size.")
+            vocab = int(json.loads(meta.read_text())["vocab_size"])
+            check_size(cfg.model, cfg.train.batch_size, vocab, where=str(meta))  # the data's vocabulary too
+            return vocab
+        raise ConfigError(f"{key} '{path}' has no meta.json; prepare it first or set model.vocab_size.")
     return {"bytes": 256, "gpt2": 50257}.get(d.tokenizer, d.bpe_vocab_size)
 
 
@@ -137,9 +146,25 @@ def estimate(cfg: C.Config, gpu: str | GPU = "h100-sxm", nproc: int = 1) -> Esti
         at_peak=mem.at_peak, notes=notes,
         precision=cfg.train.precision + (" + tf32" if cfg.train.tf32 else ""),
     )
+    _nf4_base(est, cfg, vocab)
     if cuda:
         _ranges(est, cfg, nproc)
     return est
+
+
+def _nf4_base(est: Estimate, cfg: C.Config, vocab: int) -> None:
+    """QLoRA (``lora.quantize_base = 'nf4'``): the trace holds the adapted weights at their width; they are
+    stored as NF4 (half a byte a weight and its scales), dequantised one at a time in the forward."""
+    if not (cfg.lora.rank and cfg.lora.quantize_base == "nf4"):
+        return
+    full, nf4, transient = nf4_base_bytes(cfg, vocab, cfg.lora.rank)
+    saved = (full - nf4 - transient) / MB
+    est.peak_alloc_mb -= saved
+    est.peak_reserved_mb -= saved
+    est.breakdown_mb["parameters"] = est.breakdown_mb.get("parameters", 0.0) - (full - nf4) / MB
+    est.breakdown_mb["temporaries"] = est.breakdown_mb.get("temporaries", 0.0) + transient / MB
+    if est.capacity_mb:
+        est.fits = est.peak_reserved_mb <= est.capacity_mb
 
 
 def _ranges(est: Estimate, cfg: C.Config, nproc: int) -> None:
@@ -220,6 +245,9 @@ def _notes(cfg: C.Config, lay: Layout, spec: GPU) -> list[str]:
         n = trainable_params(cfg.model, vocab_size_of(cfg), cfg.lora)
         notes.append(f"LoRA rank {cfg.lora.rank}: {n:,} trainable parameters (the adapters); the base is frozen: no "
                      "gradients, optimizer state or weight-gradient matmuls for it")
+    if cfg.lora.rank and cfg.lora.quantize_base == "nf4":
+        notes.append("QLoRA (lora.quantize_base nf4): the adapted weights are counted as NF4 (half a byte a weight "
+                     "and its scales) plus one dequantised copy at a time; `--finetune` compares with LoRA and a full fine-tune")
     if spec.key == "cpu":
         notes.append("cpu: no caching allocator (reserved = allocated); no CPU throughput figures, the time is a rough guide")
     return notes

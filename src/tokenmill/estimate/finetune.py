@@ -3,7 +3,15 @@
 One estimate per GPU of the table (:data:`~tokenmill.estimate.gpus.GPUS`) for the config as a full
 fine-tune (``lora.rank = 0``: every weight trains, with its gradient and AdamW state) and as a LoRA
 fine-tune (the config's ``lora.*``, or rank 16 on every projection when it has none: the base frozen,
-gradients and optimizer state for the adapters only), on ``nproc`` processes of that GPU.
+gradients and optimizer state for the adapters only), on ``nproc`` processes of that GPU, and as a QLoRA
+fine-tune (the same adapters over an NF4 base, ``lora.quantize_base = 'nf4'``).
+
+QLoRA's term (:func:`qlora_mb`): the LoRA estimate less what the NF4 base saves. Every adapted projection's
+weight takes :func:`~tokenmill.model.lora.nf4_bytes` (half a byte per weight, an int8 scale per 64 and an
+fp32 factor per group of up to 256 scales: 4.13 bits per weight) instead of its dtype's width, plus one
+transient: the largest adapted weight dequantised in its dtype and cast for the matmul (torchao's NF4
+linear dequantises one projection at a time, in the forward and again in the backward). Embeddings, norms
+and the head keep their width; activations, gradients and optimizer state are LoRA's.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from dataclasses import dataclass
 from tokenmill import config as C
 from tokenmill.estimate.core import MB, estimate, vocab_size_of
 from tokenmill.estimate.gpus import GPUS
+from tokenmill.estimate.techniques import nf4_base_bytes
 
 GB = 1024 * MB
 DEFAULT_RANK = 16
@@ -26,6 +35,11 @@ class FinetuneRow:
     memory_mb: float
     full_mb: float
     lora_mb: float
+    qlora_mb: float = 0.0
+
+    @property
+    def qlora_fits(self) -> bool:
+        return self.qlora_mb <= self.memory_mb
 
     @property
     def full_fits(self) -> bool:
@@ -37,10 +51,17 @@ class FinetuneRow:
 
 
 def with_lora(cfg: C.Config, rank: int) -> C.Config:
-    """``cfg`` with ``lora.rank = rank`` (0: a full fine-tune), validated."""
+    """``cfg`` with ``lora.rank = rank`` (0: a full fine-tune) over an unquantised base, validated."""
     out = C.from_dict(cfg.to_dict())
-    out.lora.rank = rank
+    out.lora.rank, out.lora.quantize_base = rank, "none"
     return C.validate(out)
+
+
+def qlora_mb(cfg: C.Config, lora_peak_mb: float) -> float:
+    """A QLoRA fine-tune's peak reserved memory (MiB), from the LoRA estimate of the same config: the
+    adapted weights as NF4 (module doc)."""
+    full, nf4, transient = nf4_base_bytes(cfg, vocab_size_of(cfg), cfg.lora.rank or DEFAULT_RANK)
+    return lora_peak_mb - (full - nf4 - transient) / MB
 
 
 def finetune_rows(cfg: C.Config, nproc: int = 1) -> tuple[list[FinetuneRow], C.Config]:
@@ -50,7 +71,8 @@ def finetune_rows(cfg: C.Config, nproc: int = 1) -> tuple[list[FinetuneRow], C.C
     rows = []
     for gpu in sorted((g for g in GPUS.values() if g.key != "cpu"), key=lambda g: g.memory_mb):
         a, b = estimate(full, gpu, nproc), estimate(lora, gpu, nproc)
-        rows.append(FinetuneRow(gpu.key, gpu.memory_mb, a.peak_reserved_mb, b.peak_reserved_mb))
+        rows.append(FinetuneRow(gpu.key, gpu.memory_mb, a.peak_reserved_mb, b.peak_reserved_mb,
+                                qlora_mb(lora, b.peak_reserved_mb)))
     return rows, lora
 
 
@@ -69,13 +91,18 @@ def format_finetune(cfg: C.Config, nproc: int = 1) -> str:
         f"LoRA: rank {lo.rank}, alpha {lo.alpha:g} on {roles}: {trained / 1e6:,.2f}M trainable parameters "
         f"({100 * trained / total:.2f}%), the base frozen (no gradients, no optimizer state)",
         "",
-        f"  {'GPU':<12}{'memory':>10}   {'full fine-tune':<22}{'LoRA':<22}",
+        "QLoRA: the same adapters over the base's adapted weights stored as NF4 (lora.quantize_base nf4, "
+        "about 4.1 bits per weight)",
+        "",
+        f"  {'GPU':<12}{'memory':>10}   {'full fine-tune':<22}{'LoRA':<22}{'QLoRA':<22}",
     ]
     for r in rows:
         lines.append(f"  {r.gpu:<12}{r.memory_mb / 1024:>7.1f} GB   "
-                     f"{_cell(r.full_mb, r.full_fits):<22}{_cell(r.lora_mb, r.lora_fits):<22}")
+                     f"{_cell(r.full_mb, r.full_fits):<22}{_cell(r.lora_mb, r.lora_fits):<22}"
+                     f"{_cell(r.qlora_mb, r.qlora_fits):<22}")
     lines.append("")
-    for what, ok in (("a full fine-tune", lambda r: r.full_fits), ("LoRA", lambda r: r.lora_fits)):
+    for what, ok in (("a full fine-tune", lambda r: r.full_fits), ("LoRA", lambda r: r.lora_fits),
+                     ("QLoRA", lambda r: r.qlora_fits)):
         fit = next((r for r in rows if ok(r)), None)
         lines.append(f"{what}: " + (f"the smallest GPU that fits is {fit.gpu} ({fit.memory_mb / 1024:.0f} GB)" if fit
                                     else "no GPU of the table fits; shard with --nproc N --parallel.dp_shard -1, "

@@ -16,12 +16,24 @@ the bf16 rate on a GPU with FP8 tensor cores, plus the casts' memory traffic
 (:func:`~tokenmill.model.fp8.fp8_matmul_seconds`); on a GPU without FP8 nothing changes (the trainer refuses
 it there). Memory: saved activations do not change (torchao keeps the high-precision input and weight and
 casts again in backward); the float8 copies are transient, one linear at a time.
+
+**Document masking** (``data.document_mask``, :func:`tokenmill.model.layers.document_mask`): one (B, 1, T, T)
+mask per micro-batch, built before the first block and kept until the last block's backward (every layer
+shares it, and SDPA keeps it for backward as it is): additive in the attention's dtype for SDPA, bool for
+manual attention; with ``data.document_positions`` and RoPE, each token's (cos, sin) angles (B, T, head
+width) in fp32. Time, SDPA only (manual attention computes the whole T x T anyway): an explicit mask rules out
+the flash kernel, and the kernel that takes one (memory-efficient on CUDA, the CPU's flash kernel with a mask)
+computes every tile of the T x T scores, not the causal half: twice the fused attention's FLOPs; and it reads
+the mask, once in the forward and once in the backward (heads share it through the cache). On CUDA with
+grouped-query attention the keys and values are repeated per query head for that kernel, and kept for backward
+(:func:`docmask_bytes`).
 """
 
 from __future__ import annotations
 
 from tokenmill import config as C
 from tokenmill.estimate.timeline import Param
+from tokenmill.model.build import checkpointed_blocks
 from tokenmill.model.fp8 import fp8_matmul_seconds, has_fp8
 
 NS_STEPS = 5
@@ -90,3 +102,52 @@ def fp8_op_seconds(bf16_seconds: float, op, cfg: C.Config, hbm_bytes_s: float, k
     t = max(fp8_matmul_seconds(bf16_seconds, op.flops, op.min_dim, hbm_bytes_s, cfg.compile.enabled), kernel_min_s)
     extra = 0 if cfg.compile.enabled else FP8_CAST_KERNELS
     return t + extra * kernel_min_s, 1 + extra
+
+
+def docmask_bytes(cfg: C.Config, batch: int, seq: int, cuda: bool = False) -> int:
+    """Device bytes ``data.document_mask`` holds from a micro-batch's first block to its last block's backward
+    (module doc); 0 when off. On CUDA with grouped key/value heads and SDPA, the keys and values repeated per
+    query head (the kernel that takes a mask has no grouped form) are kept for backward by every block that is
+    not recomputed: counted here for the whole span, which leaves the peak at the forward's end unchanged."""
+    if not cfg.data.document_mask:
+        return 0
+    m = cfg.model
+    size = 2 if cfg.train.precision in ("bf16", "bf16-autocast", "fp16-autocast") else 4
+    mask = batch * seq * seq * (1 if m.attention == "manual" else size)
+    angles = 2 * batch * seq * m.head_width * 4 if cfg.data.document_positions and m.pos_emb == "rope" else 0
+    repeated = 0
+    if cuda and m.attention == "sdpa" and m.kv_heads < m.n_head:
+        kept = cfg.model.n_layer - sum(checkpointed_blocks(m.n_layer, cfg.memory.activation_checkpointing))
+        tp = max(1, cfg.parallel.tp)
+        repeated = kept * 2 * batch * seq * (m.n_head - m.kv_heads) // tp * m.head_width * size
+    return mask + angles + repeated
+
+
+def docmask_attention_seconds(seconds: float, cfg: C.Config, batch: int, seq: int, hbm_bytes_s: float) -> float:
+    """A fused attention kernel's seconds (forward or backward, causal: the half of T x T the flash kernel
+    computes) with ``data.document_mask``: the whole T x T computed (twice the time) plus one read of the
+    additive mask (module doc)."""
+    if not cfg.data.document_mask or cfg.model.attention != "sdpa":
+        return seconds
+    low = cfg.train.precision in ("bf16", "bf16-autocast", "fp16-autocast")
+    return 2.0 * seconds + batch * seq * seq * (2 if low else 4) / hbm_bytes_s
+
+
+def nf4_base_bytes(cfg: C.Config, vocab: int, rank: int) -> tuple[int, int, int]:
+    """(bytes of the adapted projections' weights at the weights' width, their bytes as NF4, the largest
+    one's transient bytes: its dequantised copy in the forward) for ``cfg``'s ``lora.targets`` at ``rank`` on
+    every block (QLoRA, ``lora.quantize_base = 'nf4'``)."""
+    import torch
+
+    from tokenmill.model import GPT
+    from tokenmill.model.lora import LoRALinear, apply_lora, nf4_bytes
+
+    m = cfg.model
+    one = C.ModelConfig(**{**m.__dict__, "n_layer": 1, "norm": "native" if m.norm == "triton" else m.norm})
+    lo = C.LoraConfig(**{**cfg.lora.__dict__, "rank": rank, "quantize_base": "none"})
+    with torch.device("meta"):
+        sizes = [mod.weight.numel() for mod in apply_lora(GPT(one, vocab), lo, init=False).modules()
+                 if isinstance(mod, LoRALinear)]
+    width = 2 if C.concrete(cfg, "cuda").train.precision == "bf16" else 4
+    return (m.n_layer * width * sum(sizes), m.n_layer * sum(nf4_bytes(n) for n in sizes),
+            max(sizes) * (width + 2))

@@ -22,9 +22,9 @@ from tokenmill import config as C
 from tokenmill.model import lora
 from tokenmill.model.gpt import GPT
 
-__all__ = ["ParamCounts", "apply_activation_checkpointing", "apply_compile", "apply_lora", "apply_precision",
-           "build_gpt", "checkpointed_blocks", "count_params", "param_counts", "save_matmuls_policy",
-           "trainable_params"]
+__all__ = ["ParamCounts", "apply_activation_checkpointing", "apply_compile", "apply_document_mask", "apply_lora",
+           "apply_precision", "build_gpt", "checkpointed_blocks", "count_params", "param_counts",
+           "save_matmuls_policy", "trainable_params"]
 
 
 def build_gpt(cfg: C.ModelConfig, vocab_size: int, device: torch.device | str, dtype: torch.dtype | None = None) -> GPT:
@@ -124,6 +124,15 @@ def save_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
         if p:
             return CheckpointPolicy.PREFER_RECOMPUTE
     return CheckpointPolicy.MUST_SAVE
+
+
+def apply_document_mask(model: GPT, cfg: C.DataConfig, eot_id: int | None) -> GPT:
+    """``data.document_mask``: attention within each document only, documents ending with ``eot_id``
+    (:meth:`GPT.keep_documents_apart`; ``data.document_positions``: positions restart per document).
+    Call it on the whole model before any wrapper or compile (it sets what the trunk reads)."""
+    if cfg.document_mask:
+        model.keep_documents_apart(eot_id, cfg.document_positions)
+    return model
 
 
 def apply_lora(model: nn.Module, cfg: C.LoraConfig, init: bool = True) -> nn.Module:

@@ -14,6 +14,16 @@ q/k/v. The adapted module keeps the base's parameter names (``weight``, ``bias``
 
 :func:`merge_lora` folds the adapters into the base weights (``W + (alpha / r) B A``, computed in fp32),
 giving a plain model: what ``sample``, ``eval`` and ``export`` load.
+
+QLoRA (``lora.quantize_base = 'nf4'``): the frozen ``W`` of every adapted projection is stored as torchao's
+NF4 tensor (4-bit NormalFloat codes, one absmax scale per block of :data:`NF4_BLOCK` weights, the scales
+themselves quantised to int8 in groups of up to :data:`NF4_SCALE_GROUP`), and torchao's NF4 linear
+dequantises it to the input's dtype in the forward and again in the backward (only the 4-bit form is kept
+between them). It keeps its dtype through the precision cast (the cast would dequantise it). A state dict
+holds it exactly, in plain tensors that need no torchao to read: ``weight`` (the codes, one uint8 per weight,
+so the weight keeps its shape) and ``weight_nf4_scales``, ``weight_nf4_factors``, ``weight_nf4_mean``; a
+resumed run gets the very same NF4 base. A floating-point ``weight`` loaded into it is quantised. Merging
+adds the adapters to the dequantised base.
 """
 
 from __future__ import annotations
@@ -27,7 +37,61 @@ from torch import nn
 from tokenmill.config import LoraConfig, lora_roles
 from tokenmill.errors import ConfigError
 
-__all__ = ["LoRALinear", "apply_lora", "merge_lora"]
+__all__ = ["NF4_BLOCK", "NF4_SCALE_GROUP", "LoRALinear", "apply_lora", "merge_lora", "nf4_bytes", "to_nf4"]
+
+NF4_BLOCK = 64  # weights per absmax scale (QLoRA's block, torchao's default)
+NF4_SCALE_GROUP = 256  # scales per double-quantisation group, at most (torchao's default)
+_NF4_KEYS = ("weight_nf4_scales", "weight_nf4_factors", "weight_nf4_mean")  # with ``weight``: the codes
+
+
+def _torchao_to_nf4():
+    """torchao's ``to_nf4`` (its current home, then the older ``torchao.dtypes``), or a one-line error."""
+    try:
+        from torchao.quantization import to_nf4 as convert
+    except ImportError as e:
+        first = e
+        try:
+            from torchao.dtypes.nf4tensor import to_nf4 as convert
+        except ImportError:
+            raise ConfigError(f"lora.quantize_base='nf4' needs torchao's NF4 tensor, which could not be imported "
+                              f"({first}): `pip install torchao`, or use --lora.quantize_base none (plain LoRA).") \
+                from None
+    return convert
+
+
+def nf4_groups(numel: int) -> tuple[int, int]:
+    """(blocks of :data:`NF4_BLOCK` weights, scales per double-quantisation group) of a weight of ``numel``
+    elements: the group is the largest divisor of the block count up to :data:`NF4_SCALE_GROUP` that is a
+    power of two (torchao needs the groups to tile the scales)."""
+    return numel // NF4_BLOCK, math.gcd(numel // NF4_BLOCK, NF4_SCALE_GROUP)
+
+
+def nf4_bytes(numel: int) -> int:
+    """Bytes of an NF4 weight of ``numel`` elements as stored: half a byte per weight, an int8 scale per
+    block, an fp32 factor per scale group (plus the mean and the 16-entry code table, in fp32)."""
+    blocks, group = nf4_groups(numel)
+    return numel // 2 + blocks + 4 * (blocks // group) + 4 + 16 * 4
+
+
+def to_nf4(w: torch.Tensor) -> torch.Tensor:
+    """``w`` (a frozen 2-D weight) as torchao's NF4 tensor, in ``w``'s dtype; its size must be a multiple of
+    :data:`NF4_BLOCK`."""
+    if w.numel() % NF4_BLOCK:
+        raise ConfigError(f"lora.quantize_base='nf4' quantises blocks of {NF4_BLOCK} weights, but a {tuple(w.shape)} "
+                          f"projection has {w.numel()} (not a multiple of {NF4_BLOCK}); use --lora.quantize_base none "
+                          "or leave that projection out of lora.targets.")
+    return _torchao_to_nf4()(w.detach().contiguous(), NF4_BLOCK, nf4_groups(w.numel())[1])
+
+
+def _nf4_codes(w: torch.Tensor) -> torch.Tensor:
+    """The 4-bit codes of an NF4 tensor, one uint8 per weight, in ``w``'s shape (torchao packs two
+    consecutive codes per byte, the first in the high half)."""
+    q = w.quantized_data
+    return torch.stack([q >> 4, q & 15], dim=-1).reshape(w.shape)
+
+
+def _is_nf4(t: torch.Tensor) -> bool:
+    return hasattr(t, "quantized_data") and hasattr(t, "get_original_weight")
 
 
 class LoRALinear(nn.Linear):
@@ -38,10 +102,12 @@ class LoRALinear(nn.Linear):
     or a checkpoint loads them."""
 
     def __init__(self, base: nn.Linear, parts: dict[str, tuple[int, int]], rank: int, alpha: float,
-                 dropout: float = 0.0):
+                 dropout: float = 0.0, quantize: str = "none"):
         nn.Module.__init__(self)
         self.in_features, self.out_features = base.in_features, base.out_features
         self.register_parameter("weight", base.weight)
+        if quantize == "nf4" and not base.weight.is_meta:  # on meta (estimator, counts): left as it is
+            self.weight = nn.Parameter(to_nf4(base.weight), requires_grad=False)
         self.register_parameter("bias", base.bias)
         self.rank, self.scale = rank, alpha / rank
         w = base.weight
@@ -81,10 +147,16 @@ class LoRALinear(nn.Linear):
                 outs[i] = outs[i] + self.delta(h, role)
         return torch.cat(outs, dim=-1)
 
+    def base_weight(self) -> torch.Tensor:
+        """``W`` as the forward uses it: dequantised (in its own dtype) when it is stored as NF4."""
+        w = self.weight.detach()
+        return w.get_original_weight() if _is_nf4(w) else w
+
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
-        """``W + (alpha / r) B A`` on the adapted rows, computed in fp32, in ``W``'s dtype."""
-        w = self.weight.detach().float().clone()
+        """``W + (alpha / r) B A`` on the adapted rows, computed in fp32, in ``W``'s dtype (NF4: the
+        dequantised ``W``)."""
+        w = self.base_weight().float().clone()
         start = 0
         for n, role in self.segments:
             if role is not None:
@@ -94,7 +166,79 @@ class LoRALinear(nn.Linear):
 
     def extra_repr(self) -> str:
         roles = ", ".join(r for _, r in self.segments if r is not None)
-        return f"{super().extra_repr()}, lora rank={self.rank}, scale={self.scale:g}, roles=[{roles}]"
+        nf4 = ", base nf4" if _is_nf4(self.weight) else ""
+        return f"{super().extra_repr()}, lora rank={self.rank}, scale={self.scale:g}, roles=[{roles}]{nf4}"
+
+    def _hide_weight(self) -> nn.Parameter:
+        """Take the NF4 ``weight`` out of ``_parameters`` (put back by :meth:`_restore_weight`)."""
+        self._order = list(self._parameters)
+        return self._parameters.pop("weight")
+
+    def _restore_weight(self, w: nn.Parameter) -> None:
+        rest = dict(self._parameters)
+        self._parameters.clear()
+        self._parameters.update({k: w if k == "weight" else rest[k] for k in self._order})
+
+    def _apply(self, fn, recurse=True):
+        """Casts and moves (``model.to``): an NF4 base keeps its dtype (a cast would dequantise it) and
+        follows the adapters to their device."""
+        if not _is_nf4(self.weight):
+            return super()._apply(fn, recurse)
+        w = self._hide_weight()
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            device = next(iter(self.lora_A.values())).device
+            self._restore_weight(w if w.device == device else nn.Parameter(w.to(device), requires_grad=False))
+        return self
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        w = self.weight
+        if _is_nf4(w):  # plain tensors, exact: see the module doc
+            destination[prefix + "weight"] = _nf4_codes(w)
+            for key, t in zip(_NF4_KEYS, (w.quantized_scalers, w.quantization_factor, w.scaler_mean)):
+                destination[prefix + key] = t if keep_vars else t.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        if not _is_nf4(self.weight):
+            return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                                 unexpected_keys, error_msgs)
+        saved = {k: state_dict.pop(prefix + k) for k in ("weight", *_NF4_KEYS) if prefix + k in state_dict}
+        w = self._hide_weight()
+        try:
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                          unexpected_keys, error_msgs)
+        finally:
+            self._restore_weight(w)
+        if "weight" not in saved:
+            missing_keys.append(prefix + "weight")
+        elif saved["weight"].shape != w.shape:
+            error_msgs.append(f"size mismatch for {prefix}weight: copying a param with shape "
+                              f"{tuple(saved['weight'].shape)}, the model has {tuple(w.shape)}.")
+        elif saved["weight"].is_floating_point():  # a full-precision base: quantised here
+            with torch.no_grad():
+                w.copy_(to_nf4(saved["weight"].to(w.device, w.dtype)))
+        else:
+            self._load_nf4(w, saved, prefix, missing_keys, error_msgs)
+
+    @torch.no_grad()
+    def _load_nf4(self, w, saved, prefix, missing_keys, error_msgs) -> None:
+        """Copy the codes and scales of a state dict into the NF4 weight ``w``, exactly."""
+        missing = [prefix + k for k in _NF4_KEYS if k not in saved]
+        if missing:
+            missing_keys.extend(missing)
+            return
+        codes = saved["weight"].reshape(-1).to(w.device, torch.uint8)
+        parts = ((w.quantized_data, (codes[0::2] << 4) | codes[1::2]), (w.quantized_scalers, saved[_NF4_KEYS[0]]),
+                 (w.quantization_factor, saved[_NF4_KEYS[1]]), (w.scaler_mean, saved[_NF4_KEYS[2]]))
+        bad = [f"{prefix}{k}" for k, (mine, theirs) in zip(("weight", *_NF4_KEYS), parts) if mine.shape != theirs.shape]
+        if bad:
+            error_msgs.append(f"size mismatch for {', '.join(bad)} (NF4 codes and scales of another shape).")
+            return
+        for mine, theirs in parts:
+            mine.copy_(theirs)
 
 
 def apply_lora(model: nn.Module, cfg: LoraConfig, init: bool = True) -> nn.Module:
@@ -121,7 +265,8 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, init: bool = True) -> nn.Modul
         for path, parts in by_module.items():
             parent, _, name = path.rpartition(".")
             holder = block.get_submodule(parent)
-            adapted[path] = LoRALinear(getattr(holder, name), parts, cfg.rank, cfg.alpha, cfg.dropout)
+            adapted[path] = LoRALinear(getattr(holder, name), parts, cfg.rank, cfg.alpha, cfg.dropout,
+                                       cfg.quantize_base)
             setattr(holder, name, adapted[path])
         if init and not next(iter(adapted.values())).weight.is_meta:  # on meta: nothing to draw
             for role in roles:
