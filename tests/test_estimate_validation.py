@@ -22,6 +22,9 @@ def test_validation_file_is_complete():
     assert len(cases) >= 15 and len({c.id for c in cases}) == len(cases)
     assert {c.family for c in cases} == {"gpt2", "llama"}
     assert sum(c.memory_mib is not None for c in cases) >= 10 and sum(c.tokens_per_sec is not None for c in cases) >= 15
+    for family in ("gpt2", "llama"):  # memory and speed figures of both families
+        assert sum(c.family == family and c.memory_mib is not None for c in cases) >= 4
+        assert sum(c.family == family and c.tokens_per_sec is not None for c in cases) >= 5
     for c in cases:
         assert c.source.startswith("https://github.com/") and c.config and c.gpu
         assert (c.memory_mib is None) == (c.memory_error is None) and (c.tokens_per_sec is None) == (c.speed_error is None)

@@ -12,6 +12,7 @@ import argparse
 import json
 
 from tokenmill import config as C
+from tokenmill.config.options import number
 
 DEFAULT_GPU = "h100-sxm"
 
@@ -28,7 +29,7 @@ def register(subparsers) -> None:
     g = p.add_argument_group("estimate")
     g.add_argument("--gpu", default=DEFAULT_GPU, help=f"GPU key or name (default {DEFAULT_GPU}; --gpus lists them; "
                                                       "'cpu' for a CPU run)")
-    g.add_argument("--nproc", type=int, default=1, help="processes (GPUs) of the run; parallel.* set the layout")
+    g.add_argument("--nproc", type=number(int, ge=1), default=1, help="processes (GPUs) of the run; parallel.* set the layout")
     g.add_argument("--json", action="store_true", help="machine-readable output")
     g.add_argument("--advice", action="store_true",
                    help="also say which switch brings the memory under the GPU's (a few more seconds)")

@@ -20,7 +20,8 @@ measured sources): with small micro-batches the host sets the pace. A compiled p
 own fused kernels (:mod:`.inductor`), not the eager ops scaled by a factor.
 
 Added to the compute: the optimizer step (AdamW's memory traffic: ``ADAMW_PASSES`` passes over the
-parameter-sized tensors for foreach/for-loop, ``FUSED_ADAMW_PASSES`` fused; for-loop also launches
+parameter-sized tensors for foreach/for-loop, ``FUSED_ADAMW_PASSES`` fused, foreach and fused through
+multi-tensor-apply kernels at ``FOREACH_MEMORY_EFFICIENCY`` of the bandwidth; for-loop also launches
 its kernels parameter by parameter), gradient clipping, data loading (``data.cpu_work_ms`` per sample,
 spread over the workers), and collectives at the link bandwidth: DDP's gradient all-reduce and FSDP's
 all-gathers and reduce-scatters overlap with compute (only what is longer than the compute shows),
@@ -44,7 +45,14 @@ from tokenmill.estimate.host import (
 )
 from tokenmill.estimate.recorder import OpCost
 from tokenmill.estimate.step import Plan
-from tokenmill.estimate.techniques import fp8_linear_op, fp8_on, fp8_op_seconds, muon_hidden, muon_seconds
+from tokenmill.estimate.techniques import (
+    docmask_attention_seconds,
+    fp8_linear_op,
+    fp8_on,
+    fp8_op_seconds,
+    muon_hidden,
+    muon_seconds,
+)
 from tokenmill.estimate.timeline import Layout
 from tokenmill.estimate.trace import Pieces
 
@@ -54,9 +62,14 @@ SIMT_D0 = 64
 UNALIGNED = 0.6
 ATTENTION_EFFICIENCY = 0.45  # fused (flash / memory-efficient) attention kernels, forward and backward
 MEMORY_EFFICIENCY = 0.70  # share of the datasheet bandwidth element-wise kernels reach
+# multi-tensor-apply kernels (foreach and fused AdamW, clip_grad_norm_'s foreach norm and scale) launch at most 320
+# blocks per kernel (MultiTensorApply.cuh before CUDA 13): PyTorch PR #134373 measured 1,458 GB/s for
+# _foreach_copy_ on an H100 SXM (3,350 GB/s datasheet) through them
+FOREACH_MEMORY_EFFICIENCY = 1458 / 3350
 LINK_EFFICIENCY = 0.80  # NCCL bus bandwidth / link bandwidth
 KERNEL_MIN_US = 2.0  # GPU-side floor of a kernel (kept: CUDA.jl's 0.875 us graph figure, host.GRAPH_KERNEL_US,
-# raised the mean tokens/s error of the validation set from 14.57% to 14.69%)
+# raised the mean tokens/s error of the validation set from 14.57% to 14.69%; 8.96% to 9.00% with the
+# multi-tensor-apply bandwidth)
 LAUNCH_US = 6.0  # host time per kernel of Muon's step (estimate/techniques.py)
 ADAMW_PASSES = 19  # foreach / for-loop AdamW: reads and writes of parameter-sized tensors
 FUSED_ADAMW_PASSES = 7
@@ -124,6 +137,8 @@ def _pieces_time(pieces: Pieces, plan: Plan, cfg: C.Config, gpu: GPU, threads: i
                 bf16 = _op_seconds(dataclasses.replace(c, math="bf16"), cfg, gpu, threads)
                 f8, k = fp8_op_seconds(bf16, c, cfg, gpu.hbm_gbs * 1e9 * MEMORY_EFFICIENCY, KERNEL_MIN_US * 1e-6)
                 s, out["kernels"] = f8, out["kernels"] + (k - 1)
+            if block and c.attention:  # data.document_mask: the whole T x T and the mask's read (techniques.py)
+                s = docmask_attention_seconds(s, cfg, pieces.batch, pieces.seq, gpu.hbm_gbs * 1e9 * MEMORY_EFFICIENCY)
             out["matmul" if c.flops else "memory"] += s
             out["flops"] += c.flops
             out["kernels"] += c.launches
@@ -232,9 +247,13 @@ def _adamw_seconds(cfg: C.Config, gpu: GPU, param_bytes: float, n_tensors: int) 
     if mem.optimizer_8bit:
         passes = ADAMW_PASSES // 2
     bw = gpu.hbm_gbs * 1e9 * MEMORY_EFFICIENCY
-    s = param_bytes * passes / bw
-    if cfg.optim.grad_clip > 0:
-        s += 3 * param_bytes / bw
+    # foreach and fused AdamW run multi-tensor-apply kernels; for-loop AdamW (and the step in backward) runs
+    # ordinary element-wise kernels, 8-bit AdamW torchao's
+    per_tensor = impl == "for-loop" or mem.optimizer_in_backward or mem.optimizer_8bit
+    mta = gpu.hbm_gbs * 1e9 * FOREACH_MEMORY_EFFICIENCY
+    s = param_bytes * passes / (bw if per_tensor else mta)
+    if cfg.optim.grad_clip > 0:  # _foreach_norm, then _foreach_mul_: multi-tensor-apply kernels
+        s += 3 * param_bytes / mta
     kernels = {"fused": 1, "foreach": 12, "for-loop": 12 * n_tensors}[impl]
     if mem.optimizer_in_backward:
         kernels = 12 * n_tensors

@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 
 from tokenmill import config as C
-from tokenmill.estimate.techniques import muon_hidden, muon_temp_bytes, state_buffers
+from tokenmill.estimate.techniques import docmask_bytes, muon_hidden, muon_temp_bytes, state_buffers
 from tokenmill.estimate.timeline import Layout, Param, Timeline, _Inst, _size, play_backward, play_forward
 from tokenmill.estimate.trace import Pieces, PieceTrace
 
@@ -280,6 +280,8 @@ class Step:
             root = self._unshard([p for p in plan.params if p.piece != "block"]) if self.fsdp else []
             emb = _Inst(pieces.embed, r)
             play_forward(tl, emb)
+            dm = docmask_bytes(cfg, B, T, plan.cuda)  # data.document_mask's mask, until the last block's backward (techniques.py)
+            docmask = tl.alloc(dm, "activations") if dm else None
             x, insts = emb.y, []
             for i in plan.stage_blocks:
                 tr = pieces.blocks[pieces.kinds[i]]
@@ -317,6 +319,7 @@ class Step:
                     self._reduce_scatter([p.name for p in self._block_params(i)], sync)
                     for g in held:
                         tl.release(g)
+            tl.release(docmask)
             emb.gy = gy
             play_backward(tl, emb, self._on_grad_renamed(None))
             tl.release(gy)

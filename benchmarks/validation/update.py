@@ -1,0 +1,87 @@
+"""Re-run the estimator over the published measurements and write what it gives back where it is recorded:
+
+- ``benchmarks/validation/published.toml``: each case's ``memory_error`` / ``speed_error`` (the line after its
+  ``id``; the rest of the file is left as written);
+- ``docs/estimate.md``: the table between ``<!-- validation-table:start -->`` and ``<!-- validation-table:end -->``;
+- ``src/tokenmill/estimate/uncertainty.py``: ``REGIME_ERRORS`` and ``OVERALL`` (the printed error ranges), and
+  their table in ``docs/estimate.md`` (between ``<!-- regime-table:start -->`` and ``<!-- regime-table:end -->``).
+
+``tests/test_estimate_validation.py`` checks that the three agree with a fresh run. The ``[summary]`` bounds are
+not touched: they hold the means at what the estimator reached and are lowered by hand.
+
+    python benchmarks/validation/update.py            # rewrite the three files, print the per-case errors
+    python benchmarks/validation/update.py --check    # print only
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+from pathlib import Path
+
+from tokenmill.estimate.uncertainty import regime_table
+from tokenmill.estimate.validation import load, markdown_table, run_case, summarize
+
+ROOT = Path(__file__).resolve().parents[2]
+TOML = ROOT / "benchmarks" / "validation" / "published.toml"
+DOC = ROOT / "docs" / "estimate.md"
+UNCERTAINTY = ROOT / "src" / "tokenmill" / "estimate" / "uncertainty.py"
+
+
+def _toml(text: str, results: list[dict]) -> str:
+    by_id = {r["id"]: r for r in results}
+    out: list[str] = []
+    for line in text.splitlines():
+        if re.match(r"(memory|speed)_error = ", line):
+            continue  # rewritten below, after the case's id
+        out.append(line)
+        m = re.match(r'id = "([^"]+)"', line)
+        if m and m.group(1) in by_id:
+            r = by_id[m.group(1)]
+            out += [f"{k} = {r[k]:.4f}" for k in ("memory_error", "speed_error") if r[k] is not None]
+    return "\n".join(out) + "\n"
+
+
+def _doc(text: str, table: str, name: str = "validation-table") -> str:
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    head, rest = text.split(start)
+    return head + start + "\n" + table + "\n" + end + rest.split(end)[1]
+
+
+def _uncertainty(text: str, summary: dict) -> str:
+    t = regime_table(summary)
+
+    def q(v) -> str:  # a Python literal with double quotes, as the file writes them
+        return repr(v).replace("'", '"')
+
+    rows = "".join(f"    {q(k)}: {q(v)},\n" for k, v in sorted(t["regimes"].items()))
+    text = re.sub(r"(REGIME_ERRORS: dict\[.*?\] = \{\n)(.*?)(\}\n)", lambda m: m.group(1) + rows + m.group(3), text,
+                  count=1, flags=re.S)
+    overall = f'OVERALL = {{"memory": {q(t["overall"]["memory"])}, "speed": {q(t["overall"]["speed"])}}}'
+    return re.sub(r"OVERALL = \{.*?\}", overall, text, count=1)
+
+
+def main(argv: list[str]) -> int:
+    cases, bounds = load(TOML)
+    results = [run_case(c) for c in cases]
+    for r in results:
+        mem = "" if r["memory_error"] is None else f"memory {100 * r['memory_error']:+6.1f}%"
+        speed = "" if r["speed_error"] is None else f"tokens/s {100 * r['speed_error']:+6.1f}%"
+        print(f"{r['id']:48s} {mem:17s} {speed}")
+    s = summarize(results)
+    print(f"mean absolute error: memory {100 * s['memory']:.2f}% ({s['n_memory']} cases), tokens/s "
+          f"{100 * s['speed']:.2f}% ({s['n_speed']} cases); bounds {bounds}")
+    if "--check" not in argv:
+        TOML.write_text(_toml(TOML.read_text(), results))
+        DOC.write_text(_doc(DOC.read_text(), markdown_table(cases, results)))
+        UNCERTAINTY.write_text(_uncertainty(UNCERTAINTY.read_text(), s))
+        from tokenmill.estimate import uncertainty  # the table just written, for the doc
+
+        importlib.reload(uncertainty)
+        DOC.write_text(_doc(DOC.read_text(), uncertainty.regime_markdown(), "regime-table"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
