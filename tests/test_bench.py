@@ -112,7 +112,7 @@ def test_memory_ladder_one_rung_per_switch():
     assert [r.name for r in ladder.rungs] == [
         "baseline", "bf16", "chunked-loss", "activation-checkpointing", "offload-activations",
         "allocator-split-gc", "expandable-segments", "optimizer-in-backward", "adamw-8bit", "optimizer-offload",
-        "offload-gradients", "lora", "lora-llama3.1-8b"]
+        "offload-gradients", "lora", "lora-llama3.1-8b", "qlora-llama3.1-8b"]
     base = rung_config(ladder, 0).config
     assert 350e6 < count_params(base) < 360e6 and base.model.block_size == 1024
     last = rung_config(ladder, len(ladder.rungs) - 3).config
@@ -135,7 +135,7 @@ def test_memory_ladder_one_rung_per_switch():
         assert "torchao" in why and "pip install torchao" in why
     assert [n for n, why in _cpu_smoke_plan(ladder) if why is None] == [
         "baseline", "bf16", "chunked-loss", "activation-checkpointing", "optimizer-in-backward", "lora",
-        "lora-llama3.1-8b"]
+        "lora-llama3.1-8b", "qlora-llama3.1-8b"]
 
 
 def test_memory_ladder_lora_rungs_fine_tune_the_largest_preset_a_24gb_gpu_holds():

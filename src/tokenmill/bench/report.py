@@ -120,9 +120,15 @@ def mfu_bf16(summary: dict[str, Any]) -> Optional[float]:
 
 
 def rung_metrics(rung: dict[str, Any], samples: Optional[int]) -> dict[str, Any]:
+    """A rung's figures, all from its run's ``summary.json``: tokens/s is the median over the timed windows
+    and the step time is tokens per step / that tokens/s (one figure, so the two always agree; a summary of
+    an older version that took the median step time on its own is recomputed); ``windows`` says which."""
     s = rung.get("summary") or {}
     m = {k: s.get(k) for k in ("tokens_per_sec", "tokens_per_sec_min", "tokens_per_sec_max", "step_time_ms",
                                "mfu", "peak_alloc_mb", "peak_reserved_mb", "final_loss", "params")}
+    if s.get("tokens_per_step") and m["tokens_per_sec"]:
+        m["step_time_ms"] = 1000.0 * s["tokens_per_step"] / m["tokens_per_sec"]
+    m["windows"] = windows_used(s)
     m["mfu_bf16"] = mfu_bf16(s)
     m["final_loss_finite"] = m["final_loss"] is not None and math.isfinite(m["final_loss"])
     tps = m["tokens_per_sec"]
@@ -131,6 +137,15 @@ def rung_metrics(rung: dict[str, Any], samples: Optional[int]) -> dict[str, Any]
         m["time_for_samples_s"] = samples * block / tps
         m["time_extrapolated"] = not (rung.get("plan") or {}).get("covers_samples", False)
     return m
+
+
+def windows_used(summary: dict[str, Any]) -> Optional[str]:
+    """``median of 9 windows after step 10``: the windows a run's tokens/s and step time come from."""
+    n = summary.get("timing_windows") or len(summary.get("tokens_per_sec_windows") or [])
+    if not n:
+        return None
+    after = summary.get("timing_from_step")
+    return f"median of {n} window{'s' if n > 1 else ''}" + (f" after step {after}" if after is not None else "")
 
 
 def derive(doc: dict[str, Any]) -> None:
@@ -272,7 +287,8 @@ def _columns(doc: dict[str, Any]) -> list[tuple[str, Callable[[dict[str, Any]], 
              ("vs base", met("speedup_vs_baseline", _x))]
     cols += ref_cols("tokens_per_sec")
     pct = lambda v: _num(v and 100 * v, "{:.1f}%")  # noqa: E731
-    cols += [("step ms", met("step_time_ms", lambda v: _num(v, "{:,.1f}"))),
+    cols += [("windows", lambda r: (r["metrics"] or {}).get("windows") or "" if r["metrics"] else ""),
+             ("step ms", met("step_time_ms", lambda v: _num(v, "{:,.1f}"))),
              ("MFU", met("mfu", pct)), ("MFU bf16 peak", met("mfu_bf16", pct))]
     if headline != "peak_alloc_mb":
         cols += [("peak alloc GB", met("peak_alloc_mb", _gb))]
@@ -346,8 +362,9 @@ def markdown(doc: dict[str, Any]) -> str:
         f"- GPU: {doc['gpu']}; torch {doc['torch']}, CUDA {doc['cuda']}",
         f"- date {doc['date']}, host {doc['host']}, tokenmill {version}, commit {commit}",
         f"- headline: {lad['headline']}; baseline rung: {doc['baseline_rung']}",
-        "- tokens/s: median over the timed windows (min–max in brackets), warm-up steps excluded; "
-        "vs prev / vs base: tokens/s ratios to the previous measured rung and to the baseline",
+        "- tokens/s: median over the timed log windows (min–max in brackets; `windows`: how many, after which "
+        "step), warm-up steps excluded; step ms = tokens per step / that tokens/s (one figure); MFU from the same "
+        "tokens/s; vs prev / vs base: tokens/s ratios to the previous measured rung and to the baseline",
         "- MFU: against the dense peak of the rung's math mode (fp32, tf32 or bf16); MFU bf16 peak: against "
         "the bf16 dense peak for every rung (comparable across rungs)",
         f"- final loss: ⚠ = more than {100 * lad['measure'].get('loss_tolerance', 0.05):.0f}% from the "

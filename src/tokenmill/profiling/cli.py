@@ -7,6 +7,9 @@ import json
 import time
 from pathlib import Path
 
+from tokenmill.config.options import number
+from tokenmill.paths import check_text
+
 
 def register(subparsers) -> None:
     """Add the ``profile`` and ``doctor`` sub-commands."""
@@ -19,9 +22,9 @@ def register(subparsers) -> None:
         "(and on CUDA a memory snapshot, memory timeline and allocator statistics) into the run directory.",
     )
     g = p.add_argument_group("profiler")
-    g.add_argument("--wait", type=int, default=2, help="steps before the profiler starts")
-    g.add_argument("--warmup", type=int, default=2, help="profiler warm-up steps (traced, then discarded)")
-    g.add_argument("--active", type=int, default=4, help="profiled steps")
+    g.add_argument("--wait", type=number(int, ge=0), default=2, help="steps before the profiler starts")
+    g.add_argument("--warmup", type=number(int, ge=0), default=2, help="profiler warm-up steps (traced, then discarded)")
+    g.add_argument("--active", type=number(int, ge=1), default=4, help="profiled steps")
     g.add_argument("--per-block", action="store_true", help="attention / MLP regions of every block")
     g.add_argument("--tensorboard", action="store_true", help="also write the TensorBoard profiler trace")
     g.add_argument("--with-stack", action="store_true",
@@ -39,12 +42,12 @@ def register(subparsers) -> None:
     d.add_argument("run_dir", metavar="RUN_DIR")
     d.add_argument("--json", action="store_true", help="machine-readable output")
     t = d.add_argument_group("measuring the advice")
-    t.add_argument("--try", dest="try_n", type=int, default=0, metavar="N",
+    t.add_argument("--try", dest="try_n", type=number(int, ge=0), default=0, metavar="N",
                    help="run the top N suggested overrides as short A/B runs of the run's config (a fresh process "
                    "each, A and B alternated) and report the measured change: confirmed or not")
-    t.add_argument("--try-steps", type=int, default=30, metavar="S", help="training steps of each A/B run")
-    t.add_argument("--try-repeats", type=int, default=3, metavar="R", help="rounds of A/B runs")
-    t.add_argument("--try-timeout", type=float, default=600.0, metavar="SECONDS", help="limit for each run")
+    t.add_argument("--try-steps", type=number(int, ge=1), default=30, metavar="S", help="training steps of each A/B run")
+    t.add_argument("--try-repeats", type=number(int, ge=1), default=3, metavar="R", help="rounds of A/B runs")
+    t.add_argument("--try-timeout", type=number(float, gt=0), default=600.0, metavar="SECONDS", help="limit for each run")
     d.set_defaults(func=cmd_doctor)
 
 
@@ -58,7 +61,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     opts = ProfileOptions(args.wait, args.warmup, args.active, args.per_block, args.tensorboard, args.with_stack)
     given = {k[4:] for k, v in vars(args).items() if k.startswith("cfg:") and v is not None}
     cfg = prepare_config(config_from_args(args), opts, given)
-    run_dir = Path(args.run_dir) if args.run_dir else (
+    run_dir = Path(check_text(args.run_dir, "--run-dir")) if args.run_dir else (
         Path("runs") / f"profile-{args.preset or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
     )
     result = run_profile(cfg, run_dir, opts, quiet=args.quiet)  # the threads are in summary.json
@@ -99,7 +102,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
-MEMORY_RULES = ("logits_peak", "activation_memory", "optimizer_state_memory", "allocator_thrash", "lora_finetune")
+MEMORY_RULES = ("logits_peak", "activation_memory", "optimizer_state_memory", "allocator_thrash", "lora_finetune",
+                "qlora_finetune")
 
 
 def memory_estimate(run_dir: str, verdict: dict) -> str | None:

@@ -12,15 +12,18 @@ the wall-clock time outside the steady state (:func:`wall_facts`). ``--try`` is 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any, Optional
 
 from tokenmill import config as C
 from tokenmill.errors import DoctorError
-from tokenmill.profiling import rules
+from tokenmill.profiling import confidence, rules
 from tokenmill.profiling.layer_ops import is_matmul, layer_form_ops
 from tokenmill.profiling.trace import OUTSIDE
+from tokenmill.profiling.wall import wall_facts
+from tokenmill.train.metrics import steady_figures
 from tokenmill.train.timing import PHASES
 
 HOW_TO_MAKE_A_RUN = ("make one with `tokenmill train ... --run-dir DIR` or `tokenmill profile ... --run-dir DIR`, "
@@ -128,22 +131,41 @@ def steady_rows(run: dict[str, Any]) -> list[dict[str, Any]]:
     return later or rows
 
 
-def facts_from_metrics(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def facts_from_metrics(rows: list[dict[str, Any]], tokens_per_step: Optional[int] = None) -> dict[str, Any]:
+    """The time split from the trainer's log windows: each phase's share is its time over the step time
+    summed over the windows used (:func:`confidence.window_set`: a window >= 3x the median step is left
+    out), its ms that share of ``step_ms``, which is the summary's figure (:func:`steady_step_ms`)."""
     f: dict[str, Any] = {}
     if not rows:
         return f
-    mean = {k: statistics.fmean(r.get(k) or 0.0 for r in rows)
-            for k in [f"{p}_ms" for p in PHASES] + ["other_ms", "step_ms"]}
-    step = mean["step_ms"] or 1.0
-    f.update(mean)
-    f["idle_ms"] = mean["other_ms"]
-    for p in (*PHASES, "idle"):
-        f[f"{p}_share"] = f[f"{p}_ms"] / step
-    f.update(share_errors({p: [r.get(f"{p}_ms") or 0.0 for r in rows] for p in PHASES},
-                          [r["step_ms"] for r in rows]))
+    keys = [*PHASES, "other"]
+    phase_ms = {p: [r.get(f"{p}_ms") or 0.0 for r in rows] for p in keys}
+    w = confidence.window_set([r["step_ms"] for r in rows], phase_ms, "log window")
+    total = sum(w["step_ms"]) or 1.0
+    step, f["step_source"] = steady_step_ms(rows, tokens_per_step)
+    for p in keys:
+        share = sum(w["phase_ms"][p]) / total
+        f[f"{p}_share" if p != "other" else "idle_share"] = share
+        f[f"{p}_ms" if p != "other" else "idle_ms"] = share * step
+    f["step_ms"] = step
+    f["other_ms"] = f["idle_ms"]
+    f.update(share_errors({p: w["phase_ms"][p] for p in PHASES}, w["step_ms"]))
+    f["windows"] = w
     f["loop_share"] = f["idle_share"]  # the trainer's windows leave logging out of other_ms
     f["phase_source"] = "metrics.jsonl (trainer's always-on breakdown)"
     return f
+
+
+def steady_step_ms(rows: list[dict[str, Any]], tokens_per_step: Optional[int]) -> tuple[float, str]:
+    """The steady step time and where it comes from: with the run's tokens per step and rows written by
+    the trainer (each window's ``step_ms`` is tokens per step / its tokens/s), the summary's own figure
+    (:func:`tokenmill.train.metrics.steady_figures` of every window: tokens/s == tokens per step / step
+    time exactly); else the median of the windows' step times."""
+    tps = [r.get("tokens_per_sec") for r in rows]
+    if tokens_per_step and all(tps) and all(
+            math.isclose(r["step_ms"], 1000.0 * tokens_per_step / t, rel_tol=1e-6) for r, t in zip(rows, tps)):
+        return steady_figures(tps, tokens_per_step)["step_time_ms"], "tokens per step / median window tokens/s"
+    return statistics.median(r["step_ms"] for r in rows), "median window step time"
 
 
 def share_errors(phase_ms: dict[str, list[float]], step_ms: list[float]) -> dict[str, float]:
@@ -171,6 +193,7 @@ def _profile_facts(p: dict[str, Any]) -> dict[str, Any]:
     ms, share = p["breakdown"]["ms_per_step"], p["breakdown"]["share"]
     f: dict[str, Any] = {f"{k}_ms": v for k, v in ms.items() if k != "step"}
     f["step_ms"] = ms["step"]
+    f["step_source"] = "mean of the profiled steps (under the profiler: slower than summary.json's windows)"
     f.update({f"{k}_share": v for k, v in share.items()})
     f["phase_source"] = "profile.json (record_function regions of the profiled steps)"
     f["syncs_per_step"] = p["syncs"]["per_step"]
@@ -194,7 +217,14 @@ def _profile_facts(p: dict[str, Any]) -> dict[str, Any]:
         f["profile_eval_ms"] = eval_ms
     each = b.get("each_step_ms")
     if each:
-        f.update(share_errors({k: v for k, v in each.items() if k != "step"}, each["step"]))
+        f["windows"] = w = confidence.window_set(each["step"], {k: v for k, v in each.items() if k != "step"},
+                                                 "profiled step")
+        f.update(share_errors(w["phase_ms"], w["step_ms"]))
+        if w["left_out"] and w["step_ms"]:  # the split over the steps used, scaled to the profile's step
+            total = sum(w["step_ms"])
+            for k, v in w["phase_ms"].items():
+                f[f"{k}_share"] = sum(v) / total
+                f[f"{k}_ms"] = f[f"{k}_share"] * ms["step"]
     else:  # a profile of an older version: no per-step figures, no noise estimate
         f.update({f"{k}_share_se": 0.0 for k in PHASES})
     rec = b.get("recompute")
@@ -278,13 +308,14 @@ def gather_facts(run: dict[str, Any]) -> dict[str, Any]:
     cfg, summary, prof = run["config"], run["summary"], run["profile"]
     f: dict[str, Any] = {"config": cfg}
     f["device"] = (prof or {}).get("device") or summary.get("device") or "cpu"
-    f.update(facts_from_metrics(steady_rows(run)))
+    f.update(facts_from_metrics(steady_rows(run), summary.get("tokens_per_step")))
     if prof:
         f.update(facts_from_profile(prof))
     cfg = f["config"] = as_run(cfg, f)
     f["gpu_name"] = f.get("gpu_name") or summary.get("gpu_name")
     f["tokens_per_step"] = (prof or {}).get("tokens_per_step") or summary.get("tokens_per_step")
     fpt = summary.get("flops_per_token") or (6.0 * summary["params"] if summary.get("params") else None)
+    f["flops_per_token"] = fpt
     if fpt and f["tokens_per_step"] and f.get("host_ops_per_step"):
         f["flops_per_op"] = fpt * f["tokens_per_step"] / f["host_ops_per_step"]
     f["compute_share"] = _compute_share(f)
@@ -320,68 +351,6 @@ def as_run(config: dict[str, Any], f: dict[str, Any]) -> dict[str, Any]:
     return {**config, "train.precision": made.precision, "train.tf32": made.tf32}
 
 
-def wall_facts(run: dict[str, Any], f: dict[str, Any]) -> dict[str, Any]:
-    """Wall-clock time outside the steady-state steps: ``wall_s``, ``steady_s``, ``outside_s`` (seconds
-    per part: evaluation, checkpoints, logging, the rest), ``outside_counts`` and ``wall_source``.
-
-    The trainer's own figures (``summary.json``: ``wall_s``, ``eval_s``/``evals``,
-    ``checkpoint_s``/``checkpoints``, ``log_s``, ``warmup_s``) are used where it records them (runs of
-    older versions lack them). Otherwise: the wall
-    time from ``config.toml`` (written as training starts) to ``summary.json`` (written at the end),
-    the evaluations from the ``val_loss`` rows, each costing ``train.eval_batches`` forward passes
-    of the measured training forward, and the unexplained rest. A profile gives the evaluation found
-    inside its profiled steps instead (per step)."""
-    summary, config, step_ms = run["summary"], run["config"], f.get("step_ms")
-    if not step_ms:
-        return {}
-    if run["profile"]:
-        eval_ms = f.get("profile_eval_ms")
-        if not eval_ms:
-            return {}
-        return {"wall_s": step_ms / 1000, "steady_s": (step_ms - eval_ms) / 1000,
-                "outside_s": {"evaluation": eval_ms / 1000},
-                "wall_source": "per profiled step: the forward passes between the training phases in the trace"}
-    steps = (summary.get("steps") or 0) - (summary.get("start_step") or 0)
-    wall, source = summary.get("wall_s"), "summary.json"
-    d = run.get("dir")
-    if wall is None and d is not None and (d / "summary.json").is_file() and (d / "config.toml").is_file():
-        wall = (d / "summary.json").stat().st_mtime - (d / "config.toml").stat().st_mtime
-        source = "estimated: config.toml to summary.json file times"
-    if not wall or steps <= 0:
-        return {}
-    steady = steps * step_ms / 1000
-    parts: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    evals = summary.get("evals", sum(1 for r in run["metrics"] if "val_loss" in r))
-    if summary.get("eval_s") is not None:
-        parts["evaluation"] = summary["eval_s"]
-    elif evals:
-        micro_ms = f["forward_ms"] / rules.config_value(config, "train.grad_accum_steps")
-        parts["evaluation"] = evals * rules.config_value(config, "train.eval_batches") * micro_ms / 1000
-        source += "; evaluation estimated as eval_batches x the training forward"
-    counts["evaluation"] = evals
-    every, final = (rules.config_value(config, k) for k in ("checkpoint.every_steps", "checkpoint.save_final"))
-    saves = summary.get("checkpoints", (steps - 1) // every + int(final) if every else int(final))
-    if summary.get("checkpoint_s") is not None:
-        parts["checkpoints"] = summary["checkpoint_s"]
-    if summary.get("log_s") is not None:
-        parts["logging"] = summary["log_s"]
-    if summary.get("warmup_s") is not None:  # beyond what the warm-up steps cost at the steady speed
-        warm = min(steps, rules.config_value(config, "log.timing_warmup_steps"))
-        parts["warm-up"] = max(0.0, summary["warmup_s"] - warm * step_ms / 1000)
-    rest = wall - steady - sum(parts.values())
-    if rest > 0:
-        if summary.get("wall_s") is not None:  # the trainer timed every part: the rest is small and unnamed
-            name = "other"
-        else:  # what the trainer did not record: with periodic saves, mostly the saves
-            name = ("checkpoints" if "checkpoints" not in parts and saves > 1
-                    else "start-up, warm-up, logging and the final save")
-        parts[name] = parts.get(name, 0.0) + rest
-    counts["checkpoints"] = saves
-    return {"wall_s": wall, "steady_s": steady, "outside_s": {k: v for k, v in parts.items() if v > 0},
-            "outside_counts": {k: v for k, v in counts.items() if v}, "wall_source": source}
-
-
 def _compute_share(f: dict[str, Any]) -> Optional[float]:
     """Share of the step in forward, backward, optimizer and the loop between them: what per-operator
     overhead can inflate (data waits, copies, syncs and logging are other rules' business)."""
@@ -396,35 +365,52 @@ def diagnose(run_dir: str | Path) -> dict[str, Any]:
     run = load_run(run_dir)
     facts = gather_facts(run)
     found = rank(facts)
-    main = found[0] if found and found[0]["score"] >= rules.MIN_SCORE else None
     return {
         "run_dir": str(run_dir),
         "device": facts["device"],
         "sources": [n for n, ok in (("profile.json", run["profile"]), ("metrics.jsonl", run["metrics"]),
                                     ("summary.json", run["summary"])) if ok],
-        "verdict": main["title"] if main else "nothing stands out",
-        "main": main["key"] if main else None,
+        **verdict_of(found),
         "findings": found,
         "figures": _figures(facts),
         "warnings": run["warnings"],
     }
 
 
+def verdict_of(found: list[dict[str, Any]]) -> dict[str, Any]:
+    """``verdict`` and ``main``: the first major finding that is not within the run's noise; "too noisy to
+    judge" when every major finding is, "nothing stands out" when there is none."""
+    major = [x for x in found if not x["minor"]]
+    judged = [x for x in major if x["confidence"]["level"] != confidence.NOISY]
+    if judged:
+        return {"verdict": judged[0]["title"], "main": judged[0]["key"]}
+    if major:
+        return {"verdict": f"{confidence.NOISY} ({major[0]['title']}?)", "main": None,
+                "clearer_run": confidence.CLEARER}
+    return {"verdict": "nothing stands out", "main": None}
+
+
 def rank(facts: dict[str, Any]) -> list[dict[str, Any]]:
-    """Apply every rule; findings best first, each with its rule name as ``key``."""
+    """Apply every rule; findings best first, each with its rule name as ``key`` and its ``confidence``
+    (:func:`confidence.rate`); major findings within the run's noise after the judged ones."""
     out = []
     for rule in rules.RULES:
         res: Optional[rules.Finding] = rule(facts)
         if res is not None:
-            out.append({"key": rule.__name__, **res._asdict(), "minor": res.score < rules.MIN_SCORE})
-    return sorted(out, key=lambda x: -x["score"])
+            x = {"key": rule.__name__, **res._asdict(), "minor": res.score < rules.MIN_SCORE}
+            x["confidence"] = confidence.rate(x, facts)
+            out.append(x)
+    return sorted(out, key=lambda x: (x["minor"], x["confidence"]["level"] == confidence.NOISY, -x["score"]))
 
 
 def _figures(f: dict[str, Any]) -> dict[str, Any]:
     keys = ["step_ms", *[f"{p}_share" for p in (*PHASES, "idle")], "syncs_per_step", "device_busy_fraction",
             "sync_share", "tokens_per_step", "host_ops_per_step", "flops_per_op", "tokens_per_sec", "mfu", "peak_mb",
-            "memory_total_mb", "phase_source"]
-    return {k: f[k] for k in keys if f.get(k) is not None}
+            "memory_total_mb", "phase_source", "step_source"]
+    out = {k: f[k] for k in keys if f.get(k) is not None}
+    if f.get("windows"):
+        out["windows"] = confidence.describe(f["windows"])
+    return out
 
 
 def format_verdict(v: dict[str, Any]) -> str:
@@ -434,12 +420,22 @@ def format_verdict(v: dict[str, Any]) -> str:
     if fig.get("step_ms"):
         split = ", ".join(f"{p} {100 * fig[f'{p}_share']:.0f}%" for p in (*PHASES, "idle") if f"{p}_share" in fig)
         lines.append(f"step {fig['step_ms']:.1f} ms: {split}  [{fig.get('phase_source', '')}]")
+        if fig.get("windows"):
+            tps = (f", {fig['tokens_per_sec']:,.0f} tokens/s as in summary.json" if fig.get("tokens_per_sec")
+                   and "profiled" not in fig.get("step_source", "") else "")
+            lines.append(f"  windows: step time = {fig.get('step_source', 'profile')}{tps}; "
+                         f"split over {fig['windows']}")
     major = [x for x in v["findings"] if not x["minor"]]
     if not major:
         lines.append("Nothing stands out: no rule found a bottleneck worth a switch.")
+    elif v["main"] is None:
+        lines.append(f"Too noisy to judge: every finding is within the run's own noise. For a clearer run: "
+                     f"{confidence.CLEARER}.")
     for i, x in enumerate(major, 1):
-        head = "Main bottleneck" if i == 1 else f"{i}."
+        noisy = x["confidence"]["level"] == confidence.NOISY
+        head = "Main bottleneck" if i == 1 and not noisy else f"{i}." + (" (too noisy to judge)" if noisy else "")
         lines.append(f"\n{head}: {x['title']} (expected gain ~{100 * x['score']:.0f}%)")
+        lines.append(f"  {confidence.label(x['confidence'])}")
         lines += [f"  - {e}" for e in x["evidence"]]
         lines.append("  try, best first:")
         for s in x["suggestions"]:

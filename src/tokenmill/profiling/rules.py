@@ -26,6 +26,8 @@ import math
 from collections.abc import Callable
 from typing import Any, Optional
 
+from tokenmill.profiling.data_rules import core_splits, data_bound, loading_plan, workers_needed
+from tokenmill.profiling.docmask_rules import document_mask_cost
 from tokenmill.profiling.findings import (
     CPU_OVERHEAD_FLOPS_PER_OP,
     MIN_SCORE,
@@ -59,67 +61,18 @@ from tokenmill.profiling.model_rules import (
     layer_forms,
     slow_forms,
 )
-from tokenmill.profiling.technique_rules import lora_finetune, selective_recompute
+from tokenmill.profiling.optim_rules import RULES as OPTIM_RULES
+from tokenmill.profiling.technique_rules import lora_finetune, qlora_finetune, selective_recompute
 
 # the doctor and the tests reach every rule and helper through this module
 __all__ = [
     "CPU_OVERHEAD_FLOPS_PER_OP", "LAYER_FORMS", "MIN_SCORE", "RULES", "Finding", "attention_flop_share", "cfg",
-    "config_value", "doc", "env_setting", "form_what", "optimizer_impl", "slow_forms", "switch", "workers_needed",
+    "config_value", "core_splits", "data_bound", "doc", "env_setting", "form_what", "loading_plan", "optimizer_impl",
+    "slow_forms", "switch", "workers_needed",
 ]
 
 # ----------------------------------------------------------------------------------------------
 # Speed
-
-
-def data_bound(f: dict) -> Optional[Finding]:
-    share = f.get("data_share")
-    if share is None or share < 0.15:
-        return None
-    workers = cfg(f, "data.num_workers")
-    ev = [f"the step waits {f['data_ms']:.1f} ms of {f['step_ms']:.1f} ms for the next batch ({pct(share)})",
-          f"data.num_workers = {workers}"]
-    work = cfg(f, "data.cpu_work_ms")
-    batch = cfg(f, "train.batch_size") * cfg(f, "train.grad_accum_steps")
-    if work > 0:
-        ev.append(f"data.cpu_work_ms = {work:g}: {work * batch:.0f} ms of per-sample CPU work per step")
-    need, how = workers_needed(f)
-    ev.append(how)
-    sug = []
-    if need > workers:
-        sug.append(switch("data.num_workers", need, f"{need} worker processes load batches as fast as the step "
-                          "uses them"))
-    if workers > 0:
-        sug.append(switch("data.prefetch_factor", 4, "keep more batches ready per worker"))
-        if not cfg(f, "data.persistent_workers"):
-            sug.append(switch("data.persistent_workers", True, "do not restart workers every epoch/eval"))
-    if f.get("device") == "cuda":
-        if not cfg(f, "data.pin_memory"):
-            sug.append(switch("data.pin_memory", True, "page-locked batches: faster, asynchronous copies"))
-        if not cfg(f, "data.non_blocking"):
-            sug.append(switch("data.non_blocking", True, "overlap the copy with compute (needs pinned memory)"))
-    if work > 0:
-        sug.append(advice("make the per-sample CPU work cheaper or do it once offline (e.g. at prepare time)"))
-    return Finding(_clamp(0.9 * share), "data-bound: the training step waits for the DataLoader", ev, sug)
-
-
-def workers_needed(f: dict) -> tuple[int, str]:
-    """DataLoader workers that hide the loading, from the data wait and the rest of the step, and how
-    it was computed. With ``W`` workers, a step lasts ``max(compute, load / W)``; loading a step's
-    batches takes ``data_ms`` without workers, ``W x step_ms`` for ``W`` workers that cannot keep up.
-    At most one worker per core but one, where the run recorded its cores."""
-    w, step, data = cfg(f, "data.num_workers"), f["step_ms"], f["data_ms"]
-    compute = max(step - data, 0.05 * step)
-    load = data if w == 0 else w * step
-    need = max(w + 1, math.ceil(1.25 * load / compute))  # 25% headroom
-    how = (f"loading a step's batches takes about {load:.1f} ms "
-           + ("(the wait itself, loading in the training process)" if w == 0 else f"({w} worker(s) x {step:.1f} ms)")
-           + f", the rest of the step {compute:.1f} ms: {need} workers keep up (with 25% headroom)")
-    cores = (f.get("threads") or {}).get("cpu_count")
-    if cores and need > max(1, cores - 1):
-        need = max(1, cores - 1)  # one core stays with the training process
-        how += (f"; the run had {cores} cores, so {need} (one core for the training process): loading will "
-                "still limit the step, make it cheaper")
-    return need, how
 
 
 def copy_bound(f: dict) -> Optional[Finding]:
@@ -441,7 +394,7 @@ RULES: list[Callable[[dict], Optional[Finding]]] = [
     data_bound, copy_bound, host_sync, launch_overhead, compile_off, micro_batch, optimizer_impl,
     activation_recompute, layer_forms, thread_oversubscription, outside_steady_state, fp32_math, attention,
     logits_peak, activation_memory, optimizer_state_memory, allocator_thrash, memory_savers_with_room,
-    selective_recompute, lora_finetune, fp8_cannot_pay,
+    selective_recompute, lora_finetune, qlora_finetune, fp8_cannot_pay, *OPTIM_RULES, document_mask_cost,
 ]
 
 

@@ -1,5 +1,6 @@
 """Doctor rules that ask the estimator about a technique the run does not use: selective activation
-checkpointing where whole blocks are recomputed, LoRA where a full fine-tune fills the GPU.
+checkpointing where whole blocks are recomputed, LoRA where a full fine-tune fills the GPU, QLoRA where a
+LoRA fine-tune still fills it.
 
 Both apply only to a CUDA run whose GPU memory is known and tight (the peak at least
 :data:`~tokenmill.profiling.findings.TIGHT_MEMORY` of it: where memory is not tight, ``activation_recompute``
@@ -99,4 +100,40 @@ def lora_finetune(f: dict) -> Optional[Finding]:
                   "in transformers as the base does (a different fine-tune: compare the validation loss)")]
     gain = 1.0 - lora.peak_reserved_mb / full.peak_reserved_mb if full is not None else 0.5
     return Finding(_clamp(0.4 * fill * max(0.0, gain)), "a full fine-tune fills the GPU where LoRA fits",
+                   ev, sug, measure="memory")
+
+
+def qlora_finetune(f: dict) -> Optional[Finding]:
+    """A LoRA fine-tune over an unquantised base that fills the GPU, where the estimate says QLoRA (the
+    adapted projections' frozen weights stored as NF4, about 4.1 bits per weight) fits."""
+    if not cfg(f, "lora.rank") or (cfg(f, "lora.quantize_base") or "none") != "none":
+        return None
+    fill = _tight(f)
+    lora = _estimate(f, {}) if fill is not None else None
+    if lora is None:
+        return None
+    from tokenmill import config as C
+    from tokenmill.errors import TokenmillError
+    from tokenmill.estimate.finetune import qlora_mb
+
+    specs = C.field_specs()
+    try:
+        run = C.validate(C.apply_overrides(C.Config(), {k: v for k, v in f["config"].items()
+                                                         if k in specs and v is not None}))
+        q = qlora_mb(run, lora.peak_reserved_mb)
+    except (TokenmillError, ValueError, KeyError, TypeError, RuntimeError):  # as _estimate: no finding
+        return None
+    cap = f["device_total_mb"]
+    if q > FITS * cap:
+        return None
+    ev = [f"a LoRA fine-tune (lora.rank {cfg(f, 'lora.rank')}, the base frozen in its full width) fills "
+          f"{pct(fill)} of the GPU",
+          f"with the adapted projections' base weights stored as NF4 (4-bit, about 4.1 bits per weight) the "
+          f"estimate is {q / 1024:.1f} GB peak reserved of {cap / 1024:.1f} GB (this config: "
+          f"{lora.peak_reserved_mb / 1024:.1f} GB)"]
+    sug = [switch("lora.quantize_base", "nf4", "QLoRA: the frozen base stored as 4-bit NF4 (torchao), dequantised "
+                  "in each matmul; the export merges the adapters into the dequantised base (compare the "
+                  "validation loss: the base itself changes by the quantisation)")]
+    gain = 1.0 - q / lora.peak_reserved_mb
+    return Finding(_clamp(0.4 * fill * max(0.0, gain)), "a LoRA fine-tune fills the GPU where QLoRA fits",
                    ev, sug, measure="memory")

@@ -131,6 +131,8 @@ def run_one(config: Path, run_dir: Path, steps: int, t: Optional[dict[str, Any]]
     train_s = s.get("wall_s") or (summary_path.stat().st_mtime - (run_dir / "config.toml").stat().st_mtime)
     tokens = (s.get("tokens_per_step") or 0) * ((s.get("steps") or 0) - (s.get("start_step") or 0))
     peak = s.get("peak_alloc_mb") if s.get("device") == "cuda" else (rss_kb / 1024 if rss_kb else None)
+    lo, hi, tps = s.get("tokens_per_sec_min"), s.get("tokens_per_sec_max"), s.get("tokens_per_sec")
+    out["window_spread"] = (hi - lo) / tps if lo and hi and tps else None  # within the run, over its windows
     return {**out, "ok": bool(s.get("tokens_per_sec")), "tokens_per_sec": s.get("tokens_per_sec"),
             "wall_tokens_per_sec": tokens / train_s if train_s > 0 else None, "train_s": train_s, "peak_mb": peak,
             "peak_source": "CUDA allocator peak" if s.get("device") == "cuda" else "peak resident memory",
@@ -140,18 +142,22 @@ def run_one(config: Path, run_dir: Path, steps: int, t: Optional[dict[str, Any]]
 def _wait(proc: subprocess.Popen, timeout_s: float) -> Optional[int]:
     """Wait for the process; its peak resident memory in KB (Linux ``ru_maxrss``), or None when it ran
     past ``timeout_s`` (then it and its children are killed)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-        if pid:
-            proc.returncode = os.waitstatus_to_exitcode(status)
-            return usage.ru_maxrss
-        if time.monotonic() > deadline:
-            from tokenmill.bench.runner import _kill_group
+    from tokenmill.bench.runner import _kill_group
 
-            _kill_group(proc)
-            return None
-        time.sleep(0.05)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                proc.returncode = os.waitstatus_to_exitcode(status)
+                return usage.ru_maxrss
+            if time.monotonic() > deadline:
+                _kill_group(proc)
+                return None
+            time.sleep(0.05)
+    except BaseException:  # Ctrl-C or SIGTERM (its own session: nothing else ends it)
+        _kill_group(proc)
+        raise
 
 
 def _read_values(path: Path, flags: set[str]) -> dict[str, Any]:
@@ -178,8 +184,8 @@ def compare(base: list[dict[str, Any]], runs: list[dict[str, Any]], measure: str
         a = [b[key] for b in by_round.values() if b.get(key)]
         if not ratios:
             continue
-        changes[name] = {"change": statistics.median(ratios) - 1.0, "low": min(ratios) - 1.0,
-                         "high": max(ratios) - 1.0, "rounds": len(ratios),
+        changes[name] = {"ratio": statistics.median(ratios), "change": statistics.median(ratios) - 1.0,
+                         "low": min(ratios) - 1.0, "high": max(ratios) - 1.0, "rounds": len(ratios),
                          "baseline_spread": (max(a) - min(a)) / statistics.median(a) if len(a) > 1 else None}
     if measure not in changes:
         return {"status": "failed", "reason": "the baseline runs failed", "changes": changes}
@@ -194,7 +200,10 @@ def compare(base: list[dict[str, Any]], runs: list[dict[str, Any]], measure: str
         status = "worse"
     else:
         status = "not confirmed"
-    return {"status": status, "decided_by": measure, "noise": noise, "changes": changes}
+    spreads = [r["window_spread"] for r in [*base, *runs] if r.get("window_spread") is not None]
+    return {"status": status, "decided_by": measure, "noise": noise, "changes": changes,
+            "exceeds_noise": c["rounds"] > 1 and abs(gain) > noise and (better or worse),
+            "window_spread": statistics.median(spreads) if spreads else None}
 
 
 def format_trials(report: dict[str, Any]) -> list[str]:
@@ -217,6 +226,11 @@ def format_trials(report: dict[str, Any]) -> list[str]:
             lines.append(f"{head}: {t['reason']}")
             continue
         lines.append(head + f" (decided by {FIGURE_NAMES[t['decided_by']]}; baseline noise {100 * t['noise']:.0f}%)")
+        c = t["changes"][t["decided_by"]]
+        within = t.get("window_spread")
+        lines.append(f"      B/A ratio {c['ratio']:.3f} (rounds {1 + c['low']:.3f} .. {1 + c['high']:.3f}): the difference "
+                     + ("exceeds" if t.get("exceeds_noise") else "does not exceed") + f" the noise ({100 * t['noise']:.0f}%"
+                     + (f"; windows within a run spread {100 * within:.0f}%" if within is not None else "") + ")")
         for name, c in t["changes"].items():
             lines.append(f"      {FIGURE_NAMES[name]:<22} {100 * c['change']:+.1f}% (rounds {100 * c['low']:+.1f}% .. "
                          f"{100 * c['high']:+.1f}%)")

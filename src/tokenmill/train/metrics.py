@@ -142,7 +142,6 @@ class ThroughputMeter:
         self.window_start: float | None = None
         self.window_steps = 0
         self.windows: list[float] = []  # tokens/s per window
-        self.step_times: list[float] = []  # seconds per step per window
 
     def mark(self, completed_steps: int) -> None:
         """Call after a device sync, with no untimed work pending: starts a new window."""
@@ -161,20 +160,29 @@ class ThroughputMeter:
         dt = time.perf_counter() - self.window_start
         tps = self.window_steps * self.tokens_per_step / dt
         self.windows.append(tps)
-        self.step_times.append(dt / self.window_steps)
         self.window_start = None
         return tps
 
     def summary(self) -> dict[str, Any]:
-        if not self.windows:
-            return {"tokens_per_sec": None, "tokens_per_sec_windows": [], "step_time_ms": None}
-        return {
-            "tokens_per_sec": statistics.median(self.windows),
-            "tokens_per_sec_min": min(self.windows),
-            "tokens_per_sec_max": max(self.windows),
-            "tokens_per_sec_windows": self.windows,
-            "step_time_ms": 1000 * statistics.median(self.step_times),
-        }
+        return steady_figures(self.windows, self.tokens_per_step)
+
+
+def steady_figures(windows: list[float], tokens_per_step: int) -> dict[str, Any]:
+    """The one steady-state figure of a run, from its windows' tokens/s: ``tokens_per_sec`` (the median),
+    ``step_time_ms`` (tokens per step / that median, so the two agree exactly), the windows' min and max,
+    and ``timing_windows`` (how many). Every report (the trainer's summary, the ladder, the doctor) reads
+    these."""
+    if not windows:
+        return {"tokens_per_sec": None, "tokens_per_sec_windows": [], "step_time_ms": None, "timing_windows": 0}
+    tps = statistics.median(windows)
+    return {
+        "tokens_per_sec": tps,
+        "tokens_per_sec_min": min(windows),
+        "tokens_per_sec_max": max(windows),
+        "tokens_per_sec_windows": list(windows),
+        "step_time_ms": 1000 * tokens_per_step / tps,
+        "timing_windows": len(windows),
+    }
 
 
 class StepMetrics:
@@ -273,6 +281,7 @@ class StepMetrics:
         set-up), ``warmup_s`` (until the first timed step), ``eval_s``/``evals``, ``checkpoint_s``/
         ``checkpoints``, ``log_s``/``logs``."""
         out = self.meter.summary()
+        out["timing_from_step"] = self.timing_from  # the windows: every log window after this step
         out["mfu"] = self.mfu(out["tokens_per_sec"])
         out["wall_s"] = time.perf_counter() - self.started
         out["warmup_s"] = self.warmup_s

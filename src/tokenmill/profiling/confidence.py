@@ -1,0 +1,107 @@
+"""How sure the doctor is of each finding: the finding's effect against the spread of the run's own windows.
+
+The windows are the trainer's log windows (``metrics.jsonl``: one row per window of steps between two
+synchronised log steps, the windows ``summary.json``'s tokens/s is the median of) or the profiled steps
+(``profile.json``: ``breakdown.each_step_ms``). :func:`window_set` leaves out a window whose step took
+at least :data:`SPIKE` times the median step (the machine was busy with something else: such a window
+would drag every share towards its own compute time) and says which windows it used.
+
+A timed rule fires when a phase's share of the step crosses a threshold (:data:`TIMED`). Its confidence
+is the distance of the share from that threshold in standard errors of the share over the windows used
+(``z = (share - threshold) / (stdev / sqrt(n))``): ``high`` from :data:`HIGH`, ``medium`` from
+:data:`ENOUGH`, below that **too noisy to judge** (the doctor does not name it as the bottleneck and says
+how to get a clearer run). With one window there is no spread to judge by (``unknown``), nor for timed rules
+without per-window figures (:data:`UNWINDOWED`; on CUDA the device-idle rules). Rules that read counts, the
+config or memory (syncs per step, FLOPs per operator, threads, the memory peak) are ``not timed``: machine
+load does not move them.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any, Optional
+
+SPIKE = 3.0  # a window this many times slower than the median window is left out
+HIGH, ENOUGH = 4.0, 2.0  # standard errors between the share and the rule's threshold
+NOISY = "too noisy to judge"
+# rule -> (the phase whose share of the step it reads, the share at which it fires)
+TIMED = {"data_bound": ("data", 0.15), "copy_bound": ("h2d", 0.08), "optimizer_impl": ("optimizer", 0.15)}
+# timed rules without a per-window series (what they time), and the rules that time the device's idle on CUDA
+UNWINDOWED = {"activation_recompute": "the recompute inside backward", "selective_recompute": "the recompute "
+              "inside backward", "outside_steady_state": "wall-clock time outside the steps"}
+DEVICE_IDLE = ("launch_overhead", "compile_off", "micro_batch", "host_sync")
+CLEARER = ("more steps (more log windows), a quieter machine, and OMP_NUM_THREADS set to the cores that are "
+           "free (`uptime` shows the load)")
+
+
+def window_set(step_ms: list[float], phase_ms: dict[str, list[float]], kind: str) -> dict[str, Any]:
+    """The windows to judge by, each phase's share of the step in each of them, and which were used.
+    ``kind`` names a window ("log window", "profiled step")."""
+    n = len(step_ms)
+    mid = statistics.median(step_ms) if n else 0.0
+    keep = [i for i, s in enumerate(step_ms) if s > 0 and not (n > 2 and s >= SPIKE * mid)]
+    out = [i for i in range(n) if i not in keep]
+    shares = {p: [v[i] / step_ms[i] for i in keep] for p, v in phase_ms.items() if len(v) == n}
+    return {"kind": kind, "total": n, "used": [i + 1 for i in keep], "left_out": [i + 1 for i in out],
+            "step_ms": [step_ms[i] for i in keep], "phase_ms": {p: [v[i] for i in keep] for p, v in phase_ms.items()
+                                                                if len(v) == n},
+            "shares": shares, "median_step_ms": mid}
+
+
+def _ranges(idx: list[int]) -> str:
+    """``[1, 2, 3, 5]`` -> ``1-3, 5``."""
+    parts, start = [], None
+    for i, v in enumerate(idx):
+        if start is None:
+            start = v
+        if i + 1 == len(idx) or idx[i + 1] != v + 1:
+            parts.append(f"{start}" if start == v else f"{start}-{v}")
+            start = None
+    return ", ".join(parts)
+
+
+def describe(w: Optional[dict[str, Any]]) -> str:
+    """``log windows 1-3, 5-8 of 8 (window 4 left out: >= 3x the median step)``."""
+    if not w or not w["total"]:
+        return "no windows"
+    text = f"{w['kind']}s {_ranges(w['used'])} of {w['total']}"
+    if w["left_out"]:
+        plural = "s" if len(w["left_out"]) > 1 else ""
+        text += f" ({w['kind']}{plural} {_ranges(w['left_out'])} left out: >= {SPIKE:g}x the median step, machine busy)"
+    return text
+
+
+def rate(finding: dict[str, Any], facts: dict[str, Any]) -> dict[str, Any]:
+    """The confidence of ``finding`` (a ranked finding dict with its rule's ``key``) from the facts'
+    windows: ``level``, and for a timed rule the ``effect`` (share), ``threshold``, ``z``, ``windows`` and
+    the windows' ``spread`` (lowest and highest share)."""
+    basis = TIMED.get(finding["key"])
+    key = finding["key"]
+    if basis is None and (key in UNWINDOWED or (key in DEVICE_IDLE and facts.get("device") == "cuda")):
+        return {"level": "unknown", "why": f"timed ({UNWINDOWED.get(key, 'device idle time')}), but without "
+                "per-window figures: its spread is not known; `tokenmill doctor --try` measures the switch"}
+    if basis is None:
+        return {"level": "not timed", "why": "read from counts, the config or memory, which load does not move"}
+    phase, threshold = basis
+    share = facts.get(f"{phase}_share")
+    shares = ((facts.get("windows") or {}).get("shares") or {}).get(phase) or []
+    if share is None or len(shares) < 2:
+        return {"level": "unknown", "windows": len(shares), "effect": share, "threshold": threshold,
+                "why": "fewer than two windows: no spread to judge by; train more steps to know"}
+    se = statistics.stdev(shares) / math.sqrt(len(shares))
+    z = (share - threshold) / se if se > 0 else math.inf
+    level = "high" if z >= HIGH else "medium" if z >= ENOUGH else NOISY
+    out = {"level": level, "effect": share, "threshold": threshold, "z": z if math.isfinite(z) else None,
+           "windows": len(shares), "spread": [min(shares), max(shares)], "phase": phase}
+    out["why"] = (f"{phase} {100 * share:.0f}% of the step vs the {100 * threshold:.0f}% threshold: "
+                  + ("no spread over" if z == math.inf else f"{z:.1f} standard errors over")
+                  + f" {len(shares)} windows ({100 * min(shares):.0f}-{100 * max(shares):.0f}%)")
+    if level == NOISY:
+        out["why"] += f"; within the noise. For a clearer run: {CLEARER}"
+    return out
+
+
+def label(c: dict[str, Any]) -> str:
+    """One line for the terminal: ``confidence high: data 70% of the step vs ...``."""
+    return f"confidence {c['level']}: {c['why']}"
