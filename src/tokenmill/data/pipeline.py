@@ -16,11 +16,13 @@ import dataclasses
 import hashlib
 import multiprocessing as mp
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
+from tokenmill import signals
 from tokenmill.errors import DataError
 
 from .chunking import CHUNK_BYTES, cut_text
@@ -59,9 +61,12 @@ class Encoded:
 
 
 _W: dict = {}
+STOP_WAIT_S = 3.0  # how long an interrupted prepare waits for its pool to end before killing the workers
 
 
 def init_worker(inputs, tok, settings: EncodeSettings) -> None:
+    if mp.parent_process() is not None:  # a tokenizer process: Ctrl-C and SIGTERM are its parent's to act on
+        signals.quiet_worker()
     _W.update(inputs=inputs, tok=tok, settings=settings)
 
 
@@ -131,15 +136,41 @@ def pool(workers: int, inputs, tok, settings: EncodeSettings) -> Iterator[mp.poo
     # workers are the parallelism, so switch its threads off in them explicitly.
     had = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    p = None
     try:
-        p = mp.get_context(method).Pool(workers, initializer=init_worker, initargs=(inputs, tok, settings))
+        with signals.deferred():  # built whole (a signal raises after): only the built pool ends its workers
+            p = mp.get_context(method).Pool(workers, initializer=init_worker, initargs=(inputs, tok, settings))
+    except BaseException:
+        if p is not None:
+            stop_pool(p)
+        raise
     finally:
         if had is None:
             del os.environ["TOKENIZERS_PARALLELISM"]
         else:
             os.environ["TOKENIZERS_PARALLELISM"] = had
-    with p:
+    try:
         yield p
+    except BaseException:  # Ctrl-C, SIGTERM or an error: end the workers now, never wait on them unbounded
+        stop_pool(p)
+        raise
+    p.close()
+    p.join()
+
+
+def stop_pool(p: mp.pool.Pool, wait_s: float = STOP_WAIT_S) -> None:
+    """Terminate ``p`` within about ``wait_s`` seconds. ``Pool.terminate`` waits for the task queue's lock,
+    which a worker killed while waiting for a task (a SIGTERM sent to the whole process group) holds
+    forever: it runs in a thread, and after ``wait_s`` the workers left are killed and abandoned to it."""
+    t = threading.Thread(target=p.terminate, name="tokenmill-pool-stop", daemon=True)
+    t.start()
+    t.join(wait_s)
+    if not t.is_alive():
+        return
+    for w in list(getattr(p, "_pool", ())):  # the pool's worker processes (no public list)
+        if w.exitcode is None:
+            w.kill()
+        w.join(wait_s)
 
 
 def run(pieces: Iterable[Piece], workers: int, inputs, tok, settings: EncodeSettings,

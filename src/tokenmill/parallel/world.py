@@ -222,3 +222,25 @@ def global_mean(values: torch.Tensor, world: World) -> torch.Tensor:
         out.zero_()
     dist.all_reduce(out, op=dist.ReduceOp.SUM)  # gloo has no AVG
     return out / (world.size // world.pp)
+
+
+# What a collective raises on the ranks left when another process of the job has died (gloo's TCP pairs,
+# NCCL's aborted communicators, the store's connection), matched in the message where torch raises a
+# plain RuntimeError.
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "gloo/transport",
+             "NCCL communicator was aborted", "NCCL error", "Socket Timeout", "failed to recv")
+
+
+def peer_failure(e: BaseException) -> Optional[str]:
+    """One line for the error a rank gets when another process of its job has ended (killed, crashed,
+    out of memory), or None when ``e`` is something else. Not a bug of this rank: its cause is in the other
+    rank's output, and torchrun reports which one."""
+    env = torchrun_env()  # not the process group: the trainer has destroyed it on the way out
+    if env is None or env[2] < 2 or not isinstance(e, RuntimeError):
+        return None
+    text = str(e)
+    if not isinstance(e, dist.DistError) and not any(m in text for m in PEER_LOST):
+        return None
+    first = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(e).__name__)
+    return (f"rank {env[0]} of {env[2]}: another process of this job has ended, so this "
+            f"one stops too ({first[:160]}). The cause is in that process's output (torchrun names its rank).")

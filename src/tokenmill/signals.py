@@ -1,0 +1,232 @@
+"""SIGINT and SIGTERM for the command line: any command ends the same way at any moment.
+
+``cli.main`` calls :func:`install` first, before the heavy imports. From then on:
+
+- **SIGINT** (Ctrl-C) raises :class:`Interrupted` and **SIGTERM** :class:`Terminated`, both
+  ``KeyboardInterrupt`` subclasses, so every ``finally``, context manager and ``except KeyboardInterrupt``
+  cleans up the same way for both (temporary files removed, worker pools ended); ``cli.main`` then prints
+  one line (``tokenmill: interrupted`` / ``tokenmill: terminated``) and exits 130 / 143.
+- A **second** signal while that clean-up runs ends the process at once: its multiprocessing children
+  are killed, the same one line is written if it was not yet, and the exit code is the first signal's.
+  Never a traceback, never a wait on a clean-up that hangs.
+- Every **forked child** (the tokenizer pool of ``prepare``, DataLoader workers) ignores SIGINT, which a
+  terminal sends to the whole process group, and takes SIGTERM's default action: its parent ends it.
+  A signal that reaches a child before its fork hook ran finds the handler knowing it is not in the
+  process that installed it, and acts as the worker would. The tokenizer pool also calls :func:`quiet_worker` in its initializer (for a ``spawn`` start); DataLoader
+  workers started by ``spawn``/``forkserver`` end quietly on ``KeyboardInterrupt`` in torch's worker loop.
+- After the command (``finish``, in a process that ``cli.main`` owns), a late signal during the
+  interpreter's exit ends the process at once, quietly, with the command's exit code.
+- A closed stdout pipe (``tokenmill sample | head -1``) exits 141 without a message (:func:`broken_pipe`).
+
+The interpreter's own start-up, before ``cli.main`` runs its first line (about 30 ms), is Python's:
+there a Ctrl-C is Python's ``KeyboardInterrupt`` and a SIGTERM its default (an immediate exit).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Optional
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT arrived (exit 130). A subclass, not ``KeyboardInterrupt`` itself: CPython flags an exact
+    ``KeyboardInterrupt`` that crosses code run by ``PyRun_String`` (C++ extensions' start-up snippets) as
+    unhandled and then kills its own process with SIGINT at exit, even after ``cli.main`` handled it."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived: unwinds as Ctrl-C does (a ``KeyboardInterrupt``), exits 143."""
+
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+WORDS = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}
+
+_state: dict = {"active": False, "first": None, "announced": False, "quit": False, "previous": None,
+                "pid": None, "code": None, "defer": 0, "held": None}
+_hooks = False
+
+
+def _handler(signum: int, frame) -> None:
+    if _state["quit"]:  # the command has ended and said so: exit with its code, nothing more to say
+        force_exit(signum, _state["code"], announce=False)
+    if os.getpid() != _state["pid"]:  # a forked child before its fork hook ran: act as a worker
+        quiet_worker()
+        if signum == signal.SIGTERM:
+            os._exit(CODES[signum])  # it has done nothing yet
+        return
+    if _state["defer"] and _state["first"] is None:
+        if _state["held"] is not None:  # the second one: end now
+            force_exit(_state["held"])
+        _state["held"] = signum
+        return
+    if _forking(frame):  # raised in a fork hook, the exception is lost and the hook's lock stays taken
+        threading.Timer(0.02, os.kill, (os.getpid(), signum)).start()  # (logging's): send it again later
+        return
+    if _state["first"] is None:
+        _state["first"] = signum
+        raise Terminated() if signum == signal.SIGTERM else Interrupted()
+    force_exit(_state["first"])
+
+
+def _forking(frame) -> bool:
+    """Whether ``frame`` runs inside multiprocessing's ``Process.start`` (the fork, the at-fork hooks the
+    interpreter runs around it, and the bookkeeping that lets the parent end the child later)."""
+    mod = sys.modules.get("multiprocessing.process")
+    start = getattr(getattr(mod, "BaseProcess", None), "start", None)
+    code = getattr(start, "__code__", None)
+    while frame is not None and code is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Hold SIGINT/SIGTERM while the body runs (something that must not stop half-way, e.g. a pool
+    being built, whose workers only the finished pool can end); a signal that came raises at the end."""
+    _state["defer"] += 1
+    try:
+        yield
+    finally:
+        _state["defer"] -= 1
+    held, _state["held"] = _state["held"], None
+    if held is not None and _state["defer"] == 0 and _state["first"] is None:
+        _state["first"] = held
+        raise Terminated() if held == signal.SIGTERM else Interrupted()
+
+
+def force_exit(signum: int, code: Optional[int] = None, announce: bool = True) -> None:
+    """End the process now: kill its multiprocessing children, write the one line once, flush what can
+    be flushed, exit with ``code`` (default: the signal's; no clean-up, no traceback)."""
+    try:
+        import multiprocessing
+
+        for child in multiprocessing.active_children():
+            child.kill()
+    except Exception:  # noqa: BLE001 - ending anyway
+        pass
+    if announce and not _state["announced"]:
+        _state["announced"] = True
+        os.write(2, f"tokenmill: {WORDS.get(signum, 'interrupted')}\n".encode())
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a broken pipe or a write this signal interrupted
+            pass
+    os._exit(code if code is not None else CODES.get(signum, 128 + signum))
+
+
+def received() -> Optional[int]:
+    """The first SIGINT/SIGTERM received since :func:`install` (None: none)."""
+    return _state["first"]
+
+
+def outcome(exc: BaseException) -> tuple[int, str]:
+    """(exit code, the one line) for a command ended by ``exc`` after a signal or a KeyboardInterrupt."""
+    signum = _state["first"] or (signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT)
+    _state["announced"] = True
+    return CODES[signum], f"tokenmill: {WORDS[signum]}"
+
+
+def install() -> None:
+    """SIGINT/SIGTERM raise (see the module doc), forked children stay quiet. Main thread only; elsewhere
+    (a command run from a thread) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    _install_process_hooks()
+    _state.update(first=None, announced=False, quit=False, active=True, pid=os.getpid(), defer=0, held=None,
+                  previous={s: signal.getsignal(s) for s in SIGNALS})
+    for s in SIGNALS:
+        signal.signal(s, _handler)
+
+
+def finish(owned: bool, code: Optional[int] = None) -> None:
+    """After the command (exit ``code``; None: it raised): in a process ``cli.main`` owns, a late signal
+    ends it at once with that code (quit mode); otherwise (``main([...])`` called from Python) the
+    previous handlers come back."""
+    if not _state["active"] or threading.current_thread() is not threading.main_thread():
+        return
+    if owned:
+        _state.update(quit=True, code=code)
+        return
+    for s, h in (_state["previous"] or {}).items():
+        signal.signal(s, h if h is not None else signal.SIG_DFL)
+    _state.update(active=False, quit=False)
+
+
+def quiet_worker() -> None:
+    """In a worker process: SIGINT ignored (the parent decides); SIGTERM (the parent's way of ending it)
+    removes the multiprocessing temporary folder this process made (a DataLoader worker's ``pymp-*``) and
+    exits at once (nothing waits on a queue whose reader has stopped). Not ``SIG_IGN`` for SIGINT: a
+    program this process execs gets the default back."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    signal.signal(signal.SIGINT, _ignore)
+    signal.signal(signal.SIGTERM, _worker_exit)
+    _state.update(active=False, first=None, quit=False)
+
+
+def _ignore(signum: int, frame) -> None:
+    pass
+
+
+def _worker_exit(signum: int, frame) -> None:
+    try:
+        from multiprocessing import util
+
+        remove = getattr(util, "_remove_temp_dir", None)
+        for fin in list(getattr(util, "_finalizer_registry", {}).values()):  # this process's own only
+            if remove is not None and getattr(fin, "_callback", None) is remove:
+                fin()
+    except Exception:  # noqa: BLE001 - ending anyway
+        pass
+    os._exit(CODES[signal.SIGTERM])
+
+
+def _last_exit_step() -> None:
+    """Registered first, so the interpreter runs it after every other exit function: in a process
+    ``cli.main`` owns, ignore a signal from here on. Python gives caught signals their default action
+    back while it tears down, and a signal in those last milliseconds would otherwise end the process
+    by the signal itself instead of with the command's exit code."""
+    if _state["quit"] and threading.current_thread() is threading.main_thread():
+        for s in SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+
+
+def _install_process_hooks() -> None:
+    global _hooks
+    if _hooks:
+        return
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_after_fork_child)
+    atexit.register(_last_exit_step)
+    _hooks = True
+
+
+def _after_fork_child() -> None:
+    if _state["active"]:
+        quiet_worker()
+
+
+BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a Unix tool whose reader closed the pipe
+
+
+def broken_pipe() -> int:
+    """stdout's reader has gone (``tokenmill sample | head -1``): point stdout at the null device so the
+    interpreter's exit flush stays quiet (Python's documented recipe) and exit 141, as ``seq`` or ``yes``
+    would under ``set -o pipefail``; no message (the reader asked for no more)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout without a file descriptor (a test's capture)
+        pass
+    return BROKEN_PIPE
