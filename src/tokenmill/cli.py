@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import io
 import sys
 import time
 from pathlib import Path
 
-from tokenmill import __version__
+from tokenmill import __version__, signals
 from tokenmill import config as C
 from tokenmill.args import add_config_args, config_from_args, parse_config_args
+from tokenmill.config.options import number
 from tokenmill.errors import ConfigError, SampleError, TokenmillError, TrainingError, describe_os_error
 
 __all__ = ["add_config_args", "build_parser", "config_from_args", "main"]
@@ -29,8 +31,6 @@ def default_run_dir(args: argparse.Namespace) -> Path:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from tokenmill.train.trainer import train
-
     if args.resume:  # the run's own config.toml, then --config files and flags on top
         if not args.run_dir:
             raise ConfigError("--resume needs --run-dir (the run to continue).")
@@ -52,6 +52,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
             chosen = explicit_keys([k[4:] for k in vars(args) if k.startswith("cfg:")], args.config)
             cfg = adopt_shape(cfg, find_source(cfg.train.init_from), chosen)
+    from tokenmill.train.trainer import train  # after the checks: a bad value stops before torch loads
+
     train(cfg, run_dir, resume=args.resume)
     return 0
 
@@ -114,8 +116,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_config(args: argparse.Namespace) -> int:
     if args.update_readme:
-        path = Path(args.update_readme)
-        text, start, end = path.read_text(), "<!-- config-reference:start -->", "<!-- config-reference:end -->"
+        path, start, end = Path(args.update_readme), "<!-- config-reference:start -->", "<!-- config-reference:end -->"
+        if not path.is_file():  # a folder, a FIFO (reading it would block), a device, nothing
+            raise ConfigError(f"--update-readme {path}: not a regular file; give the README.md to update.")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise ConfigError(f"--update-readme {path}: not UTF-8 text; give the README.md to update.") from None
         if start not in text or end not in text:
             raise ConfigError(f"{path} has no {start} ... {end} markers to fill.")
         head, rest = text.split(start, 1)
@@ -154,13 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sample", help="generate text from a run's checkpoint", allow_abbrev=False)
     p.add_argument("--run-dir", required=True, help="the run directory")
     p.add_argument("--prompt", default="\n", help="text to continue (default: a newline; empty: start from the end-of-text id)")
-    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate (default: 200)")
-    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy, the most likely token (default: 0.8)")
-    p.add_argument("--top-k", type=int, default=200, help="keep the k most likely tokens; 0 = no top-k filtering (default: 200)")
-    p.add_argument("--top-p", type=float, default=1.0,
+    p.add_argument("--max-new-tokens", type=number(int), default=200, help="tokens to generate (default: 200)")
+    p.add_argument("--temperature", type=number(float), default=0.8, help="softmax temperature; 0 = greedy, the most likely token (default: 0.8)")
+    p.add_argument("--top-k", type=number(int), default=200, help="keep the k most likely tokens; 0 = no top-k filtering (default: 200)")
+    p.add_argument("--top-p", type=number(float), default=1.0,
                    help="nucleus sampling: keep the most likely tokens up to this probability mass; 1 = off (default: 1.0)")
-    p.add_argument("--num-samples", type=int, default=1, help="independent samples of the prompt (default: 1)")
-    p.add_argument("--seed", type=int, default=0, help="random seed of the draws (default: 0)")
+    p.add_argument("--num-samples", type=number(int), default=1, help="independent samples of the prompt (default: 1)")
+    p.add_argument("--seed", type=number(int, ge=0), default=0, help="random seed of the draws (default: 0)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, mps or auto (default: cpu)")
     p.add_argument("--checkpoint", help="a checkpoint file or folder of the run (default: the newest good one)")
     p.add_argument("--no-kv-cache", action="store_true",
@@ -181,10 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", required=True, help="the run directory (the result goes to RUN/eval.json)")
     p.add_argument("--data.path", dest="data_path", metavar="DATA",
                    help="a prepared folder with the run's tokenizer (default: the run's data)")
-    p.add_argument("--batches", type=int,
+    p.add_argument("--batches", type=number(int, ge=1),
                    help="evaluate N batches spread over the val split, as training does with train.eval_batches=N "
                         "(default: the whole val split)")
-    p.add_argument("--batch-size", type=int, help="sequences per batch (default: the run's train.batch_size)")
+    p.add_argument("--batch-size", type=number(int, ge=1), help="sequences per batch (default: the run's train.batch_size)")
     p.add_argument("--checkpoint", help="a checkpoint file or folder of the run (default: the newest good one)")
     p.add_argument("--device", default="auto", help="cpu, cuda, mps or auto (default: auto)")
     p.add_argument("--json", action="store_true", help="print the result as JSON (default: two lines of text)")
@@ -213,21 +220,65 @@ def _extensions():
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
+    """Run one command. SIGINT/SIGTERM are handled from the first line on (``tokenmill.signals``); with
+    ``argv`` None the process is ours, and a signal after the command ends it quietly."""
+    signals.install()
+    _paths_print_as_given()
+    code = None
     try:
+        code = _run(sys.argv[1:] if argv is None else argv)
+        return code
+    finally:
+        signals.finish(owned=argv is None, code=code)
+
+
+def _paths_print_as_given() -> None:
+    """A path the user typed with bytes that are not UTF-8 (Python holds them as surrogates) is printed back
+    as those bytes: stdout's 'strict' error handler would raise UnicodeEncodeError at the first report line."""
+    out = sys.stdout
+    if getattr(out, "errors", None) == "strict" and hasattr(out, "reconfigure"):
+        try:
+            out.reconfigure(errors="surrogateescape")
+        except (ValueError, io.UnsupportedOperation):  # detached or closed: nothing will be printed anyway
+            pass
+
+
+def _run(argv: list[str]) -> int:
+    try:
+        parser = build_parser()
         sub = argv[0] if argv else None
         args = parse_config_args(parser, argv) if sub in CONFIG_COMMANDS else parser.parse_args(argv)
-        return args.func(args) or 0
-    except ConfigError as e:
+        code = args.func(args) or 0
+        sys.stdout.flush()  # a closed pipe shows here, not at exit
+        return code
+    except BaseException as e:  # noqa: BLE001 - sorted by _outcome; anything else is a bug and re-raised
+        code = _outcome(e)
+        if code is None:
+            raise
+        return code
+
+
+def _outcome(e: BaseException) -> int | None:
+    """Print the one line for ``e`` and give the exit code; None: a bug (or SystemExit), keep it."""
+    if isinstance(e, KeyboardInterrupt) or (signals.received() and not isinstance(e, SystemExit)):
+        code, line = signals.outcome(e)  # a signal, whatever exception the unwinding ended in
+        print(line, file=sys.stderr)
+        return code
+    if isinstance(e, BrokenPipeError):  # `tokenmill sample ... | head -1`: the reader has gone, quietly
+        return signals.broken_pipe()
+    if "torch.distributed" in sys.modules:  # under torchrun: another rank died (its error is in its output)
+        from tokenmill.parallel.world import peer_failure
+
+        if (line := peer_failure(e)) is not None:
+            print(f"tokenmill: error: {line}", file=sys.stderr)
+            return 1
+    if isinstance(e, ConfigError):
         print(f"tokenmill: config error: {e}", file=sys.stderr)
         return 2
-    except TokenmillError as e:
+    if isinstance(e, TokenmillError):
         print(f"tokenmill: error: {e}", file=sys.stderr)
         return 1
-    except OSError as e:  # disk full, permission denied, read-only file system, a file where a folder goes
+    if isinstance(e, OSError):  # disk full, permission denied, read-only file system, a file where a folder goes
         print(f"tokenmill: error: {describe_os_error(e)}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("tokenmill: interrupted", file=sys.stderr)
-        return 130
+    return None

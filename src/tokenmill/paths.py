@@ -4,19 +4,23 @@ Every writing command goes through :func:`check_output` before it writes anythin
 equals, contains or lies inside any input the command reads (a run directory, a checkpoint, a data
 folder, a Hugging Face source, a text corpus) is refused, whatever the flags (``--overwrite`` replaces an
 earlier output, never an input). Names that become paths (ladder and rung names, run names) go through
-:func:`safe_name`.
+:func:`safe_name`. Paths a user types are expanded (``~``, ``$VAR``) by :func:`expand_path` (config
+resolution calls it for every field declared ``F(..., path=...)``); a name that is not valid text (bytes
+that are not UTF-8) is refused by :func:`check_text` before anything reads or writes it; a folder's file
+pattern is checked by :func:`check_glob`.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Optional
 
 from tokenmill.errors import PathError
 
-__all__ = ["check_output", "overlaps", "safe_name"]
+__all__ = ["check_glob", "check_output", "check_text", "expand_path", "overlaps", "safe_name"]
 
 
 def _real(p: str | os.PathLike) -> Path:
@@ -30,8 +34,10 @@ def overlaps(a: str | os.PathLike, b: str | os.PathLike) -> bool:
 
 
 def check_output(out: str | os.PathLike, inputs: Mapping[str, Optional[str | os.PathLike]], flag: str = "--out") -> None:
-    """Refuse ``out`` when it overlaps one of ``inputs`` (what -> path; None entries are skipped), naming
-    both and what to do."""
+    """Refuse ``out`` when it is not UTF-8 text (:func:`check_text`: the libraries that write inside it, such
+    as torch's profiler and ``tokenizers``, take text paths only) or overlaps one of ``inputs`` (what -> path;
+    None entries are skipped), naming both and what to do."""
+    check_text(out, flag)
     for what, path in inputs.items():
         if path is None or os.fspath(path) == "":
             continue
@@ -51,3 +57,46 @@ def safe_name(name: str, what: str) -> str:
         raise PathError(f"{what} {name!r} cannot be used as a file name: use letters, digits, '-', '_' or '.' "
                         "without a path separator.")
     return name
+
+
+_UNSET_VAR = re.compile(r"\$(\w+|\{[^}]*\})")
+
+
+def expand_path(value: str, what: str) -> str:
+    """``value`` with a leading ``~`` (or ``~user``) and every ``$VAR`` / ``${VAR}`` expanded; a variable
+    that is not set is a :class:`PathError` naming it, unless a file of that literal name exists."""
+    out = os.path.expandvars(os.path.expanduser(check_text(value, what)))
+    unset = _UNSET_VAR.search(out)
+    literal = os.path.lexists(out) or os.path.lexists(out.rpartition(":")[0])  # a name with a '$' (or PATH:WEIGHT)
+    if unset and not literal:
+        raise PathError(f"{what} {value!r} names the environment variable {unset.group(0)}, which is not set: "
+                        "set it, or write the path out.")
+    return out
+
+
+def check_text(path: str | bytes | os.PathLike, what: str) -> str:
+    """``path`` as text: a bytes path is decoded as the file system does; one whose bytes are not valid
+    UTF-8 (Python keeps them as lone surrogates) is a :class:`PathError` showing the bytes, so no later
+    print, JSON record or hash fails on it."""
+    text = os.fsdecode(path) if isinstance(path, bytes) else os.fspath(path)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        shown = os.fsencode(text)
+        raise PathError(f"{what} {shown!r} is not valid UTF-8 text: tokenmill records names in JSON and TOML "
+                        "files, which hold text only. Rename it (e.g. `convmv -f latin1 -t utf-8`).") from None
+    return text
+
+
+def check_glob(pattern: str, flag: str = "--glob") -> str:
+    """A folder's file pattern: not empty, relative, and inside the folder (no '..' part)."""
+    text = check_text(pattern, flag)
+    if not text.strip():
+        raise PathError(f"{flag} is empty: give a pattern relative to the input folder, such as '**/*.txt'.")
+    if os.path.isabs(text) or text.startswith("~"):
+        raise PathError(f"{flag} {text!r} is an absolute path: it is matched inside each input folder, so give it "
+                        "relative (e.g. '**/*.txt'), or pass the whole pattern as INPUT (quoted).")
+    if ".." in text.replace("\\", "/").split("/"):
+        raise PathError(f"{flag} {text!r} climbs out of the input folder ('..'): give a pattern inside it, or pass "
+                        "the other folder as INPUT.")
+    return text

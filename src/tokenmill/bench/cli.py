@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from tokenmill import config as C
+from tokenmill.config.options import number
+from tokenmill.paths import check_text
 
 
 def register(subparsers) -> None:
@@ -36,10 +38,10 @@ def register(subparsers) -> None:
     lad.add_argument("--out", help="output folder (default runs/bench-NAME-DATE)")
     lad.add_argument("--smoke", action="store_true",
                      help="tiny shapes and a few steps: checks the machinery (CPU-friendly), figures mean nothing")
-    lad.add_argument("--steps", type=int, help="timed steps per rung (overrides [ladder.measure])")
+    lad.add_argument("--steps", type=number(int, ge=1), help="timed steps per rung (overrides [ladder.measure])")
     lad.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="config override applied to the base of every rung (repeatable)")
-    lad.add_argument("--timeout", type=float, help="per-rung time limit in seconds (default from the ladder)")
+    lad.add_argument("--timeout", type=number(float, gt=0), help="per-rung time limit in seconds (default from the ladder)")
     lad.add_argument("--quiet", action="store_true", help="do not echo the training output of each rung")
     lad.add_argument("--estimate", action="store_true",
                      help="predict every rung with `tokenmill estimate` instead of running it (no GPU needed)")
@@ -54,11 +56,11 @@ def register(subparsers) -> None:
         add_config_args(sp)
         sp.add_argument("config_file", nargs="?", metavar="CONFIG.toml",
                         help="a TOML config file (the same as --config FILE, applied before any --config)")
-        sp.add_argument("--probe-steps", type=int, default=3, help="training steps per probe")
-        sp.add_argument("--memory-cap-mb", type=float,
+        sp.add_argument("--probe-steps", type=number(int), default=3, help="training steps per probe")
+        sp.add_argument("--memory-cap-mb", type=number(float, gt=0),
                         help="count a probe whose peak reserved CUDA memory exceeds this as too big")
-        sp.add_argument("--timeout", type=float, default=600.0, help="per-probe time limit in seconds")
-        sp.add_argument("--nproc", type=int, default=1, help="processes per probe (> 1: launched with torchrun)")
+        sp.add_argument("--timeout", type=number(float, gt=0), default=600.0, help="per-probe time limit in seconds")
+        sp.add_argument("--nproc", type=number(int, ge=1), default=1, help="processes per probe (> 1: launched with torchrun)")
         sp.add_argument("--estimate-only", action="store_true",
                         help="answer from `tokenmill estimate` alone, running nothing (no GPU needed; the default "
                              "when no CUDA GPU is visible and train.device is not cpu)")
@@ -67,12 +69,12 @@ def register(subparsers) -> None:
         sp.add_argument("--no-estimate", action="store_true",
                         help="search with real probes only, without starting from the estimate's answer")
         if name == "max-batch":
-            sp.add_argument("--start", type=int, default=1, help="first batch size probed")
-            sp.add_argument("--max-batch-limit", type=int, default=1024, help="largest batch size probed")
+            sp.add_argument("--start", type=number(int, ge=1), default=1, help="first batch size probed")
+            sp.add_argument("--max-batch-limit", type=number(int, ge=1), default=1024, help="largest batch size probed")
             sp.set_defaults(func=cmd_max_batch)
         else:
             sp.add_argument("--shapes", help="custom shapes 'NAME:LAYERS:HEADS:WIDTH,...' or 'LAYERS:HEADS:WIDTH,...'")
-            sp.add_argument("--max-params", type=float, help="leave out shapes above this many parameters")
+            sp.add_argument("--max-params", type=number(float, gt=0), help="leave out shapes above this many parameters")
             sp.set_defaults(func=cmd_max_model)
 
 
@@ -127,7 +129,7 @@ def cmd_ladder(args: argparse.Namespace) -> int:
         return _estimate_ladder(args, ladder, cli_set)
     if args.gpu:
         raise C.ConfigError("--gpu goes with --estimate (a real run uses the GPU it runs on).")
-    out = Path(args.out) if args.out else Path("runs") / f"bench-{ladder.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out = Path(check_text(args.out, "--out")) if args.out else Path("runs") / f"bench-{ladder.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     doc = run_ladder(ladder, out, smoke=args.smoke, timed_steps=args.steps, cli_set=cli_set,
                      timeout_s=args.timeout, echo_runs=not args.quiet)
     failed = [r["name"] for r in doc["rungs"] if r["status"] == "failed"]
@@ -141,7 +143,7 @@ def _estimate_ladder(args: argparse.Namespace, ladder, cli_set: dict[str, str]) 
 
     if args.smoke or args.steps is not None or args.timeout is not None:
         raise C.ConfigError("--smoke / --steps / --timeout have no meaning with --estimate (nothing runs).")
-    out = Path(args.out) if args.out else Path("runs") / f"estimate-{ladder.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out = Path(check_text(args.out, "--out")) if args.out else Path("runs") / f"estimate-{ladder.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     doc = predict_ladder(ladder, out, args.gpu, cli_set)
     failed = [r["name"] for r in doc["rungs"] if r["status"] == "failed"]
     if failed:

@@ -10,12 +10,21 @@ from __future__ import annotations
 from typing import Any
 
 from tokenmill.bench.configs import check_ladder_configs
-from tokenmill.bench.schema import Ladder, parse_ladder_tree, read_ladder_toml
+from tokenmill.bench.schema import Ladder, ladder_label, parse_ladder_tree, read_ladder_toml
+from tokenmill.errors import LadderError, PathError
+from tokenmill.paths import safe_name
 
 
 def parse_ladder(tree: dict[str, Any], source: str = "ladder") -> Ladder:
     """Validate a ladder TOML tree; every rung's cumulative config is resolved to catch bad values."""
     ladder = parse_ladder_tree(tree, source)
+    where = ladder_label(ladder.name, source)
+    try:
+        safe_name(ladder.name, f"{where}: the ladder name")  # it names the output folder (runs/bench-NAME-...)
+        for rung in ladder.rungs:  # each names its run folder (OUT/rungs/NN-NAME)
+            safe_name(rung.name, f"{where}: the rung name")
+    except PathError as e:  # a ladder file's mistake, reported as the others are
+        raise LadderError(str(e)) from None
     check_ladder_configs(ladder)
     return ladder
 

@@ -33,7 +33,7 @@ from tokenmill.checkpoint.files import (
     rng_state,
     set_rng_state,
 )
-from tokenmill.errors import CheckpointError, ConfigError, ParallelError
+from tokenmill.errors import CheckpointError, ConfigError, DataError, ParallelError
 from tokenmill.optim import consolidated_state_dict
 from tokenmill.parallel import World, unwrap
 from tokenmill.parallel.world import barrier
@@ -279,6 +279,9 @@ def load_model(run_dir: str | Path, checkpoint: str | Path | None = None):
         candidates = [Path(checkpoint)]
         if not candidates[0].exists():
             raise CheckpointError(f"checkpoint {checkpoint} does not exist; `ls {checkpoint_dir(run_dir)}` lists them.")
+        if not (candidates[0].is_file() or candidates[0].is_dir()):  # a FIFO or device: reading could block
+            raise CheckpointError(f"checkpoint {checkpoint} is not a file or folder; `ls {checkpoint_dir(run_dir)}` "
+                                  "lists the checkpoints.")
     else:
         candidates = [p for _, p in reversed(list_checkpoints(run_dir))]
         if not candidates:
@@ -361,12 +364,29 @@ def tokenizer_dir(run_dir: str | Path, cfg: C.Config, progress: bool = True) -> 
     folder (older runs), else the embedded corpus (prepared again, identically, if it is gone)."""
     own = Path(run_dir) / TOKENIZER_DIR
     if (own / "meta.json").is_file():
+        _check_own_tokenizer(own, cfg)
         return own
     if cfg.data.path:
         return Path(cfg.data.path)
     from tokenmill.data import ensure_embedded_corpus
 
     return ensure_embedded_corpus(cfg.data, progress=progress)
+
+
+def _check_own_tokenizer(own: Path, cfg: C.Config) -> None:
+    """A run's tokenizer copy that does not load is refused with the fix that works: remove the copy (the
+    recorded data folder, or the embedded corpus, is read instead) or copy the data folder's files back;
+    preparing data again would not help, since the copy is read first."""
+    from tokenmill.data import load_tokenizer_for_data
+
+    try:
+        load_tokenizer_for_data(own)
+    except (DataError, OSError, ValueError, KeyError, TypeError) as e:
+        data = cfg.data.path or "the embedded corpus"
+        why = first_line(e).split(" Fix:")[0]  # the data folder's fix (prepare again) would not help here
+        raise CheckpointError(f"the run's tokenizer copy {own} is damaged ({why}). Fix: delete that "
+                              f"folder (`rm -r {own}`) and tokenmill reads the tokenizer of the data the run "
+                              f"trained on ({data}), or copy that folder's .json files into it.") from None
 
 
 def _data_vocab(run_dir: Path, cfg: C.Config) -> int:

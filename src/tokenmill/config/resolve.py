@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import functools
 import math
 import os
 import sys
@@ -21,8 +23,10 @@ import tomli_w
 
 from tokenmill.config.lora import LORA_ROLES
 from tokenmill.config.schema import Config, describe_range, field_ranges, field_specs, sections
+from tokenmill.config.size import check_size
 from tokenmill.config.suggest import suggest
-from tokenmill.errors import ConfigError
+from tokenmill.errors import ConfigError, PathError
+from tokenmill.paths import expand_path
 
 
 def _closest(name: str, options: list[str]) -> str:
@@ -86,11 +90,31 @@ def _coerce(key: str, tp: Any, value: Any, from_string: bool) -> Any:
         raise ConfigError(f"{key}: expected a number, got {value!r}.")
     if tp is str:
         if isinstance(value, str):
+            if key not in _path_kinds():  # text, recorded in the UTF-8 config.toml (paths: expand_path checks)
+                _check_utf8(key, value)
             return value
         if from_string:
             return str(value)
         raise ConfigError(f"{key}: expected a string, got {value!r}.")
     raise ConfigError(f"{key}: unsupported field type {tp!r}")  # pragma: no cover
+
+
+def _check_utf8(key: str, value: str) -> None:
+    """A text value that is not UTF-8 (a lone surrogate from non-UTF-8 bytes on the command line) is refused:
+    config.toml, the logs and the terminal hold UTF-8 text."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        shown = value.encode("utf-8", "surrogateescape" if _escapable(value) else "backslashreplace")
+        raise ConfigError(f"{key}: {shown!r} is not valid UTF-8 text; pass it in UTF-8.") from None
+
+
+def _escapable(value: str) -> bool:
+    try:
+        value.encode("utf-8", "surrogateescape")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def apply_overrides(cfg: Config, overrides: dict[str, Any], from_string: bool = False, origin: str = "") -> Config:
@@ -102,8 +126,28 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any], from_string: bool = 
             raise ConfigError(f"unknown config key '{key}'{where}.{suggest(key, list(specs))}")
         tp = specs[key][0]
         section, name = key.split(".", 1)
-        setattr(getattr(cfg, section), name, _coerce(key, tp, value, from_string))
+        value = _coerce(key, tp, value, from_string)
+        if isinstance(value, str) and _path_kinds().get(key):
+            value = _expand(key, value, _path_kinds()[key], where)
+        setattr(getattr(cfg, section), name, value)
     return cfg
+
+
+@functools.cache
+def _path_kinds() -> dict[str, str]:
+    """'section.field' -> 'one' / 'list' for the fields declared ``F(..., path=...)``."""
+    return {f"{sname}.{f.name}": f.metadata["path"] for sname, scls in sections().items()
+            for f in dataclasses.fields(scls) if f.metadata.get("path")}
+
+
+def _expand(key: str, value: str, kind: str, where: str) -> str:
+    """A path field's value with ``~`` and ``$VAR`` expanded (each entry of a 'list' field)."""
+    try:
+        if kind == "list":
+            return ",".join(expand_path(part.strip(), key) if part.strip() else part for part in value.split(","))
+        return expand_path(value, key)
+    except PathError as e:
+        raise ConfigError(f"{e}{where}") from None
 
 
 def flatten(tree: dict[str, Any], origin: str = "") -> dict[str, Any]:
@@ -182,6 +226,7 @@ def validate(cfg: Config) -> Config:
             f"try model.n_head={_divisor_near(m.n_embd, m.n_head)}."
         )
     _validate_architecture(m)
+    check_size(m, cfg.train.batch_size)  # absurd shapes stop here, before any command builds or sizes a model
     if cfg.data.source == "synthetic" and m.vocab_size is None:
         raise ConfigError("data.source='synthetic' needs model.vocab_size (e.g. --model.vocab_size 50257).")
     if cfg.compile.loss_outside and cfg.compile.scope != "model":
@@ -214,6 +259,13 @@ def _validate_lora(cfg: Config) -> None:
         raise ConfigError("lora.rank > 0 works with one process, DDP and FSDP (parallel.dp_replicate / dp_shard), "
                           "not with parallel.tp or parallel.pp: the adapters are not split by heads or stages. "
                           "Shard with --parallel.dp_shard instead (the frozen base has no optimizer state to shard).")
+    if lo.quantize_base != "none" and not lo.rank:
+        raise ConfigError(f"lora.quantize_base={lo.quantize_base!r} quantises the frozen base under LoRA adapters: it "
+                          "needs --lora.rank > 0 (e.g. --lora.rank 16).")
+    if lo.quantize_base != "none" and cfg.parallel.dp_shard != 1:
+        raise ConfigError(f"lora.quantize_base={lo.quantize_base!r} works with one process and DDP, not with FSDP "
+                          "(parallel.dp_shard): sharding and gathering NF4 weights is not supported here. Use "
+                          "--parallel.dp_shard 1 (the 4-bit base is small enough to replicate).")
     if lo.rank and getattr(cfg.train, "fp8", "off") != "off":
         raise ConfigError("lora.rank > 0 does not combine with train.fp8: the FP8 conversion would replace the adapted "
                           "projections (and their adapters) by float8 Linears. Use one of them (--train.fp8 off).")
@@ -324,7 +376,7 @@ def resolve(
 ) -> Config:
     """defaults < preset < config files (in order) < overrides."""
     cfg = Config()
-    if preset:
+    if preset is not None:  # an empty name (an unset shell variable) is an unknown preset, not none
         apply_overrides(cfg, flatten(load_preset(preset), f"preset '{preset}'"), origin=f"preset '{preset}'")
     for path in config_files or []:
         apply_overrides(cfg, flatten(load_toml(path), str(path)), origin=str(path))

@@ -4,6 +4,7 @@ numbers, its valid range. Only definitions and introspection live here; resoluti
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
@@ -26,6 +27,17 @@ class DataConfig:
         None,
         "A folder written by `tokenmill prepare` (meta.json + token shards). None: the embedded "
         "corpus (this Python's standard-library sources), prepared on first use and cached.",
+        path="one",
+    )
+    mixture: Optional[str] = F(
+        None,
+        "Train on several prepared folders at once, instead of data.path: 'PATH:WEIGHT,PATH:WEIGHT,...' (the "
+        "weight after each entry's last colon; positive numbers such as 3, 0.25 or 1/3, relative). The folders "
+        "must share one tokenizer. Sample k's source follows a fixed schedule that holds every source's exact "
+        "share in each period of samples (a pure function of train.seed and k: resume and any batch, "
+        "accumulation, process or worker layout give the same stream); validation takes the sources' val "
+        "splits in the same shares. The realised shares are logged (mix_share/NAME) and in summary.json.",
+        path="list",
     )
     tokenizer: Literal["gpt2", "bytes", "bpe"] = F(
         "bpe",
@@ -34,7 +46,8 @@ class DataConfig:
     )
     bpe_vocab_size: int = F(4096, "Vocabulary size of the 'bpe' tokenizer trained for the embedded corpus.", ge=257)
     cache_dir: Optional[str] = F(
-        None, "Where the embedded corpus is prepared and cached. None: $TOKENMILL_CACHE or ~/.cache/tokenmill."
+        None, "Where the embedded corpus is prepared and cached. None: $TOKENMILL_CACHE or ~/.cache/tokenmill.",
+        path="one",
     )
     sampling: Literal["random", "sequential"] = F(
         "random",
@@ -55,7 +68,7 @@ class DataConfig:
         0.0,
         "Synthetic CPU workload per sample, in milliseconds (holds the GIL, like text augmentation). "
         "Reproduces the book's data-bound case; the tokens are unchanged.",
-        ge=0,
+        ge=0, le=60_000,
     )
     narrow_ids: bool = F(
         False,
@@ -68,6 +81,21 @@ class DataConfig:
         "Double-buffered prefetch on CUDA: the next batch is copied (and widened) on a side CUDA stream "
         "while the current one computes (tokenmill.data.loader.DevicePrefetcher; pair with data.pin_memory). "
         "No effect off CUDA (plain copies). The same batches in the same order.",
+    )
+    document_mask: bool = F(
+        False,
+        "Keep documents apart inside a packed window: attention is causal AND within one document, documents "
+        "ending with the data's end-of-text token (meta.json tokenizer.eot_id; the token belongs to the "
+        "document it ends). The model derives each token's document from the input ids (model/gpt.py), so "
+        "data, loader and data parallelism are unchanged. Costs a (batch, 1, T, T) mask and, with SDPA, the "
+        "flash kernel (CUDA runs the memory-efficient one, over the whole T x T). The loss still counts every "
+        "position. Needs an end-of-text id (not the 'bytes' tokenizer, not synthetic data); not with "
+        "parallel.pp > 1 or model.sdpa_backend='flash'; generation with the KV cache does not use it.",
+    )
+    document_positions: bool = F(
+        False,
+        "With data.document_mask: positions (learned or rotary) restart at 0 in every document, so each "
+        "document is computed exactly as if it stood alone at the start of a window.",
     )
 
 
@@ -128,6 +156,7 @@ class TrainConfig:
         "context) comes from the source; the optimizer, lr schedule and step start fresh at 0. The data must use "
         "the source's tokenizer (`tokenmill prepare --tokenizer-from`). Not read once the run directory has "
         "checkpoints (--resume continues from them).",
+        path="one",
     )
 
 
@@ -416,14 +445,25 @@ def concrete(cfg: Config, device_type: str, bf16: bool = True) -> Config:
 
 def sections() -> dict[str, type]:
     """Section name -> its dataclass, in config order."""
+    return dict(_sections())
+
+
+@functools.lru_cache(maxsize=1)
+def _sections() -> dict[str, type]:
     hints = typing.get_type_hints(Config)
     return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
 
 
 def field_specs() -> dict[str, tuple[type, Any, str]]:
-    """'section.field' -> (type annotation, default, doc) for every config field."""
+    """'section.field' -> (type annotation, default, doc) for every config field (a fresh dict; the
+    annotations are resolved once per process: resolving them was most of building the CLI parser)."""
+    return dict(_field_specs())
+
+
+@functools.lru_cache(maxsize=1)
+def _field_specs() -> dict[str, tuple[type, Any, str]]:
     out = {}
-    for sname, scls in sections().items():
+    for sname, scls in _sections().items():
         hints = typing.get_type_hints(scls)
         for f in dataclasses.fields(scls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()

@@ -9,8 +9,9 @@ import os
 import sys
 from pathlib import Path
 
+from tokenmill.config.options import number
 from tokenmill.errors import DataError
-from tokenmill.paths import check_output
+from tokenmill.paths import check_output, check_text
 
 from .meta import META_NAME
 from .prepare import DEFAULT_GLOB, ON_BAD, prepare
@@ -130,7 +131,7 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     )
     parser.add_argument("--tokenizer", choices=NAMES, default=None, help="tokenizer (default: bpe)")
     parser.add_argument(
-        "--vocab-size", type=int, default=None, metavar="N", help="bpe vocabulary size (default: 4096)"
+        "--vocab-size", type=number(int, ge=257), default=None, metavar="N", help="bpe vocabulary size (default: 4096)"
     )
     parser.add_argument(
         "--tokenizer-from",
@@ -149,7 +150,7 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         help="share of documents for validation (default: 0.1)",
     )
     parser.add_argument(
-        "--workers", type=int, default=None, metavar="N", help="tokenizer processes (default: CPUs)"
+        "--workers", type=number(int, ge=0), default=None, metavar="N", help="tokenizer processes (default: CPUs)"
     )
     parser.add_argument(
         "--glob", default=DEFAULT_GLOB, metavar="PATTERN",
@@ -162,7 +163,7 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--on-bad-record", default="skip", choices=ON_BAD,
                         help="a record that is not JSON, not UTF-8, lacks the field or is not text, or a truncated "
                         "shard: skip (count, report the first ones) or stop (default: skip)")
-    parser.add_argument("--shard-tokens", type=int, default=SHARD_TOKENS, metavar="N",
+    parser.add_argument("--shard-tokens", type=number(int, ge=1), default=SHARD_TOKENS, metavar="N",
                         help=f"tokens per output shard file (default: {SHARD_TOKENS:,})")
     parser.add_argument("--tokenizer-sample", type=parse_size, default=None, metavar="SIZE",
                         help="train the bpe tokenizer on a hashed sample of about SIZE of the training text "
@@ -170,9 +171,9 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--dtype", default="auto", choices=("auto", "uint16", "uint32"),
                         help="token id type of the files (default: auto: uint16 when the vocabulary fits)")
     parser.add_argument(
-        "--seed", type=int, default=0, help="seed of the train/val document split (default: 0)"
+        "--seed", type=number(int, ge=0), default=0, help="seed of the train/val document split (default: 0)"
     )
-    parser.add_argument("--max-files", type=int, default=None, metavar="N", help="use only the first N files")
+    parser.add_argument("--max-files", type=number(int), default=None, metavar="N", help="use only the first N files")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -189,6 +190,9 @@ def _glob_root(pattern: str) -> str:
 def run_prepare(args: argparse.Namespace) -> int:
     """Run ``prepare`` from parsed arguments, print a summary; DataError propagates. Returns 0."""
     source = getattr(args, "tokenizer_from", None)
+    for what, path in (("--out", args.out), ("--tokenizer-from", source), *(("input", i) for i in args.input or [])):
+        if path is not None:
+            check_text(path, what)  # before any name is printed, hashed or recorded
     inputs = {f"the input {i}": _glob_root(i) for i in (args.input or [])}
     check_output(args.out, {**inputs, "the --tokenizer-from source": source})  # before anything is written
     if source is not None:
@@ -243,6 +247,8 @@ def parse_size(text: str) -> int:
         value = float(t[:-1] if scale != 1 else t) * scale
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a size like 500M or 2G, got {text!r}") from None
+    if not value < 2**63:  # infinite, NaN or beyond any file size
+        raise argparse.ArgumentTypeError(f"expected a finite size like 500M or 2G, got {text!r}")
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a size >= 1 byte, got {text!r}")
     return int(value)

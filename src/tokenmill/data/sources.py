@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokenmill.errors import DataError
+from tokenmill.paths import check_glob, check_text
 
 from .stdlib import embedded_corpus_files, stdlib_root
 
@@ -68,6 +69,7 @@ def kind_of(path: Path, fmt: str = "auto") -> tuple[str, str | None]:
 
 
 def _input_file(path: Path, key: str, fmt: str) -> InputFile:
+    check_text(path, "input file")  # its key goes into meta.json, the journal and the split hash
     kind, compression = kind_of(path, fmt)
     if kind in ("parquet", "arrow") and compression:
         raise DataError(
@@ -140,6 +142,11 @@ def collect_inputs(inputs, glob: str | None = None, max_files: int | None = None
     of paths / glob patterns. ``max_files``: only the first N files."""
     if fmt not in ("auto", *KINDS):
         raise DataError(f"--format must be one of {['auto', *KINDS]}, got {fmt!r}.")
+    if max_files is not None and max_files < 1:
+        raise DataError(f"--max-files must be >= 1 (the first N files), got {max_files}. Fix: give a positive "
+                        "count, or leave it out for every file.")
+    if glob is not None:
+        check_glob(glob)
     if inputs is None:
         root = stdlib_root()
         files = [_input_file(f, f.relative_to(root).as_posix(), "text") for f in embedded_corpus_files(max_files)]
@@ -151,7 +158,7 @@ def collect_inputs(inputs, glob: str | None = None, max_files: int | None = None
         raise DataError("no INPUT given. Fix: pass files, folders or quoted glob patterns.")
     out, described = [], []
     for item in items:
-        files, desc = _expand(item, glob, fmt, prefix=len(items) > 1)
+        files, desc = _expand(check_text(item, "input"), glob, fmt, prefix=len(items) > 1)
         out += files
         described.append(desc)
     if max_files is not None:

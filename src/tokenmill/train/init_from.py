@@ -212,7 +212,10 @@ def adopt_shape(cfg: C.Config, src: InitSource, explicit: Optional[Iterable[str]
                     f"--model.{name} (or set it to {_cli(theirs)})."
                 )
             setattr(out.model, name, theirs)
-    return C.validate(out)
+    try:
+        return C.validate(out)  # the source's shape too: an absurd one (config/size.py) stops before any weight
+    except ConfigError as e:
+        raise ConfigError(f"with the model shape of train.init_from {src.describe()}: {e}") from None
 
 
 def _cli(v: Any) -> str:

@@ -13,6 +13,7 @@ from tokenmill import checkpoint
 from tokenmill import config as C
 from tokenmill.errors import AlreadyTrained, CheckpointError, TrainingError
 from tokenmill.optim import hyperparameters, load_scheduler_state, reapply_hyperparameters
+from tokenmill.parallel import unwrap
 from tokenmill.parallel.world import World, barrier
 from tokenmill.train.metrics import read_metrics
 
@@ -26,6 +27,7 @@ def resume(run_dir: Path, model, optimizer, scheduler, scaler, cfg: C.Config, wo
     :func:`~tokenmill.optim.reapply_hyperparameters`). A run already at ``train.max_steps`` raises
     :class:`AlreadyTrained` before anything is written."""
     built = hyperparameters(optimizer)
+    vocab = getattr(unwrap(model), "vocab_size", None)  # the data's, or model.vocab_size
 
     def check(saved: dict) -> None:
         missing = [k for k in ("scheduler", "rng", "config") if not isinstance(saved.get(k), dict)]
@@ -33,7 +35,7 @@ def resume(run_dir: Path, model, optimizer, scheduler, scaler, cfg: C.Config, wo
             raise CheckpointError(f"the checkpoint is damaged: it has no {', '.join(missing)} entry.")
         if not isinstance(saved["step"], int) or isinstance(saved["step"], bool) or saved["step"] < 0:
             raise CheckpointError(f"the checkpoint is damaged: its step is {saved['step']!r}.")
-        check_same_model(saved.get("config", {}), cfg)
+        check_same_model(saved.get("config", {}), cfg, vocab, saved.get("vocab_size"), run_dir)
         if int(saved["step"]) >= cfg.train.max_steps:
             raise AlreadyTrained(f"{run_dir} is already at step {int(saved['step'])} (train.max_steps is "
                                  f"{cfg.train.max_steps}): nothing to train, nothing was written. Raise "
@@ -56,9 +58,10 @@ def resume(run_dir: Path, model, optimizer, scheduler, scaler, cfg: C.Config, wo
         clean_metrics(run_dir, start_step)
         if not quiet:
             print(f"tokenmill: resumed from {path} at step {start_step}")
-            note = schedule_note(state.get("config", {}), cfg, start_step)
-            if note:
-                print(note)
+            for note in (schedule_note(state.get("config", {}), cfg, start_step),
+                         precision_note(state.get("config", {}), cfg)):
+                if note:
+                    print(note)
             old = (state.get("data_position") or {}).get("global_batch")
             new = checkpoint.global_batch(cfg, world)
             if start_sample is not None and old != new:
@@ -90,6 +93,16 @@ def schedule_note(saved: dict, cfg: C.Config, step: int) -> Optional[str]:
             f"schedule gave {before:.3g}).{keep}")
 
 
+def precision_note(saved: dict, cfg: C.Config) -> Optional[str]:
+    """A line for a resume under another ``train.precision`` (allowed: the loaded weights and optimizer
+    state are cast to this run's dtypes); None when unchanged."""
+    old = (saved.get("train") or {}).get("precision")
+    if old is None or old == cfg.train.precision:
+        return None
+    return (f"tokenmill: note: train.precision changed from {old!r} to {cfg.train.precision!r}: the checkpoint's "
+            f"weights and optimizer state are cast to it (resume with --train.precision {old} to keep it).")
+
+
 def clean_metrics(run_dir: Path, upto_step: int) -> None:
     """On resume, drop metric lines of steps after the checkpoint (they will be trained again) and
     lines torn by a killed process."""
@@ -102,21 +115,62 @@ def clean_metrics(run_dir: Path, upto_step: int) -> None:
     tmp.replace(path)
 
 
-def check_same_model(saved: dict[str, Any], cfg: C.Config) -> None:
-    """Refuse to resume into a model whose shape differs from the checkpoint's, naming the flags to use."""
-    saved_model = saved.get("model", {})
-    now = dataclasses.asdict(cfg.model)
-    diff = [k for k in now if k in saved_model and saved_model[k] != now[k] and k in C.shape_fields(layout=True)]
-    if diff:
-        pairs = ", ".join(f"model.{k}: checkpoint {saved_model[k]!r} vs now {now[k]!r}" for k in diff)
-        keep = " ".join(f"--model.{k} {cli_value(saved_model[k])}" for k in diff)
-        hint = (f"The model's shape switches cannot change on resume: resume with the checkpoint's values "
-                f"({keep}), or start a new run.")
-        if {"fused_qkv", "tie_embeddings"} & set(diff):
+# fields that fix the form of the optimizer state a checkpoint holds (its parameter groups, its kind of
+# state): a change cannot be loaded into the optimizer this config builds
+OPTIMIZER_STATE_FIELDS = ("optim.name", "optim.decay_groups", "memory.optimizer_8bit", "memory.optimizer_in_backward")
+
+
+def check_same_model(saved: dict[str, Any], cfg: C.Config, vocab: Optional[int] = None,
+                     saved_vocab: Optional[int] = None, run_dir: Optional[Path] = None) -> None:
+    """Refuse to resume when anything the checkpoint holds has changed: the model's shape fields, the
+    vocabulary (``saved_vocab`` recorded vs ``vocab`` the model has now: a data folder of another tokenizer),
+    the fields that fix the optimizer state (:data:`OPTIMIZER_STATE_FIELDS`), LoRA's adapters. One message
+    names every change and the flags that restore the checkpoint's values."""
+    changes = _changes(saved, cfg)
+    keep = [f"--{k} {cli_value(old)}" for k, old, _ in changes]
+    if vocab is not None and isinstance(saved_vocab, int) and saved_vocab != vocab and not any(
+            k == "model.vocab_size" for k, _, _ in changes):
+        changes.append((f"the vocabulary of data.path {cfg.data.path}" if cfg.data.path else "the vocabulary",
+                        saved_vocab, vocab))
+        keep.append(_vocab_fix(saved, cfg, run_dir))
+    if changes:
+        pairs = ", ".join(f"{k}: checkpoint {old!r} vs now {new!r}" for k, old, new in changes)
+        hint = (f"What a checkpoint holds cannot change on resume: resume with the checkpoint's values "
+                f"({' '.join(keep)}), or start a new run.")
+        if any(k in ("model.fused_qkv", "model.tie_embeddings") for k, _, _ in changes):
             hint += (" Tensor parallelism needs --model.fused_qkv false and pipeline parallelism "
                      "--model.tie_embeddings false; to use them later, train from the start with those.")
-        raise TrainingError(f"cannot resume: the model differs from the checkpoint's ({pairs}). {hint}")
+        raise TrainingError(f"cannot resume: the run differs from the checkpoint's ({pairs}). {hint}")
     check_same_adapters(saved.get("lora") or {}, cfg)
+
+
+def _changes(saved: dict[str, Any], cfg: C.Config) -> list[tuple[str, Any, Any]]:
+    """``(key, checkpoint value, current value)`` for each shape field and optimizer-state field that differs
+    (a field the checkpoint's config does not record is taken as unchanged; missing optimizer fields as
+    their defaults, what older checkpoints ran with)."""
+    out = []
+    saved_model, now = saved.get("model", {}) or {}, dataclasses.asdict(cfg.model)
+    for k in C.shape_fields(layout=True):
+        if k in saved_model and saved_model[k] != now[k]:
+            out.append((f"model.{k}", saved_model[k], now[k]))
+    defaults = C.Config()
+    for key in OPTIMIZER_STATE_FIELDS:
+        section, name = key.split(".")
+        current = getattr(getattr(cfg, section), name)
+        old = (saved.get(section) or {}).get(name, getattr(getattr(defaults, section), name))
+        if old != current:
+            out.append((key, old, current))
+    return out
+
+
+def _vocab_fix(saved: dict[str, Any], cfg: C.Config, run_dir: Optional[Path]) -> str:
+    """The flag that gives the model the checkpoint's vocabulary again: the data folder it trained on, else
+    data tokenized with the run's own tokenizer."""
+    old_path = (saved.get("data") or {}).get("path")
+    if old_path and old_path != cfg.data.path:
+        return f"--data.path {old_path}"
+    return (f"--data.path DIR, with DIR prepared by the run's tokenizer: `tokenmill prepare TEXT --out DIR "
+            f"--tokenizer-from {run_dir or 'RUN'}`")
 
 
 def check_same_adapters(saved_lora: dict[str, Any], cfg: C.Config) -> None:
@@ -125,6 +179,11 @@ def check_same_adapters(saved_lora: dict[str, Any], cfg: C.Config) -> None:
     before = (int(saved_lora.get("rank", 0) or 0), C.lora_roles(str(saved_lora.get("targets", "all")), cfg.model.mlp))
     now = (cfg.lora.rank, C.lora_roles(cfg.lora.targets, cfg.model.mlp))
     if before[0] == now[0] == 0 or before == now:
+        base = str(saved_lora.get("quantize_base", "none"))
+        if now[0] and base != cfg.lora.quantize_base:
+            raise TrainingError(f"cannot resume: the checkpoint's frozen base is lora.quantize_base={base!r}, this "
+                                f"config {cfg.lora.quantize_base!r}. Resume with --lora.quantize_base {base}, or "
+                                "start a new run.")
         return
     keep = f"--lora.rank {before[0]}" + (f" --lora.targets {','.join(before[1])}" if before[0] else "")
     raise TrainingError(f"cannot resume: the checkpoint has LoRA {_adapters(*before)}, this config "

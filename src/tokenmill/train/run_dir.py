@@ -3,9 +3,10 @@
 - **Locked**: one ``tokenmill train`` at a time writes to a run directory; a second one stops with an
   error naming the first (``fcntl.flock`` on ``RUN/.lock``: the lock goes with the process, so a killed
   run never leaves it held).
-- **Self-contained**: ``config.toml`` records the data folder as an absolute path, and the tokenizer
-  (``meta.json`` and its files) is copied into ``RUN/tokenizer/``, so ``sample`` and ``--resume`` work
-  from any directory and after the data folder has moved.
+- **Self-contained**: ``config.toml`` records the data folder (or a mixture's folders) as absolute paths,
+  and the tokenizer (``meta.json`` and its files; a mixture's folders share one) is copied into
+  ``RUN/tokenizer/``, so ``sample`` and ``--resume`` work from any directory and after the data folder has
+  moved.
 """
 
 from __future__ import annotations
@@ -19,17 +20,20 @@ from typing import Optional
 
 from tokenmill import config as C
 from tokenmill.checkpoint import TOKENIZER_DIR
+from tokenmill.data.mixture import absolute_mixture, mixture_paths
 from tokenmill.errors import TrainingError
-from tokenmill.paths import check_output
+from tokenmill.paths import check_output, check_text
 
 LOCK_NAME = ".lock"
 
 
 def open_run_dir(run_dir: Path, cfg: Optional[C.Config] = None) -> Path:
     """Create ``run_dir`` (and its parents) or check the existing one is a folder; never one that overlaps
-    what the run reads (``cfg``'s data folder or fine-tuning source)."""
+    what the run reads (``cfg``'s data folder, the folders of its data mixture, or its fine-tuning source)."""
+    check_text(run_dir, "--run-dir")  # torch's profiler and TensorBoard write under text paths only
     if cfg is not None:
-        check_output(run_dir, {"data.path": cfg.data.path, "train.init_from": cfg.train.init_from}, "--run-dir")
+        check_output(run_dir, {"data.path": cfg.data.path, **mixture_paths(cfg.data.mixture),
+                               "train.init_from": cfg.train.init_from}, "--run-dir")
     if run_dir.exists() and not run_dir.is_dir():
         raise TrainingError(f"run directory {run_dir} exists and is not a folder; choose another --run-dir.")
     run_dir.mkdir(parents=True, exist_ok=True)  # OS errors (permission, read-only) are reported by the CLI
@@ -71,10 +75,12 @@ def in_use_message(run_dir: Path, holder: str | None) -> str:
 
 
 def recorded_config(cfg: C.Config) -> C.Config:
-    """The config as the run directory records it: the data folder as an absolute path."""
+    """The config as the run directory records it: the data folder (or the mixture's folders) as absolute paths."""
     out = copy.deepcopy(cfg)
     if out.data.path:
         out.data.path = str(Path(out.data.path).expanduser().resolve())
+    if out.data.mixture:
+        out.data.mixture = absolute_mixture(out.data.mixture)
     if out.data.cache_dir:
         out.data.cache_dir = str(Path(out.data.cache_dir).expanduser().resolve())
     return out
