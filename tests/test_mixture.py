@@ -227,3 +227,10 @@ def test_cli_prepare_mix_train_and_resume_exactly(tmp_path, monkeypatch, capsys)
     recorded = C.load_toml(tmp_path / "cut" / "config.toml")["data"]["mixture"]
     assert recorded == f"{tmp_path / 'data' / 'shards'}:3,{tmp_path / 'data' / 'web'}:1"
     assert (tmp_path / "cut" / "tokenizer" / "tokenizer.json").is_file()
+    # the same folders named relatively on resume are no change; other weights are allowed and said, with the
+    # flag that keeps the checkpoint's mixture
+    assert "data.mixture changed" not in capsys.readouterr().out
+    other = [*common[:10], "data/shards:1,data/web:1", *common[11:]]
+    assert main([*other, "--run-dir", "cut", "--train.max_steps", "7", "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "data.mixture changed from" in out and "--data.mixture data/shards:3,data/web:1 " in out, out

@@ -11,7 +11,8 @@ from typing import Any, Optional
 
 from tokenmill import checkpoint
 from tokenmill import config as C
-from tokenmill.errors import AlreadyTrained, CheckpointError, TrainingError
+from tokenmill.data.mixture import absolute_mixture
+from tokenmill.errors import AlreadyTrained, CheckpointError, TokenmillError, TrainingError
 from tokenmill.optim import hyperparameters, load_scheduler_state, reapply_hyperparameters
 from tokenmill.parallel import unwrap
 from tokenmill.parallel.world import World, barrier
@@ -59,7 +60,7 @@ def resume(run_dir: Path, model, optimizer, scheduler, scaler, cfg: C.Config, wo
         if not quiet:
             print(f"tokenmill: resumed from {path} at step {start_step}")
             for note in (schedule_note(state.get("config", {}), cfg, start_step),
-                         precision_note(state.get("config", {}), cfg)):
+                         precision_note(state.get("config", {}), cfg), data_note(state.get("config", {}), cfg)):
                 if note:
                     print(note)
             old = (state.get("data_position") or {}).get("global_batch")
@@ -101,6 +102,32 @@ def precision_note(saved: dict, cfg: C.Config) -> Optional[str]:
         return None
     return (f"tokenmill: note: train.precision changed from {old!r} to {cfg.train.precision!r}: the checkpoint's "
             f"weights and optimizer state are cast to it (resume with --train.precision {old} to keep it).")
+
+
+def data_note(saved: dict, cfg: C.Config) -> Optional[str]:
+    """A line for a resume on other data (``data.path`` or ``data.mixture`` changed; allowed: the tokenizer is
+    checked by the vocabulary): the stream goes on at the same sample index of the new data, with the flag
+    that keeps the checkpoint's; None when unchanged."""
+    old = saved.get("data") or {}
+    for key in ("mixture", "path"):
+        before, now = old.get(key), getattr(cfg.data, key)
+        if key in old and _absolute(key, before) != _absolute(key, now):
+            keep = f"--data.{key} {before}" if before else f"no --data.{key}"
+            return (f"tokenmill: note: data.{key} changed from {before!r} to {now!r}: the data stream goes on at "
+                    f"the same sample index of the new data, so the run sees other samples than it would have "
+                    f"(resume with {keep} to keep the checkpoint's).")
+    return None
+
+
+def _absolute(key: str, value: Any) -> Any:
+    """A data folder or mixture as the run directory records it (absolute), so a relative flag naming the same
+    folders is no change."""
+    if not isinstance(value, str) or not value:
+        return value
+    try:
+        return absolute_mixture(value) if key == "mixture" else str(Path(value).expanduser().resolve())
+    except (TokenmillError, OSError):
+        return value
 
 
 def clean_metrics(run_dir: Path, upto_step: int) -> None:
