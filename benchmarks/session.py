@@ -337,6 +337,33 @@ def part_book_perf(s: Session) -> None:
     ladder_step(s, "book-perf", 70)
 
 
+DOCMASK_RUNS = {  # label -> flags on top of gpt2-124m on the embedded corpus (BPE 4,096: it has end-of-text ids)
+    "plain": [],
+    "document-mask": ["--data.document_mask", "true"],
+    "document-mask-positions": ["--data.document_mask", "true", "--data.document_positions", "true"],
+}
+
+
+def part_document_mask(s: Session) -> None:
+    """What keeping documents apart costs: gpt2-124m, batch 16, compiled, on the embedded corpus, without and
+    with ``data.document_mask`` (the SDPA mask takes the flash kernel away), A then B then A-with-positions."""
+    steps, compiled = (4, "false") if s.smoke else (60, "true")
+    base = ["--preset", "gpt2-124m", "--train.max_steps", steps, "--train.batch_size", 16, "--compile.enabled",
+            compiled, "--train.eval_batches", 0, "--checkpoint.save_final", "false", "--log.every_steps", 2 if s.smoke else 10,
+            "--log.tensorboard", "false", *smoke_args(s)]
+    for label, extra in DOCMASK_RUNS.items():
+        d = s.work / f"docmask-{label}"
+        s.tm(f"train {label}", ["train", *base, "--run-dir", d, *extra], 150)
+        s.keep(d / "summary.json", f"docmask-{label}.json")
+        try:
+            summary = json.loads((d / "summary.json").read_text())
+            s.results[label] = {k: summary.get(k) for k in ("tokens_per_sec", "step_time_ms", "final_loss")}
+            peaks = [json.loads(line).get("peak_alloc_mb") for line in (d / "metrics.jsonl").read_text().splitlines()]
+            s.results[label]["peak_alloc_mb"] = max((p for p in peaks if p is not None), default=None)
+        except (OSError, ValueError):
+            s.results[label] = {"tokens_per_sec": None}
+
+
 def smoke_args(s: Session) -> list[str]:
     return TINY if s.smoke else []
 
@@ -426,6 +453,8 @@ PARTS = [
          "the book's direction per rung", part_book_perf, ladder="book-perf", rungs=lambda names: list(names)),
     ladder_part("optimizers", "optimizers ladder: AdamW and Muon at equal tokens (gpt-mini, 65,536 samples)",
                 "Muon's final loss against AdamW's at equal tokens, and what its step costs", "optimizers", 110),
+    Part("document-mask", "gpt2-124m on the embedded corpus without and with data.document_mask (and positions)",
+         "what keeping documents apart costs in tokens/s and memory", part_document_mask),
     ladder_part("best-autotune", "best ladder: compile-max-autotune on top of every other best rung but the "
                 "checkpointing ones", "what max-autotune adds", "best", 480, these(*BEST_DEFERRED), list(RECOMPUTE),
                 fold_all=True),
