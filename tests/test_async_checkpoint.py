@@ -5,6 +5,7 @@ checkpoint loadable and nothing partial under a real name, and FSDP's DCP folder
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -102,16 +103,23 @@ def timed_run(run_dir: Path, async_save: bool) -> tuple[float, list[float]]:
 
 
 def test_training_overlaps_the_write_of_a_lagging_disk(tmp_path, monkeypatch):
-    """With a disk that takes 0.2 s per save (two fsyncs of 0.1 s), the synchronous run pays every save in
-    the steps after it; the background run pays only the final (synchronous) one: the steps after a save
-    take their 0.1 s of compute and the run is at least 0.4 s shorter (three 0.2 s writes hidden)."""
+    """With a disk that takes 0.2 s per save (two fsyncs of 0.1 s, which sleep), the synchronous run pays every
+    save in the step after it; the background run hides the write. Judged inside each run, against its own
+    ordinary steps (their median), so a loaded machine that slows every step does not decide it: each
+    synchronous save costs at least 0.15 s more than an ordinary step, and the background run's three steps
+    after a save cost together less than half of what the synchronous run's do."""
     slow_fsync(monkeypatch, 0.1)
-    sync_wall, sync_steps = timed_run(tmp_path / "sync", False)
-    async_wall, async_steps = timed_run(tmp_path / "async", True)
+    _sync_wall, sync_steps = timed_run(tmp_path / "sync", False)
+    _async_wall, async_steps = timed_run(tmp_path / "async", True)
     after_save = [2, 5, 8]  # intervals step 3->4, 6->7, 9->10
-    assert all(sync_steps[i] > 0.3 for i in after_save), sync_steps
-    assert all(async_steps[i] < 0.25 for i in after_save), async_steps
-    assert async_wall < sync_wall - 0.4, (async_wall, sync_wall)
+
+    def excess(steps: list[float]) -> list[float]:
+        ordinary = statistics.median(x for i, x in enumerate(steps) if i not in after_save)
+        return [steps[i] - ordinary for i in after_save]
+
+    sync_excess, async_excess = excess(sync_steps), excess(async_steps)
+    assert all(e > 0.15 for e in sync_excess), sync_steps
+    assert sum(async_excess) < 0.5 * sum(sync_excess), (async_steps, sync_steps)
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path / "async")] == [3, 6, 9, 12]
 
 

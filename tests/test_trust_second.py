@@ -87,9 +87,9 @@ ABSURD = {
 @pytest.mark.parametrize("what", list(ABSURD))
 def test_an_absurd_size_on_the_command_line_stops_at_once_in_estimate(what, capsys):
     flags, words = ABSURD[what]
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     rc, out = cli(["estimate", "--preset", "tiny", *flags], capsys)
-    assert time.perf_counter() - t0 < 5  # the depth ran for minutes, the width was a traceback
+    assert time.process_time() - t0 < 5  # the depth ran for minutes, the width was a traceback
     line = error_line(out)
     assert rc == 2 and line.startswith("tokenmill: config error:") and all(w in line for w in words), out
 
@@ -100,9 +100,9 @@ def test_an_absurd_size_on_the_command_line_stops_at_once_in_estimate(what, caps
 ])
 def test_every_command_takes_the_same_size_check(command, tmp_path, capsys):
     argv = [str(tmp_path / "out") if a == "RUN" else a for a in command]
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     rc, out = cli([*argv, "--preset", "tiny", "--model.n_layer", 10**9], capsys)
-    assert time.perf_counter() - t0 < 5
+    assert time.process_time() - t0 < 5
     assert rc == 2 and "model.n_layer 1,000,000,000 is absurd" in error_line(out)
     assert list(tmp_path.iterdir()) == []  # nothing written
 
@@ -134,10 +134,10 @@ def test_an_absurd_hugging_face_config_stops_before_any_weight(world, tmp_path, 
     conf = json.loads((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**conf, "n_layer": 10**9}))
     before = tree(tmp_path)
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     rc, out = cli(["train", "--preset", "tiny", "--data.path", world / "bytes", "--run-dir", tmp_path / "ft",
                    "--train.init_from", tmp_path / "hf", "--train.max_steps", 1, *COMMON], capsys)
-    assert time.perf_counter() - t0 < 5
+    assert time.process_time() - t0 < 5
     line = error_line(out)
     assert rc == 2 and "train.init_from the Hugging Face GPT2LMHeadModel folder" in line, out
     assert "model.n_layer 1,000,000,000 is absurd" in line and tree(tmp_path) == before
@@ -163,9 +163,9 @@ def test_an_absurd_recorded_config_stops_sample_before_building(world, tmp_path,
     state["config"]["model"]["n_embd"] = 2**40
     torch.save(state, path)
     before = tree(run)
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     rc, out = cli(["sample", "--run-dir", run, "--max-new-tokens", 2], capsys)
-    assert time.perf_counter() - t0 < 5
+    assert time.process_time() - t0 < 5
     line = error_line(out)
     assert rc == 1 and str(path) in line and "n_embd 1,099,511,627,776" in line and "is absurd" in line
     assert "more than 100,000,000,000,000" in line and tree(run) == before
