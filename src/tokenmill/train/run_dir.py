@@ -30,8 +30,9 @@ LOCK_NAME = ".lock"
 def open_run_dir(run_dir: Path, cfg: Optional[C.Config] = None) -> Path:
     """Create ``run_dir`` (and its parents) or check the existing one is a folder; never one that overlaps
     what the run reads (``cfg``'s data folder, the folders of its data mixture, or its fine-tuning source)."""
-    check_text(run_dir, "--run-dir")  # torch's profiler and TensorBoard write under text paths only
-    if cfg is not None:
+    if cfg is None:
+        check_text(run_dir, "--run-dir")  # check_output checks it too: torch's profiler writes under text paths only
+    else:
         check_output(run_dir, {"data.path": cfg.data.path, **mixture_paths(cfg.data.mixture),
                                "train.init_from": cfg.train.init_from}, "--run-dir")
     if run_dir.exists() and not run_dir.is_dir():
