@@ -364,3 +364,32 @@ def test_a_signal_inside_a_deferred_block_raises_when_it_ends():
         assert finished == [True] and signals.received() == signal.SIGINT
     finally:
         signals.finish(owned=False)
+
+
+def test_a_signal_during_an_import_raises_after_the_module_has_loaded(tmp_path, monkeypatch):
+    """Ctrl-C while a module loads is held until the import is over: raised inside it, the exception can
+    cross a C++ extension's start-up (triton's, when ``estimate`` first touches torch.compile) and the
+    process aborts with SIGABRT instead of exiting 130. The module loads whole; the Ctrl-C comes after."""
+    (tmp_path / "tm_slow_import.py").write_text(
+        "import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(0.2)\nLOADED = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    signals.install()
+    try:
+        with pytest.raises(signals.Interrupted):
+            import tm_slow_import  # noqa: F401
+            time.sleep(5)  # the held signal is sent again once the import is over
+        assert sys.modules["tm_slow_import"].LOADED and signals.received() == signal.SIGINT
+    finally:
+        signals.finish(owned=False)
+        sys.modules.pop("tm_slow_import", None)
+
+
+def test_a_second_signal_during_an_import_ends_the_process_at_once(tmp_path):
+    """The user presses Ctrl-C again while the first waits for a slow import: exit 130 now, one line."""
+    (tmp_path / "tm_slower_import.py").write_text(
+        "import os, signal, time\nfor _ in range(2):\n    os.kill(os.getpid(), signal.SIGINT)\n    time.sleep(0.1)\n"
+        "time.sleep(30)\nprint('loaded')\n")
+    code = "from tokenmill import signals\nsignals.install()\nimport tm_slower_import\n"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S,
+                          env=dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"))
+    assert (proc.returncode, proc.stdout, proc.stderr) == (130, "", "tokenmill: interrupted\n")

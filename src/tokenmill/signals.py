@@ -14,6 +14,10 @@
   A signal that reaches a child before its fork hook ran finds the handler knowing it is not in the
   process that installed it, and acts as the worker would. The tokenizer pool also calls :func:`quiet_worker` in its initializer (for a ``spawn`` start); DataLoader
   workers started by ``spawn``/``forkserver`` end quietly on ``KeyboardInterrupt`` in torch's worker loop.
+- A signal that arrives while a module is being **imported** is held until the import is over and then
+  acts as above (a second one meanwhile ends the process at once): raised inside an import, the exception
+  can cross a C++ extension's start-up (triton's, which ``torch.compile`` loads on first use), and the C++
+  runtime then aborts the process with SIGABRT and a core dump. Imports end within seconds.
 - After the command (``finish``, in a process that ``cli.main`` owns), a late signal during the
   interpreter's exit ends the process at once, quietly, with the command's exit code.
 - A closed stdout pipe (``tokenmill sample | head -1``) exits 141 without a message (:func:`broken_pipe`).
@@ -49,7 +53,7 @@ CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 WORDS = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}
 
 _state: dict = {"active": False, "first": None, "announced": False, "quit": False, "previous": None,
-                "pid": None, "code": None, "defer": 0, "held": None}
+                "pid": None, "code": None, "defer": 0, "held": None, "import_held": None, "redeliver": False}
 _hooks = False
 
 
@@ -66,8 +70,16 @@ def _handler(signum: int, frame) -> None:
             force_exit(_state["held"])
         _state["held"] = signum
         return
+    if _state["redeliver"]:  # the held signal, sent again now that the import is over
+        _state.update(redeliver=False, import_held=None)
+    elif _state["import_held"] is not None:  # a second signal while the first waits for an import: end now
+        force_exit(_state["import_held"])
     if _forking(frame):  # raised in a fork hook, the exception is lost and the hook's lock stays taken
         threading.Timer(0.02, os.kill, (os.getpid(), signum)).start()  # (logging's): send it again later
+        return
+    if _state["first"] is None and _inside(frame, _import_code()):
+        _state["import_held"] = signum  # raised inside an import, it may cross a C++ extension's start-up,
+        threading.Thread(target=_redeliver_after_import, args=(signum,), daemon=True).start()  # which aborts
         return
     if _state["first"] is None:
         _state["first"] = signum
@@ -80,12 +92,32 @@ def _forking(frame) -> bool:
     interpreter runs around it, and the bookkeeping that lets the parent end the child later)."""
     mod = sys.modules.get("multiprocessing.process")
     start = getattr(getattr(mod, "BaseProcess", None), "start", None)
-    code = getattr(start, "__code__", None)
+    return _inside(frame, getattr(start, "__code__", None))
+
+
+def _import_code():
+    """The code of the import system's ``_find_and_load``: on the stack while a module is first loaded."""
+    return getattr(getattr(sys.modules.get("_frozen_importlib"), "_find_and_load", None), "__code__", None)
+
+
+def _inside(frame, code) -> bool:
     while frame is not None and code is not None:
         if frame.f_code is code:
             return True
         frame = frame.f_back
     return False
+
+
+def _redeliver_after_import(signum: int) -> None:
+    """Wait (in a thread) until the main thread has left every import, then send the held signal again.
+    An exception raised while a module loads can cross native code that cannot carry it (a C++ extension
+    whose start-up runs Python, e.g. triton's when torch.compile is first touched): the C++ runtime then
+    aborts the whole process (SIGABRT, a core dump) instead of unwinding. Imports end within seconds."""
+    main_id, code = threading.main_thread().ident, _import_code()
+    while _inside(sys._current_frames().get(main_id), code):
+        threading.Event().wait(0.01)
+    _state["redeliver"] = True
+    os.kill(os.getpid(), signum)
 
 
 @contextlib.contextmanager
@@ -143,7 +175,7 @@ def install() -> None:
         return
     _install_process_hooks()
     _state.update(first=None, announced=False, quit=False, active=True, pid=os.getpid(), defer=0, held=None,
-                  previous={s: signal.getsignal(s) for s in SIGNALS})
+                  import_held=None, redeliver=False, previous={s: signal.getsignal(s) for s in SIGNALS})
     for s in SIGNALS:
         signal.signal(s, _handler)
 
