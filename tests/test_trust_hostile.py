@@ -15,8 +15,8 @@ process, with stdout strict UTF-8 and stderr backslash-escaping as on a UTF-8 te
 * the inputs (a prepared folder, a trained run, the hostile files themselves) are unchanged, byte for byte;
 * nothing hangs (a FIFO opened for reading would): each case has a time limit.
 
-CI runs a seeded sample covering every option; ``TOKENMILL_HOSTILE_CASES=all`` runs every case (a
-number runs that many).
+CI runs a seeded sample covering every option; ``TOKENMILL_HOSTILE_CASES=all`` runs every case, ``slow``
+the cases the sample leaves out (values a slow command may accept), a number that many.
 """
 
 from __future__ import annotations
@@ -251,10 +251,12 @@ def _key(case: Case):
 
 
 def chosen(cases: list[Case], how: str | None) -> list[Case]:
-    """Every case (``all``), or a seeded sample: one value of every option first (:func:`_key`), then
+    """Every case (``all``), the slow ones (``slow``), or a seeded sample: one value of every option first (:func:`_key`), then
     random others up to the budget; the slow commands only with values bad by type."""
     if how == "all":
         return cases
+    if how == "slow":  # the ones the sample never takes: values a slow command may accept and start work on
+        return [c for c in cases if not c.cheap]
     budget = int(how) if how and how.isdigit() else CI_CASES
     rng = random.Random(20)
     pool = [c for c in cases if c.cheap]

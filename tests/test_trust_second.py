@@ -13,6 +13,7 @@ import hashlib
 import itertools
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -169,6 +170,26 @@ def test_an_absurd_recorded_config_stops_sample_before_building(world, tmp_path,
     line = error_line(out)
     assert rc == 1 and str(path) in line and "n_embd 1,099,511,627,776" in line and "is absurd" in line
     assert "more than 100,000,000,000,000" in line and tree(run) == before
+
+
+def test_an_absurd_recorded_config_is_named_by_the_doctor_and_refused_by_try(world, tmp_path, capsys):
+    """``doctor RUN`` reads the metrics of a run whose config.toml records an absurd depth: it warns with
+    the numbers, does not offer ``--try``, and ``--try`` stops before any run (not 2 x N failed runs)."""
+    run = tmp_path / "run"
+    shutil.copytree(world / "run", run)
+    cfg = run / "config.toml"
+    cfg.write_text(re.sub(r"(?m)^n_layer = \d+$", "n_layer = 1000000000", cfg.read_text()))
+    assert "n_layer = 1000000000" in cfg.read_text()
+    rc, out = cli(["doctor", run], capsys)
+    warning = [x for x in out.splitlines() if x.startswith("tokenmill: warning: config.toml does not load")]
+    assert rc == 0 and len(warning) == 1 and "model.n_layer 1,000,000,000 is absurd" in warning[0], out
+    assert "step " in out and "--try 2" not in out
+    before = tree(run)
+    t0 = time.process_time()
+    rc, out = cli(["doctor", run, "--try", 1, "--try-steps", 2, "--try-repeats", 1], capsys)
+    line = error_line(out)
+    assert rc == 1 and "--try trains the run's config" in line and "1,000,000,000 is absurd" in line, out
+    assert time.process_time() - t0 < 5 and tree(run) == before
 
 
 # ------------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from tokenmill.train.timing import PHASES
 HOW_TO_MAKE_A_RUN = ("make one with `tokenmill train ... --run-dir DIR` or `tokenmill profile ... --run-dir DIR`, "
                      "then run `tokenmill doctor DIR`")
 RERUN_PROFILE = "re-run `tokenmill profile` with this version to write a new one"
+CONFIG_UNLOADED = "config.toml does not load as this version's config"
 
 
 def load_run(run_dir: str | Path) -> dict[str, Any]:
@@ -44,7 +45,7 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
     if not any((d / n).is_file() for n in names):
         raise DoctorError(f"'{d}' is not a tokenmill run directory (no {', '.join(names)}); {HOW_TO_MAKE_A_RUN}.")
     out: dict[str, Any] = {"config": {}, "metrics": [], "summary": {}, "profile": None, "warnings": [], "dir": d}
-    out["config"] = _read_config(d / "config.toml")
+    out["config"] = _read_config(d / "config.toml", out["warnings"])
     if (d / "metrics.jsonl").is_file():
         rows = _read_jsonl(d / "metrics.jsonl", out["warnings"])
         out["metrics"] = last_run(rows)
@@ -73,15 +74,17 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
     return out
 
 
-def _read_config(path: Path) -> dict[str, Any]:
-    """The run's flat config; this version's defaults when there is none. A config written by another
-    version is taken key by key, as it is."""
+def _read_config(path: Path, warnings: list[str]) -> dict[str, Any]:
+    """The run's flat config; this version's defaults when there is none. A config that does not load
+    (written by another version, or holding a value this version refuses, e.g. an absurd recorded shape)
+    is taken key by key, as it is, with a warning that says why."""
     if not path.is_file():
         return C.flatten(C.Config().to_dict())
     try:
         return C.flatten(C.from_dict(C.load_toml(path)).to_dict())
-    except C.ConfigError:
-        pass
+    except C.ConfigError as e:
+        warnings.append(f"{CONFIG_UNLOADED}: {e} The findings read its values key by key, as recorded; "
+                        "`--try` needs a config that loads.")
     try:
         tree = C.load_toml(path)
     except C.ConfigError as e:
@@ -443,6 +446,6 @@ def format_verdict(v: dict[str, Any]) -> str:
     minor = [x for x in v["findings"] if x["minor"]]
     if minor:
         lines.append("\nMinor: " + "; ".join(f"{x['title']} (~{100 * x['score']:.0f}%)" for x in minor))
-    if major and "try" not in v:
+    if major and "try" not in v and not any(w.startswith(CONFIG_UNLOADED) for w in v["warnings"]):
         lines.append(f"\nMeasure the top suggestions on this machine: tokenmill doctor {v['run_dir']} --try 2")
     return "\n".join(lines)
