@@ -449,5 +449,7 @@ def test_the_sample_covers_every_option():
     """Every config field and every other option of every command has a case in the sample, but the text
     options of the slow commands (any value may start seconds of work: run with TOKENMILL_HOSTILE_CASES=all).
     The whole set, every value of every option on every command, is several thousand cases."""
+    if os.environ.get("TOKENMILL_HOSTILE_CASES") == "slow":
+        pytest.skip("TOKENMILL_HOSTILE_CASES=slow runs the cases the sample leaves out, not the sample")
     assert {_key(c) for c in CASES} >= {_key(c) for c in ALL_CASES if c.cheap}
     assert len({c.command for c in ALL_CASES}) == len(BASES) and len(ALL_CASES) > 10 * len(C.field_specs())
