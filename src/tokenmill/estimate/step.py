@@ -277,56 +277,13 @@ class Step:
                 tl.release(gid)
             batch = new
             tl.mark(f"micro-batch {micro}: forward")
-            root = self._unshard([p for p in plan.params if p.piece != "block"]) if self.fsdp else []
-            emb = _Inst(pieces.embed, r)
-            play_forward(tl, emb)
-            dm = docmask_bytes(cfg, B, T, plan.cuda)  # data.document_mask's mask, until the last block's backward (techniques.py)
-            docmask = tl.alloc(dm, "activations") if dm else None
-            x, insts = emb.y, []
-            for i in plan.stage_blocks:
-                tr = pieces.blocks[pieces.kinds[i]]
-                inst = _Inst(tr, r, x=x)
-                held = self._unshard(self._block_params(i)) if self.fsdp else []
-                play_forward(tl, inst)
-                if held and cfg.parallel.fsdp_reshard_after_forward:
-                    for g in held:
-                        tl.release(g)
-                    held = []
-                insts.append((i, inst, held))
-                x = inst.y
-            head = _Inst(pieces.head, r, x=x)
-            play_forward(tl, head)
-            tl.release(head.y)  # the trainer keeps only the loss
+            fwd = self._micro_forward(r)
             if micro == 0:
                 for gid in self.stale:  # optim.zero_grad='after_forward' frees them now
                     tl.release(gid)
                 self.stale = []
             tl.mark(f"micro-batch {micro}: backward")
-            play_backward(tl, head, self._on_grad_renamed(None))
-            gy = head.gx
-            prefetched: dict[int, list[int]] = {}
-            for k in range(len(insts) - 1, -1, -1):
-                i, inst, held = insts[k]
-                if self.fsdp and not held:
-                    held = prefetched.pop(i, None) or self._unshard(self._block_params(i))
-                    if k > 0 and cfg.parallel.fsdp_reshard_after_forward:  # backward prefetch
-                        j = insts[k - 1][0]
-                        prefetched[j] = self._unshard(self._block_params(j))
-                inst.gy = gy
-                play_backward(tl, inst, self._on_grad_renamed(i))
-                gy = inst.gx
-                if self.fsdp:
-                    self._reduce_scatter([p.name for p in self._block_params(i)], sync)
-                    for g in held:
-                        tl.release(g)
-            tl.release(docmask)
-            emb.gy = gy
-            play_backward(tl, emb, self._on_grad_renamed(None))
-            tl.release(gy)
-            if self.fsdp:
-                self._reduce_scatter([p.name for p in plan.params if p.piece != "block"], sync)
-                for g in root:
-                    tl.release(g)
+            self._micro_backward(*fwd, sync)
         tl.mark("optimizer step")
         grads = dict(self.grads)
         for gid in self.sharded_ids:
@@ -340,6 +297,63 @@ class Step:
         for gid in batch:
             tl.release(gid)
         tl.mark("step end")
+
+    def _micro_forward(self, r: int) -> tuple:
+        """One micro-batch's forward: (embedding, head, [(block, instance, gathered params)], gathered root
+        params, the document mask) for :meth:`_micro_backward`."""
+        tl, cfg, pieces, plan = self.tl, self.cfg, self.pieces, self.plan
+        root = self._unshard([p for p in plan.params if p.piece != "block"]) if self.fsdp else []
+        emb = _Inst(pieces.embed, r)
+        play_forward(tl, emb)
+        dm = docmask_bytes(cfg, pieces.batch, pieces.seq, plan.cuda)  # data.document_mask's mask (techniques.py)
+        docmask = tl.alloc(dm, "activations") if dm else None  # kept until the first block's backward
+        x, insts = emb.y, []
+        for i in plan.stage_blocks:
+            tr = pieces.blocks[pieces.kinds[i]]
+            inst = _Inst(tr, r, x=x)
+            held = self._unshard(self._block_params(i)) if self.fsdp else []
+            play_forward(tl, inst)
+            if held and cfg.parallel.fsdp_reshard_after_forward:
+                for g in held:
+                    tl.release(g)
+                held = []
+            insts.append((i, inst, held))
+            x = inst.y
+        head = _Inst(pieces.head, r, x=x)
+        play_forward(tl, head)
+        tl.release(head.y)  # the trainer keeps only the loss
+        return emb, head, insts, root, docmask
+
+    def _micro_backward(self, emb: _Inst, head: _Inst, insts: list, root: list[int], docmask: Optional[int],
+                        sync: bool) -> None:
+        """One micro-batch's backward, blocks in reverse; under FSDP each block's parameters are gathered
+        again (the next one's prefetched) and its gradients reduce-scattered."""
+        tl, cfg, plan = self.tl, self.cfg, self.plan
+        play_backward(tl, head, self._on_grad_renamed(None))
+        gy = head.gx
+        prefetched: dict[int, list[int]] = {}
+        for k in range(len(insts) - 1, -1, -1):
+            i, inst, held = insts[k]
+            if self.fsdp and not held:
+                held = prefetched.pop(i, None) or self._unshard(self._block_params(i))
+                if k > 0 and cfg.parallel.fsdp_reshard_after_forward:  # backward prefetch
+                    j = insts[k - 1][0]
+                    prefetched[j] = self._unshard(self._block_params(j))
+            inst.gy = gy
+            play_backward(tl, inst, self._on_grad_renamed(i))
+            gy = inst.gx
+            if self.fsdp:
+                self._reduce_scatter([p.name for p in self._block_params(i)], sync)
+                for g in held:
+                    tl.release(g)
+        tl.release(docmask)
+        emb.gy = gy
+        play_backward(tl, emb, self._on_grad_renamed(None))
+        tl.release(gy)
+        if self.fsdp:
+            self._reduce_scatter([p.name for p in plan.params if p.piece != "block"], sync)
+            for g in root:
+                tl.release(g)
 
     def _activation_host_bytes(self) -> int:
         """Host memory of memory.offload_activations: every saved tensor of one micro-batch's forward."""

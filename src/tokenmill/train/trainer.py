@@ -98,6 +98,23 @@ def train(cfg: C.Config, run_dir: str | Path, resume: bool = False, quiet: bool 
         shutdown(world)
 
 
+def _resume_decision(run_dir: Path, resume_run: bool, rank0: bool) -> tuple[bool, bool]:
+    """(resume, the run directory holds checkpoints): a fresh run refuses a folder with checkpoints,
+    ``--resume`` one without; a worker restarted by torchrun's elastic agent resumes on its own."""
+    if rank0:
+        checkpoint.clean_stale_tmp(run_dir)  # left by a save that was killed: never a real checkpoint
+    has_checkpoints = bool(checkpoint.list_checkpoints(run_dir))
+    if not resume_run and has_checkpoints and not is_elastic_restart():
+        raise TrainingError(
+            f"run directory {run_dir} already holds checkpoints; pass --resume to continue that run, "
+            "or choose another --run-dir."
+        )
+    if resume_run and not has_checkpoints:
+        raise TrainingError(f"--resume: {run_dir} has no checkpoint to resume from; check the --run-dir, "
+                            "or start the run without --resume.")
+    return resume_run or is_elastic_restart(), has_checkpoints  # a restarted worker: from the newest checkpoint
+
+
 class Trainer:
     """One run: everything built in ``__init__``, trained by :meth:`fit`."""
 
@@ -105,18 +122,7 @@ class Trainer:
                  callbacks: Callbacks):
         self.cfg, self.run_dir, self.world, self.quiet, self.cb = cfg, run_dir, world, quiet, callbacks
         t, device, rank0 = cfg.train, world.device, world.is_rank0
-        if rank0:
-            checkpoint.clean_stale_tmp(run_dir)  # left by a save that was killed: never a real checkpoint
-        has_checkpoints = bool(checkpoint.list_checkpoints(run_dir))
-        if not resume_run and has_checkpoints and not is_elastic_restart():
-            raise TrainingError(
-                f"run directory {run_dir} already holds checkpoints; pass --resume to continue that run, "
-                "or choose another --run-dir."
-            )
-        if resume_run and not has_checkpoints:
-            raise TrainingError(f"--resume: {run_dir} has no checkpoint to resume from; check the --run-dir, "
-                                "or start the run without --resume.")
-        resume_run = resume_run or is_elastic_restart()  # a restarted worker goes on from the newest checkpoint
+        resume_run, has_checkpoints = _resume_decision(run_dir, resume_run, rank0)
         cfg, self.init = prepare_init_from(cfg, has_checkpoints, quiet or not rank0)  # the source's model shape
         self.cfg, t = cfg, cfg.train
         check_supported(t, device)
