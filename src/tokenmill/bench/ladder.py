@@ -8,11 +8,11 @@ Only measured rungs are carried into later rungs.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
+from tokenmill import atomic
 from tokenmill import config as C
 from tokenmill.bench import report
 from tokenmill.bench.configs import rung_config
@@ -135,6 +135,4 @@ def _run_rung(ladder: Ladder, i: int, rec: dict[str, Any], carried: list[int], o
 
 
 def _write_json(out: Path, doc: dict[str, Any]) -> None:
-    tmp = out / "ladder.json.tmp"
-    tmp.write_text(json.dumps(doc, indent=2, default=str))
-    tmp.replace(out / "ladder.json")
+    atomic.write_json(out / "ladder.json", doc, default=str)

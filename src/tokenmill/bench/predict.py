@@ -13,12 +13,12 @@ skipped, as in a real run.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
+from tokenmill import atomic
 from tokenmill import config as C
 from tokenmill.bench import report
 from tokenmill.bench.configs import rung_config
@@ -132,8 +132,8 @@ def predict_ladder(ladder: Ladder, out_dir: str | Path, gpu: Optional[str] = Non
         else:
             log(f"[{i + 1:>2}/{len(ladder.rungs)}] {rung.name}: {rec['status']}: {rec['reason']}")
     doc["estimate"]["mean_abs_error"] = mean_errors(doc["rungs"])
-    (out / "ladder.json").write_text(json.dumps(doc, indent=2, default=str))
-    (out / "ladder.md").write_text(markdown(doc))
+    atomic.write_json(out / "ladder.json", doc, default=str)
+    atomic.write_text(out / "ladder.md", markdown(doc))
     note = write_png(doc, out / "ladder.png")
     log("")
     log(markdown_table(doc))

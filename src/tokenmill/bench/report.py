@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import tokenmill
+from tokenmill import atomic
 from tokenmill.bench.env import gpu_label
 from tokenmill.bench.plot import write_png
 from tokenmill.bench.references import compares_references, on_gpu
@@ -407,7 +408,7 @@ def table_and_rungs(doc: dict[str, Any], done: str, table=None, detail=None) -> 
 
 def write_outputs(doc: dict[str, Any], out: Path, log: Callable[[str], None]) -> None:
     """ladder.md and ladder.png (ladder.json is written by the runner); prints the table."""
-    (out / "ladder.md").write_text(markdown(doc))
+    atomic.write_text(out / "ladder.md", markdown(doc))
     note = write_png(doc, out / "ladder.png")
     log("")
     log(markdown_table(doc))

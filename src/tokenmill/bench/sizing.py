@@ -23,12 +23,12 @@ three probes. ``--estimate-only`` answers with the estimate probes alone (no GPU
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from tokenmill import atomic
 from tokenmill import config as C
 from tokenmill.bench.runner import run_train
 from tokenmill.errors import SizingError
@@ -318,7 +318,7 @@ class SubprocessProbe:
 
 def write_result(result: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2, default=str))
+    atomic.write_json(path, result, default=str)
 
 
 class EstimateProbe:

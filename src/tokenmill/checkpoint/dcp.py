@@ -27,10 +27,10 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from tokenmill.atomic import fsync_dir
 from tokenmill.checkpoint.files import (
     atomic_torch_save,
     first_line,
-    fsync_dir,
     refused_message,
     unpickling_detail,
 )

@@ -12,7 +12,6 @@ The mapping is private (copy-on-write) and files are only ever replaced, never r
 
 from __future__ import annotations
 
-import os
 import pickle
 import re
 from pathlib import Path
@@ -20,12 +19,12 @@ from typing import Any
 
 import torch
 
-from tokenmill.data.meta import fsync_dir  # noqa: F401 (also used by checkpoint.dcp)
+from tokenmill import atomic
 from tokenmill.errors import CheckpointError, describe_os_error
 
 FILE_NAME = re.compile(r"^step_(\d{8})\.pt$")
 DCP_NAME = re.compile(r"^step_(\d{8})\.dcp$")
-TMP_NAME = re.compile(r"^\.step_\d{8}\.(pt|dcp)\.tmp(-\d+)?$")
+TMP_NAME = re.compile(r"^\.step_\d{8}\.(pt|dcp)\.tmp(-\d+)?(-[0-9a-f]{8})?$")  # atomic.tmp_name's
 _PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "module.")
 
 
@@ -52,16 +51,12 @@ def clean_state_dict(sd: dict[str, Any]) -> dict[str, Any]:
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
-    """``torch.save`` to a temporary file, fsync, rename into place: ``path`` is either the old file or
-    the complete new one. A full disk or a refused write raises :class:`CheckpointError` naming the
-    path and the fix; nothing under a real name is touched."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    """``torch.save`` through :func:`tokenmill.atomic.replacing` (durable: fsync'ed, then renamed into
+    place): ``path`` is either the old file or the complete new one. A full disk or a refused write raises
+    :class:`CheckpointError` naming the path and the fix; nothing under a real name is touched."""
     try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with atomic.replacing(path, durable=True) as tmp, open(tmp, "wb") as f:  # opened here: an OSError
+            torch.save(obj, f)  # names the cause (torch's own open reports a RuntimeError)
     except OSError as e:
         e.filename = path
         raise CheckpointError(describe_os_error(e, "could not write checkpoint")) from None
@@ -70,12 +65,6 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
             f"could not write checkpoint {path} ({first_line(e)}): the disk may be full or the file over a size "
             "limit; free space, then continue the run with --resume (the previous checkpoint is intact)."
         ) from None
-    finally:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
-    fsync_dir(path.parent)
 
 
 def first_line(e: BaseException, limit: int = 200) -> str:

@@ -7,7 +7,6 @@ import dataclasses
 import difflib
 import functools
 import math
-import os
 import sys
 import typing
 from importlib import resources
@@ -21,6 +20,7 @@ else:  # pragma: no cover
 
 import tomli_w
 
+from tokenmill import atomic
 from tokenmill.config.lora import LORA_ROLES
 from tokenmill.config.schema import Config, describe_range, field_ranges, field_specs, sections
 from tokenmill.config.size import check_size
@@ -397,14 +397,7 @@ def to_toml(cfg: Config) -> str:
 def save(cfg: Config, path: str | Path) -> None:
     """Write ``cfg`` as TOML to ``path`` atomically (a temporary sibling renamed into place), so a crash or a
     full disk never leaves a half-written config.toml in a run directory."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text("# tokenmill resolved config: feed back with --config to reproduce this run\n" + to_toml(cfg),
-                       encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic.write_text(path, "# tokenmill resolved config: feed back with --config to reproduce this run\n" + to_toml(cfg))
 
 
 def from_dict(tree: dict[str, Any]) -> Config:

@@ -19,9 +19,10 @@ import shutil
 import uuid
 from pathlib import Path
 
+from tokenmill.atomic import fsync_dir
 from tokenmill.errors import DataError
 
-from .meta import META_NAME, fsync_dir
+from .meta import META_NAME
 from .shards import is_output_name
 
 JOURNAL = "journal.jsonl"

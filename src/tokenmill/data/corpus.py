@@ -13,6 +13,7 @@ import sys
 import uuid
 from pathlib import Path
 
+from tokenmill import atomic
 from tokenmill.errors import DataError
 
 from .meta import META_NAME
@@ -78,7 +79,7 @@ def ensure_embedded_corpus(data_cfg, progress: bool = True, max_files: int | Non
     )
     from .prepare import prepare  # the caller is above prepare (prepare lists files from .stdlib)
 
-    tmp = root / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = atomic.tmp_name(final)  # a folder, renamed into place whole
     try:
         prepare(None, tmp, tokenizer=tokenizer, vocab_size=vocab_size, progress=progress, max_files=max_files)
         try:

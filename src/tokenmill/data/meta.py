@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -38,35 +36,6 @@ PREPARE_HINT = "run `tokenmill prepare INPUT --out DIR` and point data.path at D
 def dtype_for_vocab(vocab_size: int) -> str:
     """'uint16' when every id fits in 16 bits (vocab_size <= 65536), else 'uint32'."""
     return "uint16" if vocab_size <= 2**16 else "uint32"
-
-
-def tmp_name(path: Path) -> Path:
-    """A unique temporary sibling of ``path`` (same folder, so os.replace is atomic)."""
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to a temporary sibling, then rename it over ``path``."""
-    tmp = tmp_name(path)
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename inside ``path`` durable (a no-op where folders cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - e.g. Windows
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover - some file systems refuse fsync on folders
-        pass
-    finally:
-        os.close(fd)
 
 
 def sha256_file(path: Path, chunk_bytes: int = 1 << 24) -> str:

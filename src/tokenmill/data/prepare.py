@@ -17,7 +17,6 @@ interrupted run resumes (:mod:`tokenmill.data.build`).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -27,12 +26,13 @@ from pathlib import Path
 
 import numpy as np
 
+from tokenmill import atomic
 from tokenmill.errors import DataError
 
 from .bpe import train_bpe
 from .build import BuildLock, Journal, build_folder, clear_build, prefix_digest, swap_into_place
 from .chunking import CHUNK_BYTES
-from .meta import DTYPES, FORMAT, META_NAME, VERSION, dtype_for_vocab, sha256_file, write_text_atomic
+from .meta import DTYPES, FORMAT, META_NAME, VERSION, dtype_for_vocab, sha256_file
 from .pipeline import EncodeSettings, is_val, run
 from .progress import Progress
 from .readers import iter_pieces, piece_documents
@@ -352,7 +352,7 @@ class _Build:
                 "empty_records": self.counts["empty"], "text_chars": self.counts["text_chars"]}
         meta = {"format": FORMAT, "version": VERSION, "tokenizer": info, "vocab_size": tok.vocab_size,
                 "dtype": self.dtype, "splits": splits, "source": self.o["source"], "prepare": prep}
-        write_text_atomic(self.build / META_NAME, json.dumps(meta, indent=2) + "\n")
+        atomic.write_json(self.build / META_NAME, meta)
 
 
 def _move(src: SplitWriter, dst: SplitWriter, start: int) -> None:

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
+from tokenmill import atomic
 from tokenmill.errors import DataError
 
-from .meta import read_meta, tmp_name, write_text_atomic
+from .meta import read_meta
 
 EOT_TEXT = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
@@ -174,12 +175,8 @@ class BpeTokenizer:
     def save(self, path: str | Path) -> None:
         """Write the tokenizer.json to ``path`` atomically."""
         path = Path(path)
-        tmp = tmp_name(path)
-        try:
+        with atomic.replacing(path) as tmp:
             self._tok.save(str(tmp))
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -386,14 +383,10 @@ def write_hf_tokenizer(tok, out_dir: str | Path, model_max_length: int | None = 
         **special,
         **({"model_max_length": model_max_length} if model_max_length else {}),
     }
-    tmp = tmp_name(out / TOKENIZER_FILE)
-    try:
+    with atomic.replacing(out / TOKENIZER_FILE) as tmp:
         hft.save(str(tmp))
-        os.replace(tmp, out / TOKENIZER_FILE)
-    finally:
-        tmp.unlink(missing_ok=True)
-    write_text_atomic(out / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
-    write_text_atomic(out / "special_tokens_map.json", json.dumps(special, indent=2) + "\n")
+    atomic.write_json(out / "tokenizer_config.json", config)
+    atomic.write_json(out / "special_tokens_map.json", special)
     return list(HF_TOKENIZER_FILES)
 
 

@@ -22,13 +22,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tokenmill import atomic
 from tokenmill.config import ModelConfig, shape_fields
 from tokenmill.errors import CheckpointError
 from tokenmill.model import hf_llama
@@ -476,15 +476,9 @@ def save_hf(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig, out_dir: s
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG_NAME).unlink(missing_ok=True)  # incomplete until config.json lands again
-    tmp = out / f".{SAFETENSORS_NAME}.tmp-{os.getpid()}"
-    try:
+    with atomic.replacing(out / SAFETENSORS_NAME) as tmp:
         save_file({k: v.cpu() for k, v in hf_sd.items()}, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, out / SAFETENSORS_NAME)
-    finally:
-        tmp.unlink(missing_ok=True)
-    tmp = out / f".{CONFIG_NAME}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, out / CONFIG_NAME)
+    atomic.write_json(out / CONFIG_NAME, config)
     return out
 
 

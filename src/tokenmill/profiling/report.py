@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
+from tokenmill import atomic
 from tokenmill.profiling.analysis import BREAKDOWN
 from tokenmill.profiling.trace import Trace
 
@@ -157,7 +158,7 @@ def _memory_lines(p: dict[str, Any]) -> list[str]:
 
 
 def write_markdown(p: dict[str, Any], path: Path) -> None:
-    Path(path).write_text(markdown(p))
+    atomic.write_text(path, markdown(p))
 
 
 def write_png(p: dict[str, Any], trace: Trace, path: Path) -> Optional[str]:

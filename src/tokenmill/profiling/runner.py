@@ -18,7 +18,6 @@ and checkpoint out of the profiled window. Files written into the run directory:
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import socket
@@ -29,6 +28,7 @@ from typing import Any, Optional
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
+from tokenmill import atomic
 from tokenmill import config as C
 from tokenmill.profiling import analysis, hooks, memory
 from tokenmill.profiling.trace import Trace
@@ -139,7 +139,7 @@ def run_profile(cfg: C.Config, run_dir: str | Path, opts: ProfileOptions, quiet:
     if png_note:
         result["notes"].append(png_note)
     result["files"] = _files(run_dir)
-    (run_dir / "profile.json").write_text(json.dumps(result, indent=2))
+    atomic.write_json(run_dir / "profile.json", result)
     report.write_markdown(result, run_dir / "profile.md")
     return result
 

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
+from tokenmill import atomic
 from tokenmill.errors import DoctorError
 
 # figure -> (key in a run's result, True when higher is better)
@@ -94,7 +95,7 @@ def run_trials(run_dir: str | Path, verdict: dict[str, Any], n: int, steps: int 
     for t in tries:
         t.update(compare(report["baseline"], t["runs"], t["measure"]))
     report["tries"] = tries
-    (run_dir / "doctor_try.json").write_text(json.dumps(report, indent=2))
+    atomic.write_json(run_dir / "doctor_try.json", report)
     return report
 
 

@@ -24,7 +24,6 @@ The result is printed and written to ``RUN/eval.json`` (atomically).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -33,11 +32,11 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from tokenmill import checkpoint
+from tokenmill import atomic, checkpoint
 from tokenmill import config as C
 from tokenmill.checkpoint.files import DCP_NAME, FILE_NAME
 from tokenmill.data import WindowDataset, open_token_data, val_batches
-from tokenmill.data.meta import read_meta, write_text_atomic
+from tokenmill.data.meta import read_meta
 from tokenmill.data.tokenizers import (
     BpeTokenizer,
     ByteTokenizer,
@@ -201,7 +200,7 @@ def evaluate_run(run_dir: str | Path, data_path: Optional[str | Path] = None, ba
               "data": str(folder), "split": "val", "whole_split": batches is None, "batch_size": B,
               "block_size": bs, **result}
     if write:
-        write_text_atomic(run_dir / EVAL_FILE, json.dumps(result, indent=2) + "\n")
+        atomic.write_json(run_dir / EVAL_FILE, result)
     return result
 
 

@@ -9,12 +9,12 @@ import math
 from pathlib import Path
 from typing import Any, Optional
 
-from tokenmill import checkpoint
+from tokenmill import atomic, checkpoint
 from tokenmill import config as C
 from tokenmill.data.mixture import absolute_mixture
 from tokenmill.errors import AlreadyTrained, CheckpointError, TokenmillError, TrainingError
 from tokenmill.optim import hyperparameters, load_scheduler_state, reapply_hyperparameters
-from tokenmill.parallel import unwrap
+from tokenmill.parallel import is_elastic_restart, unwrap
 from tokenmill.parallel.world import World, barrier
 from tokenmill.train.metrics import read_metrics
 
@@ -130,6 +130,23 @@ def _absolute(key: str, value: Any) -> Any:
         return value
 
 
+def resume_decision(run_dir: Path, resume_run: bool, rank0: bool) -> tuple[bool, bool]:
+    """(resume, the run directory holds checkpoints): a fresh run refuses a folder with checkpoints,
+    ``--resume`` one without; a worker restarted by torchrun's elastic agent resumes on its own."""
+    if rank0:
+        checkpoint.clean_stale_tmp(run_dir)  # left by a save that was killed: never a real checkpoint
+    has_checkpoints = bool(checkpoint.list_checkpoints(run_dir))
+    if not resume_run and has_checkpoints and not is_elastic_restart():
+        raise TrainingError(
+            f"run directory {run_dir} already holds checkpoints; pass --resume to continue that run, "
+            "or choose another --run-dir."
+        )
+    if resume_run and not has_checkpoints:
+        raise TrainingError(f"--resume: {run_dir} has no checkpoint to resume from; check the --run-dir, "
+                            "or start the run without --resume.")
+    return resume_run or is_elastic_restart(), has_checkpoints  # a restarted worker: from the newest checkpoint
+
+
 def clean_metrics(run_dir: Path, upto_step: int) -> None:
     """On resume, drop metric lines of steps after the checkpoint (they will be trained again) and
     lines torn by a killed process."""
@@ -137,9 +154,7 @@ def clean_metrics(run_dir: Path, upto_step: int) -> None:
     if not path.exists():
         return
     rows = [r for r in read_metrics(run_dir) if r.get("step", 0) <= upto_step]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tmp.replace(path)
+    atomic.write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 # fields that fix the form of the optimizer state a checkpoint holds (its parameter groups, its kind of

@@ -15,7 +15,6 @@ Callers observe or adjust a run through :class:`Callbacks` (the profiler and the
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable
@@ -27,15 +26,14 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from tokenmill import checkpoint
+from tokenmill import atomic, checkpoint
 from tokenmill import config as C
 from tokenmill.data import build_datasets, build_train_loader, mixture, to_device, val_batches
 from tokenmill.data.loader import DevicePrefetcher
-from tokenmill.data.meta import write_text_atomic
 from tokenmill.errors import AlreadyTrained, TrainingError
 from tokenmill.model import flop_params, flops_per_token, math_mode, peak_flops
 from tokenmill.optim import build_optimizer, build_scheduler, optimizer_step
-from tokenmill.parallel import World, grad_sync, init_world, is_elastic_restart, shutdown, unwrap
+from tokenmill.parallel import World, grad_sync, init_world, shutdown, unwrap
 from tokenmill.parallel.pipeline import Pipeline
 from tokenmill.parallel.world import global_mean, rank0_first
 from tokenmill.train.advice import check_fits, nan_stop, oom_message
@@ -53,7 +51,7 @@ from tokenmill.train.init_from import prepare_init_from
 from tokenmill.train.metrics import MetricsWriter, Progress, StepMetrics, format_record
 from tokenmill.train.parallelize import build_model, count_params, seed_dropout
 from tokenmill.train.precision import apply_tf32, autocast, bf16_supported, check_supported, grad_scaler
-from tokenmill.train.resume import resume
+from tokenmill.train.resume import resume, resume_decision
 from tokenmill.train.run_dir import in_use_message, locked, open_run_dir, recorded_config, save_tokenizer
 
 
@@ -98,23 +96,6 @@ def train(cfg: C.Config, run_dir: str | Path, resume: bool = False, quiet: bool 
         shutdown(world)
 
 
-def _resume_decision(run_dir: Path, resume_run: bool, rank0: bool) -> tuple[bool, bool]:
-    """(resume, the run directory holds checkpoints): a fresh run refuses a folder with checkpoints,
-    ``--resume`` one without; a worker restarted by torchrun's elastic agent resumes on its own."""
-    if rank0:
-        checkpoint.clean_stale_tmp(run_dir)  # left by a save that was killed: never a real checkpoint
-    has_checkpoints = bool(checkpoint.list_checkpoints(run_dir))
-    if not resume_run and has_checkpoints and not is_elastic_restart():
-        raise TrainingError(
-            f"run directory {run_dir} already holds checkpoints; pass --resume to continue that run, "
-            "or choose another --run-dir."
-        )
-    if resume_run and not has_checkpoints:
-        raise TrainingError(f"--resume: {run_dir} has no checkpoint to resume from; check the --run-dir, "
-                            "or start the run without --resume.")
-    return resume_run or is_elastic_restart(), has_checkpoints  # a restarted worker: from the newest checkpoint
-
-
 class Trainer:
     """One run: everything built in ``__init__``, trained by :meth:`fit`."""
 
@@ -122,7 +103,7 @@ class Trainer:
                  callbacks: Callbacks):
         self.cfg, self.run_dir, self.world, self.quiet, self.cb = cfg, run_dir, world, quiet, callbacks
         t, device, rank0 = cfg.train, world.device, world.is_rank0
-        resume_run, has_checkpoints = _resume_decision(run_dir, resume_run, rank0)
+        resume_run, has_checkpoints = resume_decision(run_dir, resume_run, rank0)
         cfg, self.init = prepare_init_from(cfg, has_checkpoints, quiet or not rank0)  # the source's model shape
         self.cfg, t = cfg, cfg.train
         check_supported(t, device)
@@ -338,7 +319,7 @@ class Trainer:
             "threads": thread_settings(),
         } | mixture.mixture_summary(self.loader, t.max_steps)  # a data mixture: each source's target and realised share
         if rank0:
-            write_text_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2))
+            atomic.write_json(self.run_dir / "summary.json", summary)
         if t.sample_at_end and self.data.data_dir is not None and not self.quiet and rank0 and not self.world.sharded:
             from tokenmill.train.sample import sample_text
 
