@@ -393,3 +393,33 @@ def test_a_second_signal_during_an_import_ends_the_process_at_once(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S,
                           env=dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"))
     assert (proc.returncode, proc.stdout, proc.stderr) == (130, "", "tokenmill: interrupted\n")
+
+
+STUCK = """
+import ctypes, sys
+from tokenmill import signals
+signals.STUCK_S = 1.0  # 10 s in tokenmill; shorter here
+signals.install()
+libc, mutex = ctypes.CDLL(None), ctypes.create_string_buffer(64)  # a default pthread mutex (all zero)
+libc.pthread_mutex_lock(mutex)
+print("stuck", flush=True)
+libc.pthread_mutex_lock(mutex)  # relocked by its owner: never returns, and no signal interrupts it
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_a_process_stuck_in_native_code_ends_it(sig):
+    """The main thread blocked in a C call that never returns (a stuck collective, a device sync, a lock):
+    no Python handler can run there, so a watcher thread that sees the signal arrive (the interpreter's
+    wake-up pipe) and the main thread not move ends the process after ``STUCK_S``, saying why."""
+    proc = subprocess.Popen([sys.executable, "-c", STUCK], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.stdout.readline() == "stuck\n"
+    os.kill(proc.pid, sig)
+    try:
+        _, err = proc.communicate(timeout=HANG_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("a signal to a process stuck in native code did not end it")
+    assert proc.returncode == signals.CODES[sig], err
+    assert err == f"tokenmill: {signals.WORDS[sig]} (no answer for 1 s: stuck in native code, ended without clean-up)\n"

@@ -18,6 +18,13 @@
   acts as above (a second one meanwhile ends the process at once): raised inside an import, the exception
   can cross a C++ extension's start-up (triton's, which ``torch.compile`` loads on first use), and the C++
   runtime then aborts the process with SIGABRT and a core dump. Imports end within seconds.
+- A main thread **stuck in native code** that never returns (a collective whose peer died, a device sync,
+  a lock) cannot run a Python handler at all. A watcher thread reads the interpreter's signal wake-up pipe
+  (its C handler writes each signal's number there at once): when a SIGINT/SIGTERM has not been answered
+  and the main thread has not run a line for ``STUCK_S`` (10 s), it ends the process with the signal's
+  exit code and the line ``tokenmill: interrupted (no answer for 10 s: stuck in native code, ended
+  without clean-up)``. Files are written atomically (``atomic.py``), so what it cannot clean up is a
+  temporary sibling, never a damaged file.
 - After the command (``finish``, in a process that ``cli.main`` owns), a late signal during the
   interpreter's exit ends the process at once, quietly, with the command's exit code.
 - A closed stdout pipe (``tokenmill sample | head -1``) exits 141 without a message (:func:`broken_pipe`).
@@ -34,6 +41,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Optional
 
@@ -53,11 +61,15 @@ CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 WORDS = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}
 
 _state: dict = {"active": False, "first": None, "announced": False, "quit": False, "previous": None,
-                "pid": None, "code": None, "defer": 0, "held": None, "import_held": None, "redeliver": False}
+                "pid": None, "code": None, "defer": 0, "held": None, "import_held": None, "redeliver": False,
+          "answered": 0, "arrived": 0, "wakeup": None}
 _hooks = False
+_watcher: dict = {"pid": None, "w": -1}
+STUCK_S = 10.0  # a signal the main thread has not answered for this long, without running a line: it is stuck
 
 
 def _handler(signum: int, frame) -> None:
+    _state["answered"] += 1  # the watcher's proof that the main thread runs
     if _state["quit"]:  # the command has ended and said so: exit with its code, nothing more to say
         force_exit(signum, _state["code"], announce=False)
     if os.getpid() != _state["pid"]:  # a forked child before its fork hook ran: act as a worker
@@ -135,9 +147,11 @@ def deferred() -> Iterator[None]:
         raise Terminated() if held == signal.SIGTERM else Interrupted()
 
 
-def force_exit(signum: int, code: Optional[int] = None, announce: bool = True) -> None:
-    """End the process now: kill its multiprocessing children, write the one line once, flush what can
-    be flushed, exit with ``code`` (default: the signal's; no clean-up, no traceback)."""
+def force_exit(signum: int, code: Optional[int] = None, announce: bool = True, why: str = "",
+               flush: bool = True) -> None:
+    """End the process now: kill its multiprocessing children, write the one line once (``why`` in
+    brackets after it), flush what can be flushed, exit with ``code`` (default: the signal's; no clean-up,
+    no traceback)."""
     try:
         import multiprocessing
 
@@ -147,8 +161,8 @@ def force_exit(signum: int, code: Optional[int] = None, announce: bool = True) -
         pass
     if announce and not _state["announced"]:
         _state["announced"] = True
-        os.write(2, f"tokenmill: {WORDS.get(signum, 'interrupted')}\n".encode())
-    for stream in (sys.stdout, sys.stderr):
+        os.write(2, f"tokenmill: {WORDS.get(signum, 'interrupted')}{f' ({why})' if why else ''}\n".encode())
+    for stream in (sys.stdout, sys.stderr) if flush else ():
         try:
             stream.flush()
         except Exception:  # noqa: BLE001 - a broken pipe or a write this signal interrupted
@@ -175,7 +189,8 @@ def install() -> None:
         return
     _install_process_hooks()
     _state.update(first=None, announced=False, quit=False, active=True, pid=os.getpid(), defer=0, held=None,
-                  import_held=None, redeliver=False, previous={s: signal.getsignal(s) for s in SIGNALS})
+                  import_held=None, redeliver=False, previous={s: signal.getsignal(s) for s in SIGNALS},
+                  answered=0, arrived=0, wakeup=_start_watcher())
     for s in SIGNALS:
         signal.signal(s, _handler)
 
@@ -191,7 +206,10 @@ def finish(owned: bool, code: Optional[int] = None) -> None:
         return
     for s, h in (_state["previous"] or {}).items():
         signal.signal(s, h if h is not None else signal.SIG_DFL)
-    _state.update(active=False, quit=False)
+    if _state["wakeup"] is not None:
+        with contextlib.suppress(ValueError, OSError):
+            signal.set_wakeup_fd(_state["wakeup"])  # the caller's, usually none (-1)
+    _state.update(active=False, quit=False, wakeup=None)
 
 
 def quiet_worker() -> None:
@@ -244,8 +262,57 @@ def _install_process_hooks() -> None:
 
 
 def _after_fork_child() -> None:
+    if _watcher["pid"] is not None:  # the parent's watcher pipe is not this process's (its thread did not fork)
+        with contextlib.suppress(ValueError, OSError):
+            signal.set_wakeup_fd(-1)
     if _state["active"]:
         quiet_worker()
+
+
+def _start_watcher() -> Optional[int]:
+    """Point the interpreter's signal wake-up at a pipe read by a watcher thread (one per process) and
+    return the wake-up fd it had before (None where it cannot be set). The interpreter writes a signal's
+    number to that pipe from its C handler, even while the main thread is blocked in native code (a stuck
+    collective, a device sync, a lock): the only place a Python handler cannot run."""
+    if _watcher["pid"] != os.getpid():
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        _watcher.update(pid=os.getpid(), w=w)
+        threading.Thread(target=_watch, args=(r,), name="tokenmill-signal-watcher", daemon=True).start()
+    try:
+        return signal.set_wakeup_fd(_watcher["w"], warn_on_full_buffer=False)
+    except (ValueError, OSError):
+        return None
+
+
+def _watch(r: int) -> None:
+    """Count SIGINT/SIGTERM as they arrive; when the main thread has answered fewer than have come and
+    has not run a single line for ``STUCK_S`` seconds, it is stuck in native code that never returns
+    (its Python handler cannot run): end the process, children included, with the signal's exit code."""
+    while True:
+        try:
+            data = os.read(r, 256)
+        except OSError:
+            return
+        ours = [b for b in data if b in CODES]
+        if not ours or not _state["active"] or _state["pid"] != os.getpid():
+            continue
+        _state["arrived"] += len(ours)
+        _await_answer(ours[0])
+
+
+def _await_answer(signum: int) -> None:
+    main_id, seen, since = threading.main_thread().ident, None, time.monotonic()
+    while _state["active"] and _state["answered"] < _state["arrived"]:
+        frame = sys._current_frames().get(main_id)
+        where = (frame, frame.f_lasti if frame is not None else None)
+        if seen is None or where[0] is not seen[0] or where[1] != seen[1]:  # the main thread moved
+            seen, since = where, time.monotonic()
+        elif time.monotonic() - since >= STUCK_S:
+            force_exit(_state["first"] or signum, why=f"no answer for {STUCK_S:.0f} s: stuck in native code, "
+                       "ended without clean-up", flush=False)
+        del frame
+        time.sleep(0.05)
 
 
 BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a Unix tool whose reader closed the pipe
