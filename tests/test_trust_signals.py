@@ -415,6 +415,10 @@ def test_a_signal_to_a_process_stuck_in_native_code_ends_it(sig):
     proc = subprocess.Popen([sys.executable, "-c", STUCK], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.stdout.readline() == "stuck\n"
+    stat, deadline = Path(f"/proc/{proc.pid}/task/{proc.pid}/stat"), time.monotonic() + HANG_S
+    while stat.read_text().rsplit(")", 1)[1].split()[0] != "S" and time.monotonic() < deadline:
+        time.sleep(0.01)  # the main thread is asleep in the second lock (a few bytecodes after the print)
+    time.sleep(0.2)
     os.kill(proc.pid, sig)
     try:
         _, err = proc.communicate(timeout=HANG_S)

@@ -305,8 +305,8 @@ def _await_answer(signum: int) -> None:
     main_id, seen, since = threading.main_thread().ident, None, time.monotonic()
     while _state["active"] and _state["answered"] < _state["arrived"]:
         frame = sys._current_frames().get(main_id)
-        where = (frame, frame.f_lasti if frame is not None else None)
-        if seen is None or where[0] is not seen[0] or where[1] != seen[1]:  # the main thread moved
+        where = (id(frame), frame.f_lasti if frame is not None else None)  # no reference kept: no locals held
+        if where != seen:  # the main thread moved
             seen, since = where, time.monotonic()
         elif time.monotonic() - since >= STUCK_S:
             force_exit(_state["first"] or signum, why=f"no answer for {STUCK_S:.0f} s: stuck in native code, "
