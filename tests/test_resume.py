@@ -42,6 +42,24 @@ def test_restart_without_checkpoint_restarts_metrics(tmp_path, monkeypatch):
     assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [1, 2, 3, 4]
 
 
+def test_resume_before_the_first_save_names_the_command_that_restarts_the_run(tmp_path, capsys):
+    """Ctrl-C before the first checkpoint leaves config.toml and no checkpoint: ``train --resume`` says so
+    and prints the command that starts the run again from its recorded config, which then completes."""
+    from tokenmill.cli import main
+
+    over = {"train.max_steps": 4, "checkpoint.every_steps": 2, "log.every_steps": 1}
+    with pytest.raises(Crash):
+        train(tiny_cfg(**over), tmp_path, quiet=True, callbacks=Callbacks(on_step_end=crash_at(1)))
+    assert (tmp_path / "config.toml").is_file() and ckpt.list_checkpoints(tmp_path) == []
+    capsys.readouterr()
+    assert main(["train", "--resume", "--run-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    command = f"tokenmill train --config {tmp_path / 'config.toml'} --run-dir {tmp_path}"
+    assert "stopped before its first save" in err and err.rstrip().endswith(command), err
+    assert main(command.split()[1:]) == 0
+    assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [1, 2, 3, 4]
+
+
 def test_resume_with_another_global_batch_continues_the_stream(tmp_path, capsys):
     """Saved with grad_accum 2 (global batch 8, as 2 data-parallel ranks of 4), resumed with grad_accum
     1 (global batch 4): the data goes on at sample 3 x 8 = 24, neither replayed nor skipped."""

@@ -110,9 +110,19 @@ def _prepare_after(world: Path, out: Path) -> None:
 
 
 def _train_after(world: Path, out: Path) -> None:
-    """``--resume`` (or a fresh start when the run directory was not made yet) reaches max_steps."""
-    args = ["train", "--resume", "--run-dir", str(out)] if (out / "config.toml").is_file() else \
-        ["train", *TINY, *SYNTH, "--train.max_steps", "12", "--checkpoint.every_steps", "3", "--run-dir", str(out)]
+    """What the user is told to do reaches max_steps: ``--resume`` when a checkpoint was saved; stopped
+    before its first save, the run again from its recorded config (``--resume`` says so); a fresh start
+    when the run had not begun."""
+    if any((out / "checkpoints").glob("step_*")):
+        args = ["train", "--resume", "--run-dir", str(out)]
+    elif (out / "config.toml").is_file():
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
+            assert main(["train", "--resume", "--run-dir", str(out)]) == 1
+        assert f"--config {out / 'config.toml'} --run-dir {out}" in err.getvalue(), err.getvalue()
+        args = ["train", "--config", str(out / "config.toml"), "--run-dir", str(out)]
+    else:
+        args = ["train", *TINY, *SYNTH, "--train.max_steps", "12", "--checkpoint.every_steps", "3", "--run-dir",
+                str(out)]
     assert quiet(args) == 0
     assert (out / "checkpoints" / "step_00000012.pt").is_file() or any(out.rglob("*00000012*"))
 

@@ -142,6 +142,11 @@ def resume_decision(run_dir: Path, resume_run: bool, rank0: bool) -> tuple[bool,
             "or choose another --run-dir."
         )
     if resume_run and not has_checkpoints:
+        if (run_dir / "config.toml").is_file():  # a run stopped (Ctrl-C, a crash) before its first save
+            raise TrainingError(
+                f"--resume: {run_dir} has no checkpoint to resume from: the run stopped before its first save "
+                f"(checkpoint.every_steps). Start it again from step 0 with its recorded config: tokenmill train "
+                f"--config {run_dir / 'config.toml'} --run-dir {run_dir}")
         raise TrainingError(f"--resume: {run_dir} has no checkpoint to resume from; check the --run-dir, "
                             "or start the run without --resume.")
     return resume_run or is_elastic_restart(), has_checkpoints  # a restarted worker: from the newest checkpoint
