@@ -44,9 +44,9 @@ def replacing(path: str | Path, durable: bool = False) -> Iterator[Path]:
         fsync_dir(path.parent)
 
 
-def write_text(path: str | Path, text: str, durable: bool = False) -> None:
+def write_text(path: str | Path, text: str) -> None:
     """Write ``text`` (UTF-8) to ``path`` atomically."""
-    with replacing(path, durable) as tmp:
+    with replacing(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
 
 

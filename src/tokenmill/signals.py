@@ -62,7 +62,7 @@ WORDS = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}
 
 _state: dict = {"active": False, "first": None, "announced": False, "quit": False, "previous": None,
                 "pid": None, "code": None, "defer": 0, "held": None, "import_held": None, "redeliver": False,
-          "answered": 0, "arrived": 0, "wakeup": None}
+                "answered": 0, "arrived": 0, "wakeup": None}
 _hooks = False
 _watcher: dict = {"pid": None, "w": -1}
 STUCK_S = 10.0  # a signal the main thread has not answered for this long, without running a line: it is stuck
@@ -127,7 +127,7 @@ def _redeliver_after_import(signum: int) -> None:
     aborts the whole process (SIGABRT, a core dump) instead of unwinding. Imports end within seconds."""
     main_id, code = threading.main_thread().ident, _import_code()
     while _inside(sys._current_frames().get(main_id), code):
-        threading.Event().wait(0.01)
+        time.sleep(0.01)
     _state["redeliver"] = True
     os.kill(os.getpid(), signum)
 

@@ -29,7 +29,6 @@ from tokenmill.train.timing import PHASES
 HOW_TO_MAKE_A_RUN = ("make one with `tokenmill train ... --run-dir DIR` or `tokenmill profile ... --run-dir DIR`, "
                      "then run `tokenmill doctor DIR`")
 RERUN_PROFILE = "re-run `tokenmill profile` with this version to write a new one"
-CONFIG_UNLOADED = "config.toml does not load as this version's config"
 
 
 def load_run(run_dir: str | Path) -> dict[str, Any]:
@@ -44,8 +43,12 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
     names = ("config.toml", "metrics.jsonl", "profile.json")
     if not any((d / n).is_file() for n in names):
         raise DoctorError(f"'{d}' is not a tokenmill run directory (no {', '.join(names)}); {HOW_TO_MAKE_A_RUN}.")
-    out: dict[str, Any] = {"config": {}, "metrics": [], "summary": {}, "profile": None, "warnings": [], "dir": d}
-    out["config"] = _read_config(d / "config.toml", out["warnings"])
+    out: dict[str, Any] = {"config": {}, "metrics": [], "summary": {}, "profile": None, "warnings": [], "dir": d,
+                           "config_error": None}
+    out["config"], out["config_error"] = _read_config(d / "config.toml")
+    if out["config_error"]:
+        out["warnings"].append(f"config.toml does not load as this version's config: {out['config_error']} The "
+                               "findings read its values key by key, as recorded; `--try` needs a config that loads.")
     if (d / "metrics.jsonl").is_file():
         rows = _read_jsonl(d / "metrics.jsonl", out["warnings"])
         out["metrics"] = last_run(rows)
@@ -74,22 +77,21 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
     return out
 
 
-def _read_config(path: Path, warnings: list[str]) -> dict[str, Any]:
-    """The run's flat config; this version's defaults when there is none. A config that does not load
-    (written by another version, or holding a value this version refuses, e.g. an absurd recorded shape)
-    is taken key by key, as it is, with a warning that says why."""
+def _read_config(path: Path) -> tuple[dict[str, Any], Optional[str]]:
+    """(the run's flat config, why it does not load or None); this version's defaults when there is none.
+    A config that does not load (written by another version, or holding a value this version refuses, e.g.
+    an absurd recorded shape) is taken key by key, as it is."""
     if not path.is_file():
-        return C.flatten(C.Config().to_dict())
+        return C.flatten(C.Config().to_dict()), None
     try:
-        return C.flatten(C.from_dict(C.load_toml(path)).to_dict())
+        return C.flatten(C.from_dict(C.load_toml(path)).to_dict()), None
     except C.ConfigError as e:
-        warnings.append(f"{CONFIG_UNLOADED}: {e} The findings read its values key by key, as recorded; "
-                        "`--try` needs a config that loads.")
+        error = str(e)
     try:
         tree = C.load_toml(path)
     except C.ConfigError as e:
         raise DoctorError(str(e)) from None
-    return {f"{s}.{k}": v for s, body in tree.items() if isinstance(body, dict) for k, v in body.items()}
+    return {f"{s}.{k}": v for s, body in tree.items() if isinstance(body, dict) for k, v in body.items()}, error
 
 
 def _read_jsonl(path: Path, warnings: list[str]) -> list[dict[str, Any]]:
@@ -377,6 +379,7 @@ def diagnose(run_dir: str | Path) -> dict[str, Any]:
         "findings": found,
         "figures": _figures(facts),
         "warnings": run["warnings"],
+        "config_error": run["config_error"],  # why config.toml does not load (None: it does); --try refuses
     }
 
 
@@ -446,6 +449,6 @@ def format_verdict(v: dict[str, Any]) -> str:
     minor = [x for x in v["findings"] if x["minor"]]
     if minor:
         lines.append("\nMinor: " + "; ".join(f"{x['title']} (~{100 * x['score']:.0f}%)" for x in minor))
-    if major and "try" not in v and not any(w.startswith(CONFIG_UNLOADED) for w in v["warnings"]):
+    if major and "try" not in v and not v.get("config_error"):
         lines.append(f"\nMeasure the top suggestions on this machine: tokenmill doctor {v['run_dir']} --try 2")
     return "\n".join(lines)
