@@ -614,27 +614,30 @@ def test_planted_cause_is_named_first_three_times(planted, cause):
 
 
 def test_planted_evidence_and_switches(planted):
-    """What each planted verdict says: the measured figure behind it and the switch that undoes the plant."""
+    """What each planted verdict says: the measured figure behind it and the switch that undoes the plant.
+    (Every assertion names what it saw: a failure here once went unexplained.)"""
     def by_key(verdict: dict, key: str) -> dict:  # the plant's finding, wherever the run's timings ranked it
-        return next(x for x in verdict["findings"] if x["key"] == key)
+        found = next((x for x in verdict["findings"] if x["key"] == key), None)
+        assert found is not None, (key, verdict["main"], verdict["findings"])
+        return found
 
     opt = by_key(planted["optimizer_impl"][0][1], "optimizer_impl")
-    assert switches(opt)[:2] == ["--optim.impl fused", "--optim.impl foreach"]
-    assert "optim.impl = for-loop" in " ".join(opt["evidence"])
+    assert switches(opt)[:2] == ["--optim.impl fused", "--optim.impl foreach"], opt
+    assert "optim.impl = for-loop" in " ".join(opt["evidence"]), opt
     rec = planted["activation_recompute"][0]
     prof = json.loads((rec[0] / "profile.json").read_text())["breakdown"]["recompute"]
-    assert prof["ops_per_step"] > 0 and prof["host_ms_per_step"] > 0  # measured: forward operators in backward
+    assert prof["ops_per_step"] > 0 and prof["host_ms_per_step"] > 0, prof  # measured: forward operators in backward
     found = by_key(rec[1], "activation_recompute")
-    assert switches(found)[0] == "--memory.activation_checkpointing 0"
-    assert any("measured in the profile" in e for e in found["evidence"])
+    assert switches(found)[0] == "--memory.activation_checkpointing 0", found
+    assert any("measured in the profile" in e for e in found["evidence"]), found
     forms = by_key(planted["layer_forms"][0][1], "layer_forms")
-    assert switches(forms) == ["--model.norm native", "--model.gelu native"]
-    assert any("counted on the model's own layers" in e for e in forms["evidence"])
+    assert switches(forms) == ["--model.norm native", "--model.gelu native"], forms
+    assert any("counted on the model's own layers" in e for e in forms["evidence"]), forms
     wall = planted["outside_steady_state"][0][1]
     found = by_key(wall, "outside_steady_state")
-    assert found["title"].endswith("evaluation") and found["measure"] == "wall"
-    assert switches(found)[0].startswith("--train.eval_every_steps ")
-    assert "host_sync" not in keys(wall)
+    assert found["title"].endswith("evaluation") and found["measure"] == "wall", found
+    assert switches(found)[0].startswith("--train.eval_every_steps "), found
+    assert "host_sync" not in keys(wall), wall["findings"]
 
 
 def test_profiled_evaluation_is_not_blamed_on_logging(tmp_path):

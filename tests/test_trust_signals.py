@@ -437,3 +437,82 @@ def test_a_signal_to_a_process_stuck_in_native_code_ends_it(sig):
         pytest.fail("a signal to a process stuck in native code did not end it")
     assert proc.returncode == signals.CODES[sig], err
     assert err == f"tokenmill: {signals.WORDS[sig]} (no answer for 1 s: stuck in native code, ended without clean-up)\n"
+
+
+HALF_BUILT_LOADER = """
+import gc, multiprocessing, os, signal, sys, time
+import torch
+from torch.utils.data import DataLoader
+from tokenmill import signals
+from tokenmill.data import start_batches
+
+class Sampler:  # iter(loader) calls this twice: before starting its workers, and after, before recording them
+    calls = 0
+    def __iter__(self):
+        Sampler.calls += 1
+        if Sampler.calls == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # the handler runs here, inside the DataLoader iterator's constructor
+        return iter([[0, 1], [2, 3]])
+    def __len__(self):
+        return 2
+
+signals.install()
+loader = DataLoader(torch.arange(4), batch_sampler=Sampler(), num_workers=2)
+try:
+    it = (start_batches if sys.argv[1] == "whole" else iter)(loader)
+    print("no interrupt")
+except KeyboardInterrupt:
+    gc.collect()
+    deadline = time.monotonic() + 3  # ended workers go at once; the half-built iterator's never do
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print(len(multiprocessing.active_children()), "workers left")
+"""
+
+
+@pytest.mark.slow
+def test_a_signal_while_a_loader_starts_its_workers_leaves_none_running(tmp_path):
+    """CI's red moment: the Ctrl-C arrived inside ``iter(DataLoader)``, after its workers had started and
+    before it had recorded them; the half-built iterator could not end them and its ``__del__`` printed a
+    traceback. ``start_batches`` builds the iterator whole and raises after; it ends its workers. (The
+    bare ``iter`` is run beside it: the same moment leaves both workers running.)"""
+    runs = {how: subprocess.run([sys.executable, "-c", HALF_BUILT_LOADER, how], capture_output=True, text=True,
+                                timeout=HANG_S, env=dict(os.environ, OMP_NUM_THREADS="1")) for how in ("whole", "bare")}
+    assert runs["whole"].stdout == "0 workers left\n", runs["whole"]
+    assert "Traceback" not in runs["whole"].stderr and "Exception ignored" not in runs["whole"].stderr, runs["whole"]
+    assert runs["bare"].stdout == "2 workers left\n", runs["bare"]  # the moment is the one CI met
+
+
+FAILING_FINALIZER = """
+import gc, os, signal, sys, time
+from tokenmill import signals
+
+class HalfBuilt:
+    def __init__(self, interrupt):
+        if interrupt:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the handler raises here: the object never gets its field
+        self.field = 1
+    def __del__(self):
+        self.field  # AttributeError when half-built
+
+signals.install()
+obj = HalfBuilt(False)
+del obj.field
+del obj  # no signal yet: Python reports the finalizer's error as always
+gc.collect()
+try:
+    HalfBuilt(True)
+except KeyboardInterrupt:
+    gc.collect()
+    print("interrupted")
+"""
+
+
+def test_after_a_signal_a_half_built_objects_finalizer_stays_quiet():
+    """The class behind CI's red moment: after the signal, a finalizer failing on the object the signal's
+    exception left half-built prints nothing; before it, Python's report is left as it is."""
+    proc = subprocess.run([sys.executable, "-c", FAILING_FINALIZER], capture_output=True, text=True, timeout=HANG_S)
+    assert proc.stdout == "interrupted\n", proc
+    assert proc.stderr.count("Exception ignored") == 1 and proc.stderr.count("AttributeError") == 1, proc.stderr

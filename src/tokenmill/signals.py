@@ -25,6 +25,11 @@
   exit code and the line ``tokenmill: interrupted (no answer for 10 s: stuck in native code, ended
   without clean-up)``. Files are written atomically (``atomic.py``), so what it cannot clean up is a
   temporary sibling, never a damaged file.
+- An object the exception left **half-built** (a library constructor interrupted between starting
+  something and recording it) may fail in its ``__del__``; after a signal such an "Exception ignored in"
+  report is the signal's consequence, not news, and is dropped (before any signal, and in processes that
+  never had one, Python's report is unchanged). What must not stop half-way is built inside
+  :func:`deferred` instead (the tokenizer pool, a DataLoader's workers).
 - After the command (``finish``, in a process that ``cli.main`` owns), a late signal during the
   interpreter's exit ends the process at once, quietly, with the command's exit code.
 - A closed stdout pipe (``tokenmill sample | head -1``) exits 141 without a message (:func:`broken_pipe`).
@@ -62,7 +67,7 @@ WORDS = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}
 
 _state: dict = {"active": False, "first": None, "announced": False, "quit": False, "previous": None,
                 "pid": None, "code": None, "defer": 0, "held": None, "import_held": None, "redeliver": False,
-                "answered": 0, "arrived": 0, "wakeup": None}
+                "answered": 0, "arrived": 0, "wakeup": None, "unraisable": None}
 _hooks = False
 _watcher: dict = {"pid": None, "w": -1}
 STUCK_S = 10.0  # a signal the main thread has not answered for this long, without running a line: it is stuck
@@ -191,6 +196,9 @@ def install() -> None:
     _state.update(first=None, announced=False, quit=False, active=True, pid=os.getpid(), defer=0, held=None,
                   import_held=None, redeliver=False, previous={s: signal.getsignal(s) for s in SIGNALS},
                   answered=0, arrived=0, wakeup=_start_watcher())
+    if sys.unraisablehook is not _unraisable:
+        _state["unraisable"] = sys.unraisablehook
+        sys.unraisablehook = _unraisable
     for s in SIGNALS:
         signal.signal(s, _handler)
 
@@ -209,7 +217,17 @@ def finish(owned: bool, code: Optional[int] = None) -> None:
     if _state["wakeup"] is not None:
         with contextlib.suppress(ValueError, OSError):
             signal.set_wakeup_fd(_state["wakeup"])  # the caller's, usually none (-1)
-    _state.update(active=False, quit=False, wakeup=None)
+    if sys.unraisablehook is _unraisable:
+        sys.unraisablehook = _state["unraisable"] or sys.__unraisablehook__
+    _state.update(active=False, quit=False, wakeup=None, unraisable=None)
+
+
+def _unraisable(report) -> None:
+    """Python's hook for an exception it cannot raise (a finalizer's): dropped once this process has
+    received a SIGINT/SIGTERM (see the module doc); otherwise the hook that was there before."""
+    if _state["first"] is not None and _state["pid"] == os.getpid():
+        return
+    (_state["unraisable"] or sys.__unraisablehook__)(report)
 
 
 def quiet_worker() -> None:

@@ -24,6 +24,7 @@ from .loader import (
     StreamBatchSampler,
     build_datasets,
     build_train_loader,
+    start_batches,
     to_device,
     val_batches,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "open_token_data",
     "prepare",
     "run_prepare",
+    "start_batches",
     "to_device",
     "tokenizer_from",
     "train_bpe",

@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from tokenmill import signals
+
 from .dataset import SyntheticDataset, WindowDataset, global_indices, id_dtype, open_token_data
 from .mixture import MixtureDataset, open_mixture
 
@@ -97,6 +99,15 @@ def build_train_loader(
     )
 
 
+def start_batches(batches: Iterable) -> Iterator:
+    """``iter(batches)``, built whole: a DataLoader with workers starts them and only then records them, and
+    a Ctrl-C raised between the two leaves an iterator that can neither use nor end its workers (its
+    ``__del__`` fails with a traceback). A signal that comes meanwhile raises right after, and the finished
+    iterator ends its workers as it goes."""
+    with signals.deferred():
+        return iter(batches)
+
+
 def val_batches(
     val_dataset: Dataset, batch_size: int, n_batches: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -158,7 +169,7 @@ class DevicePrefetcher:
     def __init__(self, batches: Iterable, device: torch.device | str, non_blocking: bool = False,
                  side_stream: bool = True):
         self.device = torch.device(device)
-        self.host = iter(batches)
+        self.host = start_batches(batches)
         self.non_blocking = non_blocking
         self.stream = None
         if side_stream and self.device.type == "cuda":

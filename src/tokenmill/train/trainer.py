@@ -28,7 +28,7 @@ from torch.profiler import record_function
 
 from tokenmill import atomic, checkpoint
 from tokenmill import config as C
-from tokenmill.data import build_datasets, build_train_loader, mixture, to_device, val_batches
+from tokenmill.data import build_datasets, build_train_loader, mixture, start_batches, to_device, val_batches
 from tokenmill.data.loader import DevicePrefetcher
 from tokenmill.errors import AlreadyTrained, TrainingError
 from tokenmill.model import flop_params, flops_per_token, math_mode, peak_flops
@@ -150,7 +150,7 @@ class Trainer:
                     if (self.data.val is not None and t.eval_batches) else [])
         self.prefetched = cfg.data.cuda_prefetch and device.type == "cuda"  # batches arrive on the device
         self.batches = (DevicePrefetcher(loader, device, cfg.data.non_blocking) if self.prefetched
-                        else iter(loader))  # may draw from the global RNG (worker seeds): restore the RNG after
+                        else start_batches(loader))  # may draw from the global RNG (worker seeds): restore the RNG after
         if rng is not None:
             checkpoint.set_rng_state(rng, device)
         seed_dropout(t.seed, world.dp_rank, self.start_step)
