@@ -140,6 +140,26 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_sample(sub) -> None:
+    """The ``sample`` command's arguments."""
+    p = sub.add_parser("sample", help="generate text from a run's checkpoint", allow_abbrev=False)
+    p.add_argument("--run-dir", required=True, help="the run directory")
+    p.add_argument("--prompt", default="\n", help="text to continue (default: a newline; empty: start from the end-of-text id)")
+    p.add_argument("--max-new-tokens", type=number(int), default=200, help="tokens to generate (default: 200)")
+    p.add_argument("--temperature", type=number(float), default=0.8, help="softmax temperature; 0 = greedy, the most likely token (default: 0.8)")
+    p.add_argument("--top-k", type=number(int), default=200, help="keep the k most likely tokens; 0 = no top-k filtering (default: 200)")
+    p.add_argument("--top-p", type=number(float), default=1.0,
+                   help="nucleus sampling: keep the most likely tokens up to this probability mass; 1 = off (default: 1.0)")
+    p.add_argument("--num-samples", type=number(int), default=1, help="independent samples of the prompt (default: 1)")
+    p.add_argument("--seed", type=number(int, ge=0), default=0, help="random seed of the draws (default: 0)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, mps or auto (default: cpu)")
+    p.add_argument("--checkpoint", help="a checkpoint file or folder of the run (default: the newest good one)")
+    p.add_argument("--no-kv-cache", action="store_true",
+                   help="recompute the whole context at every token instead of caching keys/values (same tokens, "
+                        "slower; for checking; default: the cache is on)")
+    p.set_defaults(func=cmd_sample)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokenmill", description="Train GPT-style language models close to the hardware limit, and see what "
@@ -158,22 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_prepare_args(p)
     p.set_defaults(func=cmd_prepare)
 
-    p = sub.add_parser("sample", help="generate text from a run's checkpoint", allow_abbrev=False)
-    p.add_argument("--run-dir", required=True, help="the run directory")
-    p.add_argument("--prompt", default="\n", help="text to continue (default: a newline; empty: start from the end-of-text id)")
-    p.add_argument("--max-new-tokens", type=number(int), default=200, help="tokens to generate (default: 200)")
-    p.add_argument("--temperature", type=number(float), default=0.8, help="softmax temperature; 0 = greedy, the most likely token (default: 0.8)")
-    p.add_argument("--top-k", type=number(int), default=200, help="keep the k most likely tokens; 0 = no top-k filtering (default: 200)")
-    p.add_argument("--top-p", type=number(float), default=1.0,
-                   help="nucleus sampling: keep the most likely tokens up to this probability mass; 1 = off (default: 1.0)")
-    p.add_argument("--num-samples", type=number(int), default=1, help="independent samples of the prompt (default: 1)")
-    p.add_argument("--seed", type=number(int, ge=0), default=0, help="random seed of the draws (default: 0)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, mps or auto (default: cpu)")
-    p.add_argument("--checkpoint", help="a checkpoint file or folder of the run (default: the newest good one)")
-    p.add_argument("--no-kv-cache", action="store_true",
-                   help="recompute the whole context at every token instead of caching keys/values (same tokens, "
-                        "slower; for checking; default: the cache is on)")
-    p.set_defaults(func=cmd_sample)
+    _add_sample(sub)
 
     p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face folder (GPT-2, Llama, Qwen2, Qwen3, Mistral)", allow_abbrev=False)
     p.add_argument("--run-dir", required=True, help="the run directory")

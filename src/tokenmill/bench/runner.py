@@ -98,6 +98,27 @@ def run_train(
     config_path = run_dir / "rung.toml"
     C.save(cfg, config_path)
     cmd = train_command(config_path, run_dir, launcher, nproc)
+    rc, timed_out, wall = _run_logged(cmd, run_dir, timeout_s, echo)
+    stderr = (run_dir / "stderr.log").read_text(errors="replace")
+    oom = any(m in stderr.lower() for m in OOM_MARKERS)
+    res = RunResult(ok=False, rc=rc, wall_s=wall, oom=oom, timed_out=timed_out, command=cmd,
+                    stderr_tail=stderr.splitlines()[-40:])
+    if timed_out:
+        res.reason = f"timed out after {timeout_s:.0f} s"
+    elif rc != 0:
+        reason = failure_reason(stderr, rc)
+        res.reason = f"out of memory: {reason}" if oom and "out of memory" not in reason.lower() else reason
+    else:
+        res.reason = _summary_problem(res, run_dir, nproc)
+        res.ok = res.reason is None
+    return res
+
+
+def _run_logged(cmd: list[str], run_dir: Path, timeout_s: float,
+                echo: Optional[Callable[[str], None]]) -> tuple[int, bool, float]:
+    """Run ``cmd`` in its own session, stdout to ``run_dir/stdout.log`` (and ``echo``), stderr to
+    ``stderr.log``; the whole group is killed on timeout or on any exception here (a Ctrl-C).
+    Returns (exit code, timed out, wall seconds)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     t0 = time.perf_counter()
     timed_out = False
@@ -122,30 +143,18 @@ def run_train(
             _kill_group(proc)
             raise
         reader.join(timeout=10)
-    wall = time.perf_counter() - t0
-    stderr = (run_dir / "stderr.log").read_text(errors="replace")
-    tail = stderr.splitlines()[-40:]
-    oom = any(m in stderr.lower() for m in OOM_MARKERS)
-    res = RunResult(ok=False, rc=proc.returncode, wall_s=wall, oom=oom, timed_out=timed_out, command=cmd,
-                    stderr_tail=tail)
-    if timed_out:
-        res.reason = f"timed out after {timeout_s:.0f} s"
-        return res
-    if proc.returncode != 0:
-        reason = failure_reason(stderr, proc.returncode)
-        res.reason = f"out of memory: {reason}" if oom and "out of memory" not in reason.lower() else reason
-        return res
+    return proc.returncode, timed_out, time.perf_counter() - t0
+
+
+def _summary_problem(res: RunResult, run_dir: Path, nproc: int) -> Optional[str]:
+    """Read a finished run's ``summary.json`` into ``res``; why it is not a measurement (None: it is)."""
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
-        res.reason = "the run exited 0 but wrote no summary.json"
-        return res
+        return "the run exited 0 but wrote no summary.json"
     res.summary = json.loads(summary_path.read_text())
     if nproc > 1 and res.summary.get("world_size") != nproc:
-        res.reason = (f"launched {nproc} processes but summary.json reports world_size="
-                      f"{res.summary.get('world_size')!r}: the trainer did not run distributed")
-        return res
+        return (f"launched {nproc} processes but summary.json reports world_size="
+                f"{res.summary.get('world_size')!r}: the trainer did not run distributed")
     if not res.summary.get("tokens_per_sec"):
-        res.reason = "no steady-state tokens/s (no timed window: too few steps after warm-up?)"
-        return res
-    res.ok = True
-    return res
+        return "no steady-state tokens/s (no timed window: too few steps after warm-up?)"
+    return None

@@ -222,6 +222,22 @@ def to_hf_state_dict(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig,
     return {k: v.detach().contiguous().clone() for k, v in out.items()}
 
 
+def _gpt2_config(hf_cfg: Mapping[str, Any], base: ModelConfig | None, block_size: int | None,
+                 where: str) -> ModelConfig:
+    """``base`` with the shape of a GPT-2 ``config.json`` (checked), at ``block_size`` when given (no longer
+    than its ``n_positions``)."""
+    _check_hf_config(hf_cfg, where)
+    fields = hf_model_fields(hf_cfg)
+    if block_size is not None:
+        if block_size > fields["block_size"]:
+            raise CheckpointError(
+                f"{where}: model.block_size {block_size} exceeds the model's n_positions {fields['block_size']} "
+                "(no position embeddings beyond it). Fix: use a block_size <= n_positions."
+            )
+        fields["block_size"] = block_size
+    return dataclasses.replace(base if base is not None else ModelConfig(), **fields)
+
+
 def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], hf_cfg: Mapping[str, Any],
                        base: ModelConfig | None = None, block_size: int | None = None,
                        where: str = "the GPT-2 weights") -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -235,17 +251,8 @@ def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], hf_cfg: Mapping[str, A
     zero padding rows per ``base.vocab_pad_multiple``). Accepts names with or without the
     ``transformer.`` prefix; the causal-mask buffers of old checkpoints are ignored.
     """
-    _check_hf_config(hf_cfg, where)
-    fields = hf_model_fields(hf_cfg)
-    if block_size is not None:
-        if block_size > fields["block_size"]:
-            raise CheckpointError(
-                f"{where}: model.block_size {block_size} exceeds the model's n_positions {fields['block_size']} "
-                "(no position embeddings beyond it). Fix: use a block_size <= n_positions."
-            )
-        fields["block_size"] = block_size
-    cfg = dataclasses.replace(base if base is not None else ModelConfig(), **fields)
-    V, C, L = fields["vocab_size"], fields["n_embd"], fields["n_layer"]
+    cfg = _gpt2_config(hf_cfg, base, block_size, where)
+    V, C, L = cfg.vocab_size, cfg.n_embd, cfg.n_layer
     sd = {k.removeprefix("transformer."): v for k, v in hf_sd.items() if not k.endswith(_IGNORED_SUFFIXES)}
     used: set[str] = set()
 

@@ -195,12 +195,22 @@ def facts_from_profile(p: dict[str, Any]) -> dict[str, Any]:
 
 
 def _profile_facts(p: dict[str, Any]) -> dict[str, Any]:
+    """The rules' facts from a ``profile.json``: the step's phases and syncs, then what the profile
+    measured of recompute, host and device work, memory and the allocator."""
     ms, share = p["breakdown"]["ms_per_step"], p["breakdown"]["share"]
     f: dict[str, Any] = {f"{k}_ms": v for k, v in ms.items() if k != "step"}
     f["step_ms"] = ms["step"]
     f["step_source"] = "mean of the profiled steps (under the profiler: slower than summary.json's windows)"
     f.update({f"{k}_share": v for k, v in share.items()})
     f["phase_source"] = "profile.json (record_function regions of the profiled steps)"
+    _sync_facts(p, f)
+    _measured_facts(p, f)
+    return f
+
+
+def _sync_facts(p: dict[str, Any], f: dict[str, Any]) -> None:
+    """Syncs per step and what they cost the host; the phases' shares per profiled step (their noise)."""
+    ms, b = p["breakdown"]["ms_per_step"], p["breakdown"]
     f["syncs_per_step"] = p["syncs"]["per_step"]
     f["sync_sources"] = sources = p["syncs"]["sources"]
     # What the syncs cost the host: the time inside the sync calls within the phases, plus, when the
@@ -210,7 +220,6 @@ def _profile_facts(p: dict[str, Any]) -> dict[str, Any]:
     outside = any(s.get("region") == OUTSIDE for s in sources)
     # An evaluation inside the profiled steps also runs outside the phases: its time is the
     # outside-the-steady-state rule's, not logging.
-    b = p["breakdown"]
     eval_ms = min(ms["idle"], (b.get("outside") or {}).get("eval_ms_per_step") or 0.0)
     idle_ms = ms["idle"] - eval_ms
     idle_share = idle_ms / ms["step"] if ms["step"] else 0.0
@@ -232,6 +241,11 @@ def _profile_facts(p: dict[str, Any]) -> dict[str, Any]:
                 f[f"{k}_ms"] = f[f"{k}_share"] * ms["step"]
     else:  # a profile of an older version: no per-step figures, no noise estimate
         f.update({f"{k}_share_se": 0.0 for k in PHASES})
+
+
+def _measured_facts(p: dict[str, Any], f: dict[str, Any]) -> None:
+    """Recompute, host and device work, attention, memory, the allocator and the GPU, as profiled."""
+    ms, b = p["breakdown"]["ms_per_step"], p["breakdown"]
     rec = b.get("recompute")
     if rec and ms["step"]:
         cuda = rec.get("device_ms_per_step") is not None
@@ -267,8 +281,6 @@ def _profile_facts(p: dict[str, Any]) -> dict[str, Any]:
     g = p.get("gpu")
     if g:
         f["gpu_name"], f["gpu_capability"], f["device_total_mb"] = g["name"], g["capability"], g["total_mb"]
-    return f
-
 
 def memory_facts(f: dict[str, Any], config: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
     """Parameter/gradient/AdamW-state sizes and the activation part of the peak: measured when the

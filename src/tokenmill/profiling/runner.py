@@ -68,7 +68,6 @@ def prepare_config(cfg: C.Config, opts: ProfileOptions, given: set[str]) -> C.Co
 
 def run_profile(cfg: C.Config, run_dir: str | Path, opts: ProfileOptions, quiet: bool = False) -> dict[str, Any]:
     """Train ``cfg`` under the profiler into ``run_dir``; returns the ``profile.json`` content."""
-    from tokenmill.profiling import report
     from tokenmill.train.device import apply_allocator_settings, resolve_device
     from tokenmill.train.trainer import Callbacks, train
 
@@ -89,24 +88,7 @@ def run_profile(cfg: C.Config, run_dir: str | Path, opts: ProfileOptions, quiet:
             else:
                 hooks.add_block_regions(model)
 
-    def on_ready(prof):
-        prof.export_chrome_trace(str(run_dir / "trace.json"))  # a trace can be saved only once:
-        if opts.tensorboard:  # copy it under the name TensorBoard's trace handler would use
-            tb = run_dir / "tensorboard_trace"
-            tb.mkdir(exist_ok=True)
-            name = f"{socket.gethostname()}_{os.getpid()}.{time.time_ns() // 1_000_000}.pt.trace.json"
-            shutil.copyfile(run_dir / "trace.json", tb / name)
-        if cuda:
-            state["allocator"] = memory.allocator_summary(state["alloc_before"], opts.active)
-            err = memory.dump_snapshot(run_dir / "memory_snapshot.pickle")
-            if err:
-                notes.append(err)
-        if opts.with_stack:
-            dev = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
-            notes.extend(memory.export_timeline(prof, run_dir, dev, html=cuda))
-        elif cuda:
-            notes.append("memory_timeline.html not written: the profiler's memory timeline needs --with-stack.")
-        state["ready"] = True
+    on_ready = _trace_writer(run_dir, opts, cuda, state, notes)
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     sched = schedule(wait=opts.wait, warmup=opts.warmup, active=opts.active, repeat=1)
@@ -130,6 +112,40 @@ def run_profile(cfg: C.Config, run_dir: str | Path, opts: ProfileOptions, quiet:
             memory.stop_memory_history()
     if not state["ready"]:
         raise C.ConfigError("the profiler schedule did not complete: train.max_steps is too short.")
+    return _write_reports(run_dir, cfg, opts, cuda, state, notes)
+
+
+def _trace_writer(run_dir: Path, opts: ProfileOptions, cuda: bool, state: dict[str, Any], notes: list[str]):
+    """The profiler's ``on_trace_ready``: the trace (and its TensorBoard copy), on CUDA the allocator's
+    counters and the memory snapshot, the memory timeline with ``--with-stack``; sets ``state["ready"]``."""
+
+    def on_ready(prof) -> None:
+        prof.export_chrome_trace(str(run_dir / "trace.json"))  # a trace can be saved only once:
+        if opts.tensorboard:  # copy it under the name TensorBoard's trace handler would use
+            tb = run_dir / "tensorboard_trace"
+            tb.mkdir(exist_ok=True)
+            name = f"{socket.gethostname()}_{os.getpid()}.{time.time_ns() // 1_000_000}.pt.trace.json"
+            shutil.copyfile(run_dir / "trace.json", tb / name)
+        if cuda:
+            state["allocator"] = memory.allocator_summary(state["alloc_before"], opts.active)
+            err = memory.dump_snapshot(run_dir / "memory_snapshot.pickle")
+            if err:
+                notes.append(err)
+        if opts.with_stack:
+            dev = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
+            notes.extend(memory.export_timeline(prof, run_dir, dev, html=cuda))
+        elif cuda:
+            notes.append("memory_timeline.html not written: the profiler's memory timeline needs --with-stack.")
+        state["ready"] = True
+
+    return on_ready
+
+
+def _write_reports(run_dir: Path, cfg: C.Config, opts: ProfileOptions, cuda: bool, state: dict[str, Any],
+                   notes: list[str]) -> dict[str, Any]:
+    """Analyse the saved trace and write profile.json, profile.md and profile.png; returns the result."""
+    from tokenmill.profiling import report
+
     trace = Trace.load(run_dir / "trace.json")
     result = analyse(trace, cfg, state["model"], opts, cuda, state.get("allocator"))
     if result["memory"] and (run_dir / "memory_timeline.json").exists():
