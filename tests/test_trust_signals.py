@@ -510,6 +510,7 @@ except KeyboardInterrupt:
 """
 
 
+@pytest.mark.slow
 def test_after_a_signal_a_half_built_objects_finalizer_stays_quiet():
     """The class behind CI's red moment: after the signal, a finalizer failing on the object the signal's
     exception left half-built prints nothing; before it, Python's report is left as it is."""
