@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements owed by the bench, memory, profile/doctor, GPU and model-family issues, in parts
-# that each fit one call on the lent machine (each part ends within 9 minutes; the call's limit is 10).
+# that each fit one call on the lent machine (a loan is 15 minutes with its start-up, a call at most 10: each
+# part takes about 7 minutes at most; `first` and `cuda-tier` together fit one loan).
 # From the repository root, on the GPU machine:
 #
 #   bash benchmarks/gpu_session.sh --list                 # the parts, in order of value
@@ -11,7 +12,8 @@
 # The commit is an argument because the device has no .git: type the hash into the device command
 # (bash benchmarks/gpu_session.sh best "$OUT" 3052265...), never a $(git ...) that the device expands.
 # SMOKE=1 runs a part with tiny shapes on any machine (how the script is checked on a CPU).
-# The device image lacks tomli-w: carry its wheel in .device-wheels/ (see benchmarks/README.md).
+# Runs on the device image as it is (torch, no tomli-w, no torchao, no network): nothing to carry.
+# SIGINT/SIGTERM end a part cleanly with its files (exit 130/143); the manifest is rewritten after every step.
 set -euo pipefail
 PY=${PYTHON:-python3}
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -31,17 +33,13 @@ if [ -z "$COMMIT" ]; then
 fi
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
+# a whole manifest from the first moment (the part rewrites it as soon as it starts, then after every step)
+if [[ "$PART" =~ ^[a-z0-9-]+$ && "$COMMIT" =~ ^[0-9A-Za-z._-]+$ ]]; then
+    printf '{"part": "%s", "commit": "%s", "date": "%s", "stopped_by": "a signal before the part started", "steps": []}\n' \
+        "$PART" "$COMMIT" "$(date -u +%Y-%m-%dT%H:%M:%S+0000)" > "$OUT/.$PART.json.start" && mv -f "$OUT/.$PART.json.start" "$OUT/$PART.json"
+fi
 cd "$ROOT"
 export TOKENMILL_GIT_COMMIT=$COMMIT
 export TOKENMILL_CACHE="${TOKENMILL_CACHE:-/tmp/tokenmill-cache}"
 export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
-if ! "$PY" -c "import tomli_w" 2>/dev/null; then
-    if compgen -G ".device-wheels/*.whl" >/dev/null; then
-        "$PY" -m pip install -q --no-deps --no-index --no-compile --target /tmp/tokenmill-wheels .device-wheels/*.whl
-        export PYTHONPATH="$PYTHONPATH:/tmp/tokenmill-wheels"
-    else
-        echo "gpu_session.sh: tomli-w is missing; carry its wheel in .device-wheels/ (benchmarks/README.md)" >&2
-        exit 2
-    fi
-fi
 exec "$PY" benchmarks/session.py "$PART" "$OUT" --commit "$COMMIT"

@@ -70,12 +70,27 @@ def goal_rows(path: Path) -> list[str]:
             f"{str(doc.get('commit') or '?')[:10]} | `{path.relative_to(ROOT)}` |"]
 
 
+def first_rows(path: Path) -> list[str]:
+    """One row per measured piece of the part ``first``'s manifest (GPU runs only), in the rung table's columns."""
+    doc = json.loads(path.read_text())
+    pieces = (doc.get("results") or {}).get("pieces") if isinstance(doc.get("results"), dict) else None
+    env = doc.get("environment") or {}
+    gpu = (env.get("gpu_names") or [""])[0]
+    if doc.get("smoke") or doc.get("part") != "first" or not isinstance(pieces, dict) or not gpu:
+        return []
+    where = f"{gpu}, torch {env.get('torch', '?')}, CUDA {env.get('cuda', '?')}, {str(doc.get('date', ''))[:10]}, " \
+            f"{str(doc.get('commit') or '?')[:10]}"
+    return [f"| first | {name} (batch {_num(r.get('batch_size'))}) | {_num(r.get('tokens_per_sec'))} | "
+            f"{_num(r.get('mfu'), '{:.1%}')} | {_gb(r.get('peak_alloc_mb'))} | n/a |  | {where} | `{path.relative_to(ROOT)}` |"
+            for name, r in pieces.items() if r.get("status") == "measured" and r.get("tokens_per_sec")]
+
+
 def table(results: Path) -> str:
     """The Markdown of the section, from every result file under ``results``."""
     rungs, goals = [], []
     for path in sorted(results.rglob("*.json")):
         try:
-            rungs += ladder_rows(path) if path.name.endswith("ladder.json") else []
+            rungs += ladder_rows(path) if path.name.endswith("ladder.json") else first_rows(path)
             goals += goal_rows(path) if not path.name.endswith("ladder.json") else []
         except (ValueError, KeyError, TypeError, OSError) as e:
             print(f"results_table: skipping {path}: {e}", file=sys.stderr)

@@ -1,12 +1,15 @@
 """The parts of a GPU session (run by ``benchmarks/gpu_session.sh``; see benchmarks/README.md).
 
-Each part fits one call on the lent machine: its steps share a budget (``PART_BUDGET_S``, under the
-call's 10 minutes) and each step is stopped at the part's deadline or its own cap; a ladder's rungs
-run with a per-rung time limit chosen so that all of them fit. What a part leaves in the output folder
-is what the device returns: at most 8 files, each at most 16 MiB, none in a sub-folder:
+Each part fits one call of a 15-minute loan (start-up included): its steps share a budget (``PART_BUDGET_S``,
+about 7 minutes) and each step is stopped at the part's deadline or its own cap; a ladder's rungs run with a
+per-rung time limit chosen so that all of them fit. ``first`` (``first.py``) and ``cuda-tier`` together fit
+one loan. What a part leaves in the output folder is what the device returns: at most 8 files, each at most
+16 MiB, none in a sub-folder:
 
 - ``PART.json``: the manifest (part, commit, environment, each step's command, exit status and time,
-  the files, the part's headline results);
+  the files, the part's headline results), rewritten atomically after every step, so a part killed at any
+  moment leaves a whole one; SIGINT/SIGTERM end a part cleanly with its files, and no process it started
+  outlives it (``session_lib``: tags and the reaper);
 - ``PART.log``: every step's output;
 - ``PART-details.tar.gz``: everything else the steps wrote (rung run folders, metrics, traces), less
   checkpoints; when it would exceed 16 MiB its largest members are left out, and the manifest names them;
@@ -35,12 +38,31 @@ from typing import Any, Optional
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # session_lib beside this file
 
-from session_lib import MAX_BYTES, MAX_FILES, copy_log, layout, pack, read_ladder, runnable_here, slice_ladder  # noqa: E402, F401
+from first import FIRST_EST_S, part_first  # noqa: E402
+from session_lib import (  # noqa: E402, F401
+    BEST_DEFERRED,
+    MAX_BYTES,
+    MAX_FILES,
+    RECOMPUTE,
+    TAG_VAR,
+    Stopped,
+    copy_log,
+    fastest_best_sets,
+    kill_tagged,
+    layout,
+    pack,
+    read_ladder,
+    runnable_here,
+    slice_ladder,
+    start_reaper,
+    stop_on_signals,
+)
 
-PART_BUDGET_S = 510.0  # the steps of a part; packing follows (the part ends within 9 minutes)
+# the steps of a part; packing follows. A loan is 15 minutes with its start-up (1-3 min): one part of about
+# 7 minutes per call leaves room for the start and a second, short call (README: the device commands)
+PART_BUDGET_S = 420.0
 TINY = ["--model.n_layer", "2", "--model.n_head", "2", "--model.n_embd", "64", "--model.block_size", "64",
         "--train.batch_size", "2"]
-BEST_DEFERRED = ["compile-max-autotune"]  # minutes of autotuning: measured alone, in its own part
 
 
 @dataclass
@@ -53,6 +75,8 @@ class Part:
     run: Callable[[Session], None]
     ladder: Optional[str] = None
     rungs: Optional[Callable[[list[str]], list[str]]] = None
+    est_s: Optional[float] = None  # estimated wall time on one H100 (ladder parts: from their rungs)
+    budget_s: float = PART_BUDGET_S
 
 
 @dataclass
@@ -63,54 +87,86 @@ class Session:
     out: Path
     commit: str
     smoke: bool
+    budget_s: float = PART_BUDGET_S
+    meta: dict[str, Any] = field(default_factory=dict)  # what the manifest says of the part (what, goal)
     work: Path = field(init=False)
     start: float = field(default_factory=time.monotonic)
+    date: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     steps: list[dict[str, Any]] = field(default_factory=list)
     top: list[Path] = field(default_factory=list)  # result files copied into out
     results: dict[str, Any] = field(default_factory=dict)
+    error: Optional[str] = None
+    stopped_by: Optional[str] = None  # SIGINT / SIGTERM
 
     def __post_init__(self) -> None:
         self.work = Path(os.environ.get("TOKENMILL_SESSION_WORK", "/tmp/tokenmill-session")) / self.part
         shutil.rmtree(self.work, ignore_errors=True)
         self.work.mkdir(parents=True)
         self.log_path = self.work / f"{self.part}.log"
+        self.tag = os.environ.get(TAG_VAR) or f"{self.part}-{os.getpid()}-{time.time_ns()}"
 
     def left(self) -> float:
-        return PART_BUDGET_S - (time.monotonic() - self.start)
+        return self.budget_s - (time.monotonic() - self.start)
+
+    def manifest(self) -> dict[str, Any]:
+        return {
+            "part": self.part, **self.meta, "commit": self.commit, "smoke": self.smoke,
+            "date": self.date, "wall_s": round(time.monotonic() - self.start, 1),
+            "budget_s": self.budget_s, "error": self.error, "stopped_by": self.stopped_by, "steps": self.steps,
+            "environment": self.results.get("env"), "results": {k: v for k, v in self.results.items() if k != "env"},
+        }
+
+    def save(self, **extra: Any) -> dict[str, Any]:
+        """Rewrite the manifest atomically (after every step: a part killed at any moment leaves a whole
+        manifest of what it finished)."""
+        from tokenmill import atomic
+
+        doc = {**self.manifest(), **extra}
+        atomic.write_json(self.out / f"{self.part}.json", doc, default=str)
+        return doc
 
     def log(self, text: str) -> None:
         print(text, flush=True)
         with open(self.log_path, "a") as f:
             f.write(text + "\n")
 
-    def step(self, name: str, argv: list[str], cap_s: float, stdout_file: Optional[Path] = None) -> int:
-        """Run ``argv`` (its own process group) for at most ``cap_s`` and the part's remaining time.
-        At the limit it gets SIGINT (tokenmill stops its rung processes and exits), then SIGKILL."""
+    def step(self, name: str, argv: list[str], cap_s: float, stdout_file: Optional[Path] = None,
+             env: Optional[dict[str, str]] = None) -> int:
+        """Run ``argv`` (its own process group, tagged) for at most ``cap_s`` and the part's remaining time.
+        At the limit it gets SIGINT (tokenmill stops its rung processes and exits), then SIGKILL; a
+        :class:`Stopped` part stops it the same way, sooner, and records it as interrupted."""
         limit = min(cap_s, self.left())
-        rec: dict[str, Any] = {"name": name, "argv": argv, "limit_s": round(limit, 1)}
+        rec: dict[str, Any] = {"name": name, "argv": [str(a) for a in argv], "limit_s": round(limit, 1)}
         self.steps.append(rec)
         if limit < 15:
             rec.update(rc=None, skipped="the part's time budget is spent")
             self.log(f"[{self.part}] {name}: skipped, the part's time budget is spent")
+            self.save()
             return -1
-        self.log(f"[{self.part}] {name} (limit {limit:.0f} s): {' '.join(argv)}")
+        self.log(f"[{self.part}] {name} (limit {limit:.0f} s): {' '.join(rec['argv'])}")
         t0 = time.monotonic()
-        with open(self.log_path, "a") as log:
-            out = open(stdout_file, "w") if stdout_file else log
-            proc = subprocess.Popen(argv, stdout=out, stderr=log, cwd=ROOT, start_new_session=True,
-                                    env=dict(os.environ, PYTHONUNBUFFERED="1"))
-            timed_out = False
+        rec["interrupted"] = True  # until it has run (a signal may land at any line below)
+        with open(self.log_path, "a") as log, open(stdout_file or os.devnull, "w") as own:
+            proc = subprocess.Popen(rec["argv"], stdout=own if stdout_file else log, stderr=log, cwd=ROOT,
+                                    start_new_session=True, stdin=subprocess.DEVNULL,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1", TAG_VAR: self.tag, **(env or {})})
             try:
+                rec["pid"] = proc.pid
+                self.save()
                 proc.wait(timeout=limit)
+                rec["interrupted"] = False
             except subprocess.TimeoutExpired:
-                timed_out = True
+                rec["timed_out"], rec["interrupted"] = True, False
                 _stop(proc)
+            except BaseException:
+                _stop(proc, waits=(10, 5))
+                raise
             finally:
-                if stdout_file:
-                    out.close()
-        rec.update(rc=proc.returncode, wall_s=round(time.monotonic() - t0, 1), timed_out=timed_out)
+                rec.update(rc=proc.returncode, wall_s=round(time.monotonic() - t0, 1))
+                rec.setdefault("timed_out", False)
+                self.save()
         self.log(f"[{self.part}] {name}: exit {proc.returncode} after {rec['wall_s']} s"
-                 + (" (stopped at its time limit)" if timed_out else ""))
+                 + (" (stopped at its time limit)" if rec["timed_out"] else ""))
         return proc.returncode
 
     def tm(self, name: str, args: list[str], cap_s: float, stdout_file: Optional[Path] = None) -> int:
@@ -124,8 +180,8 @@ class Session:
             self.top.append(dst)
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGINT, 30), (signal.SIGKILL, 10)):
+def _stop(proc: subprocess.Popen, waits: tuple[float, float] = (20, 10)) -> None:
+    for sig, wait in zip((signal.SIGINT, signal.SIGKILL), waits):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
@@ -145,7 +201,7 @@ def ladder_step(s: Session, name: str, rung_timeout_s: float, rungs: Optional[li
                 deferred: Optional[list[str]] = None, fold_all: bool = False) -> None:
     """Run (a slice of) a shipped ladder; keep its JSON, Markdown and figure. The per-rung limit is
     ``rung_timeout_s``, lowered so that the rungs that will run here all fit in the part's time left."""
-    import tomli_w
+    from tokenmill.config.toml_out import dumps
 
     cuda = cuda_available()
     tree = read_ladder(name)
@@ -158,7 +214,7 @@ def ladder_step(s: Session, name: str, rung_timeout_s: float, rungs: Optional[li
     if rungs:
         tree["ladder"]["timeout_s"] = timeout
         path = s.work / f"{s.part}-ladder.toml"
-        path.write_text(tomli_w.dumps(tree))
+        path.write_text(dumps(tree))
         target = str(path)
     out = s.work / s.part
     args = ["bench", "ladder", target, "--out", out, "--quiet", "--timeout", round(timeout)]
@@ -200,17 +256,76 @@ def cuda_available() -> bool:
 # The parts
 
 
+# The CUDA tier's runs start in parallel (tests/test_gpu.py: up to 8 processes, 4 of them compiling): Inductor's
+# own compile workers (one per core by default) would put 4 x 16 processes on the 16 cores of the lent machine
+TIER_ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "4", "OMP_NUM_THREADS": "2"}
+
+# the short CUDA tier, in order of value: explicit node ids (pytest runs them in this order)
+CUDA_TIER = [
+    *[f"tests/test_gpu.py::test_switch_runs_on_cuda[{name}]" for name in (
+        "hand-written-tf32-accum", "manual-attention-mask-on-the-fly", "sdpa-flash-autocast-fused-ckpt",
+        "sdpa-efficient-pure-bf16-chunked", "sdpa-cudnn-autocast-accum", "sdpa-math-optimizer-in-backward",
+        "fp16-gradscaler", "optimizer-offload", "optimizer-offload-gradients-autocast-accum", "adamw-8bit",
+        "pinned-non-blocking-workers", "triton-layernorm", "cuda-prefetch-narrow-ids",
+        "pure-bf16-no-fp32-islands-padded-loss")],
+    "tests/test_gpu.py::test_resume_on_cuda_equals_uninterrupted_run",
+    "tests/test_gpu.py::test_profile_on_cuda_writes_memory_snapshot",
+    "tests/test_gpu.py::test_sdpa_backend_matches_math_kernel",
+    "tests/test_gpu.py::test_chunked_loss_matches_full_loss_in_bf16",
+    "tests/test_flex_attention.py::test_flex_gradients_equal_explicit_on_cuda",  # no backward on CPU: GPU only
+    "tests/test_loader.py::test_prefetcher_on_cuda_side_stream_same_batches_in_order",
+    "tests/test_async_checkpoint.py::test_background_checkpoints_on_cuda_equal_synchronous_ones",
+    "tests/test_kernels.py::test_on_cuda_matches_native_bf16",
+    "tests/test_data.py::test_pinned_loader_on_cuda",
+    "tests/test_memory.py::test_optimizer_offload_keeps_state_off_gpu",
+    "tests/test_sac.py::test_dropout_masks_survive_selective_checkpointing_on_cuda",
+]
+CUDA_TIER_CAP_S = 165.0  # pytest is stopped here (SIGINT: it still writes its JUnit XML), within the 3 minutes
+
+
 def part_check(s: Session) -> None:
-    """The CUDA tier only (``pytest -m gpu``, every test run: no -x), with the GPU's facts."""
+    """The whole CUDA tier (``pytest -m gpu``, every test run: no -x), with the GPU's facts."""
+    pytest_step(s, "pytest -m gpu", ["-m", "gpu", "tests"], 360)
+
+
+def part_cuda_tier(s: Session) -> None:
+    """The short CUDA tier: :data:`CUDA_TIER` in that order, stopped by the clock at :data:`CUDA_TIER_CAP_S`
+    (no -x, no --maxfail: every test that starts in time runs), with the GPU's facts."""
+    pytest_step(s, "pytest (the short CUDA tier)", CUDA_TIER, CUDA_TIER_CAP_S)
+
+
+def pytest_step(s: Session, name: str, args: list[str], cap_s: float) -> None:
     if shutil.which("nvidia-smi"):
         s.step("nvidia-smi", ["nvidia-smi"], 30, stdout_file=s.work / "nvidia-smi.txt")
     junit = s.work / "junit.xml"
-    s.step("pytest -m gpu", [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rfEsxX", "-p", "no:cacheprovider",
-                             f"--junitxml={junit}", "tests"], 480, stdout_file=s.work / "pytest.txt")
+    s.step(name, [sys.executable, "-m", "pytest", *args, "-q", "-rfEsxX", "-p", "no:cacheprovider",
+                  f"--junitxml={junit}"], cap_s, stdout_file=s.work / "pytest.txt", env=TIER_ENV)
     s.results["pytest"] = junit_counts(junit)
-    s.keep(s.work / "pytest.txt", "check-pytest.txt")
-    s.keep(junit, "check-junit.xml")
-    s.keep(s.work / "nvidia-smi.txt", "check-nvidia-smi.txt")
+    s.results["pytest_env"] = TIER_ENV
+    if s.steps[-1].get("timed_out"):
+        s.results["pytest"]["stopped_by_the_clock_s"] = cap_s
+    if all("::" in a for a in args):
+        s.results["pytest"]["not_run"] = not_run(junit, args)
+    s.keep(s.work / "pytest.txt", f"{s.part}-pytest.txt")
+    s.keep(junit, f"{s.part}-junit.xml")
+    s.keep(s.work / "nvidia-smi.txt", f"{s.part}-nvidia-smi.txt")
+
+
+def not_run(junit: Path, node_ids: list[str]) -> list[str]:
+    """The node ids of which pytest's JUnit XML reports no test case (stopped by the clock before them)."""
+    import xml.etree.ElementTree as ET
+
+    try:
+        seen = {(c.get("classname"), c.get("name")) for c in ET.parse(junit).getroot().iter("testcase")}
+    except (OSError, ET.ParseError):
+        return list(node_ids)
+    out = []
+    for node in node_ids:
+        path, name = node.split("::", 1)
+        cls = path.removesuffix(".py").replace("/", ".")
+        if not any(c == cls and (n == name or (n or "").startswith(name + "[")) for c, n in seen):
+            out.append(node)
+    return out
 
 
 def junit_counts(path: Path) -> dict[str, Any]:
@@ -281,17 +396,21 @@ def part_max_model(s: Session) -> None:
                              "goal_params": 9e9, "ok": (largest.get("params") or 0) >= 9e9}
 
 
-def part_profile(s: Session) -> None:
-    """``tokenmill profile`` + ``doctor`` of gpt2-124m as preset and of the best ladder's fastest
-    configuration (every rung but max-autotune, or the fastest measured rung of ``BEST_JSON``)."""
-    runs = {"baseline": ["--preset", "gpt2-124m", "--data.source", "synthetic", "--model.vocab_size", "50257"]}
-    fastest = s.work / "fastest.toml"
-    runs["fastest"] = ["--config", fastest]
-    s.results["fastest_from"] = write_fastest_config(fastest, os.environ.get("BEST_JSON"), s.smoke)
-    for label, args in runs.items():
+def profile_part(label: str) -> Callable[[Session], None]:
+    """``tokenmill profile`` + ``doctor`` of gpt2-124m as preset (``baseline``) or of the best ladder's fastest
+    configuration (``fastest``: its fastest rung's switches but max-autotune and recomputation, or the fastest
+    measured rung of ``BEST_JSON``)."""
+
+    def run(s: Session) -> None:
+        if label == "baseline":
+            args = ["--preset", "gpt2-124m", "--data.source", "synthetic", "--model.vocab_size", "50257"]
+        else:
+            fastest = s.work / "fastest.toml"
+            s.results["fastest_from"] = write_fastest_config(fastest, os.environ.get("BEST_JSON"), s.smoke)
+            args = ["--config", fastest]
         d = s.work / f"profile-{label}"
         extra = [*smoke_args(s), "--compile.enabled", "false"] if s.smoke else []
-        s.tm(f"profile {label}", ["profile", *args, "--run-dir", d, "--quiet", *extra], 200 if label == "baseline" else 260)
+        s.tm(f"profile {label}", ["profile", *args, "--run-dir", d, "--quiet", *extra], 260)
         if (d / "profile.json").exists():
             s.tm(f"doctor {label}", ["doctor", d, "--json"], 60, stdout_file=d / "doctor.json")
             s.tm(f"doctor {label} (text)", ["doctor", d], 60)
@@ -304,10 +423,13 @@ def part_profile(s: Session) -> None:
         except (OSError, ValueError):
             s.results[label] = {"verdict": None}
 
+    return run
+
 
 def write_fastest_config(path: Path, best_json: Optional[str], smoke: bool) -> str:
-    """The config to profile as the fastest: the fastest measured rung of a ladder.json, or the best
-    ladder with every rung's switch (but the deferred max-autotune) on. Returns where it came from."""
+    """The config to profile as the fastest: the fastest measured rung of a ladder.json, or the switches of the
+    best ladder's fastest rung as the ladder carries them here (:func:`fastest_best_sets`: without the
+    deferred max-autotune and the recompute rungs). Returns where it came from."""
     from tokenmill import config as C
 
     if best_json and Path(best_json).is_file():
@@ -319,41 +441,43 @@ def write_fastest_config(path: Path, best_json: Optional[str], smoke: bool) -> s
             cfg.checkpoint.save_final = False
             C.save(cfg, path)
             return f"{best_json}: rung {best['name']}"
-    tree = read_ladder("best")
-    sets = dict(tree["ladder"].get("base", {}))
-    for r in tree["rung"]:
-        if r["name"] not in BEST_DEFERRED and runnable_here(r, tree, not smoke and cuda_available(), smoke):
-            sets.update(r.get("set", {}))
+    sets, names = fastest_best_sets(not smoke and cuda_available(), smoke)
     sets.update({"train.eval_batches": 0, "log.tensorboard": False, "checkpoint.save_final": False})
-    C.save(C.resolve(tree["ladder"]["base_preset"], overrides=sets, overrides_from_string=False), path)
-    return "the best ladder, every rung but " + ", ".join(BEST_DEFERRED)
+    C.save(C.resolve(read_ladder("best")["ladder"]["base_preset"], overrides=sets, overrides_from_string=False), path)
+    return "the best ladder's rungs " + ", ".join(names) + " (not " + ", ".join([*BEST_DEFERRED, *RECOMPUTE]) + ")"
 
 
-def part_book_perf(s: Session) -> None:
-    """book-perf needs the embedded corpus as bytes: prepare it first (cached), then the ladder."""
-    s.tm("prepare the corpus (bytes)", ["train", "--preset", "tiny", "--data.tokenizer", "bytes", "--train.device",
-                                        "cpu", "--train.max_steps", 1, "--run-dir", s.work / "prepare"], 240)
-    shutil.rmtree(s.work / "prepare", ignore_errors=True)
-    ladder_step(s, "book-perf", 70)
+def book_perf_part(rungs: Select) -> Callable[[Session], None]:
+    """book-perf needs the embedded corpus as bytes: prepare it first (cached on a warm machine), then the rungs
+    ``rungs`` selects of the ladder."""
+
+    def run(s: Session) -> None:
+        s.tm("prepare the corpus (bytes)", ["train", "--preset", "tiny", "--data.tokenizer", "bytes", "--train.device",
+                                            "cpu", "--train.max_steps", 1, "--run-dir", s.work / "prepare"], 150)
+        shutil.rmtree(s.work / "prepare", ignore_errors=True)
+        ladder_step(s, "book-perf", 70, rungs([r["name"] for r in read_ladder("book-perf")["rung"]]))
+
+    return run
 
 
 DOCMASK_RUNS = {  # label -> flags on top of gpt2-124m on the embedded corpus (BPE 4,096: it has end-of-text ids)
     "plain": [],
-    "document-mask": ["--data.document_mask", "true"],
-    "document-mask-positions": ["--data.document_mask", "true", "--data.document_positions", "true"],
-}
+    "document-mask": ["--data.document_mask", "true"],  # model.document_attention 'auto': FlexAttention on CUDA
+    "document-mask-explicit": ["--data.document_mask", "true", "--model.document_attention", "explicit"],
+}  # (data.document_positions adds a gather of the angles: not worth a fourth run of the part's 7 minutes)
 
 
 def part_document_mask(s: Session) -> None:
     """What keeping documents apart costs: gpt2-124m, batch 16, compiled, on the embedded corpus, without and
-    with ``data.document_mask`` (the SDPA mask takes the flash kernel away), A then B then A-with-positions."""
+    with ``data.document_mask``: FlexAttention's block mask (the default on CUDA), then the explicit SDPA mask
+    (``model.document_attention explicit``, which takes the flash kernel away)."""
     steps, compiled = (4, "false") if s.smoke else (60, "true")
     base = ["--preset", "gpt2-124m", "--train.max_steps", steps, "--train.batch_size", 16, "--compile.enabled",
             compiled, "--train.eval_batches", 0, "--checkpoint.save_final", "false", "--log.every_steps", 2 if s.smoke else 10,
             "--log.tensorboard", "false", *smoke_args(s)]
     for label, extra in DOCMASK_RUNS.items():
         d = s.work / f"docmask-{label}"
-        s.tm(f"train {label}", ["train", *base, "--run-dir", d, *extra], 150)
+        s.tm(f"train {label}", ["train", *base, "--run-dir", d, *extra], 130)
         s.keep(d / "summary.json", f"docmask-{label}.json")
         try:
             summary = json.loads((d / "summary.json").read_text())
@@ -379,7 +503,21 @@ def ladder_part(part: str, what: str, goal: str, name: str, timeout_s: float, ru
         selected = rungs([r["name"] for r in read_ladder(name)["rung"]]) if rungs else None
         ladder_step(s, name, timeout_s, selected, deferred, fold_all)
 
-    return Part(part, what, goal, run, ladder=name, rungs=rungs or (lambda names: list(names)))
+    select = rungs or (lambda names: list(names))
+    return Part(part, what, goal, run, ladder=name, rungs=select, est_s=ladder_estimate(name, select, timeout_s))
+
+
+START_S, PACK_S = 25.0, 15.0  # a part's environment probe and first imports; packing its files
+
+
+def ladder_estimate(name: str, select: Select, timeout_s: float, extra_s: float = 0.0) -> float:
+    """The most a ladder part takes on one GPU: every rung that runs there at its limit (as
+    :func:`ladder_step` sets it), with the start and the packing."""
+    tree = read_ladder(name)
+    chosen = select([r["name"] for r in tree["rung"]])
+    n = sum(1 for r in tree["rung"] if r["name"] in chosen and runnable_here(r, tree, True, False))
+    per_rung = max(30.0, min(timeout_s, (PART_BUDGET_S - extra_s - START_S - 40) / max(1, n)))
+    return min(PART_BUDGET_S, START_S + extra_s + n * per_rung) + PACK_S
 
 
 def _index(names: list[str], rung: str) -> int:
@@ -406,65 +544,92 @@ def span(first: str, stop: str, but: tuple[str, ...] = ()) -> Select:
     return lambda names: [n for n in names[_index(names, first):_index(names, stop)] if n not in but]
 
 
-_BEST_1 = ("baseline", "cudnn-attention", "compile")
-_BEST_2 = ("vocab-pad-64", "batch-32", "batch-64")
-RECOMPUTE = ("checkpoint-blocks", "selective-checkpointing")  # the last rungs of best and llama: speed for memory
+_DEF = tuple(BEST_DEFERRED)
+_600K = "600k tokens/s (GPT-2 124M, one H100)"
+_MEM = "one rung per memory switch"
 
-# in order of value: the CUDA tier, the headline goals, then the remaining ladders
+# in order of value: the first look and the short CUDA tier (one loan: the two device commands of
+# benchmarks/README.md), then the headline goals, then the remaining ladders; every part fits one loan
 PARTS = [
-    Part("check", "the CUDA tier (pytest -m gpu) and nvidia-smi", "every CUDA path works", part_check),
-    ladder_part("best", "best ladder: baseline, cudnn-attention, compile", "600k tokens/s (GPT-2 124M, one H100)",
-                "best", 150, these(*_BEST_1)),
-    ladder_part("best-2", "best ladder: vocab-pad-64, batch-32, batch-64 (on top of best)", "600k tokens/s",
-                "best", 150, these(*_BEST_2), BEST_DEFERRED),
-    ladder_part("best-3", "best ladder: chunked-loss .. fp8-tensorwise but max-autotune (on top of best-2)",
-                "600k tokens/s", "best", 200, span("chunked-loss", RECOMPUTE[0], but=tuple(BEST_DEFERRED)),
-                BEST_DEFERRED),
-    ladder_part("best-4", "best ladder: whole-block and selective checkpointing and every later rung (on top of "
-                "best-3)", "what recomputation costs, whole blocks vs selective", "best", 200,
-                from_(RECOMPUTE[0], but=tuple(BEST_DEFERRED)), BEST_DEFERRED),
+    Part("first", "the first look: environment; GPT-2 124M naive vs fastest; rasbt first and last single-GPU rung; "
+         "Llama 3.2 1B compiled (each beside its estimate)", "what one loan can say, most valuable first",
+         part_first, est_s=FIRST_EST_S + PACK_S),
+    Part("cuda-tier", "the short CUDA tier: eager switches, resume, memory snapshot, SDPA kernels, chunked loss, "
+         "prefetcher, async checkpoints, kernels", "every CUDA path that matters most works", part_cuda_tier,
+         est_s=START_S + 15 + CUDA_TIER_CAP_S, budget_s=CUDA_TIER_CAP_S + 40),
+    ladder_part("best", "best ladder: baseline, cudnn-attention, compile", _600K, "best", 150,
+                these("baseline", "cudnn-attention", "compile")),
+    ladder_part("best-2", "best ladder: vocab-pad-64, batch-32, batch-64 (on top of best)", _600K, "best", 150,
+                these("vocab-pad-64", "batch-32", "batch-64"), BEST_DEFERRED),
+    ladder_part("best-3", "best ladder: chunked-loss, batch-128 (on top of best-2)", _600K, "best", 190,
+                span("chunked-loss", "triton-layernorm", but=_DEF), BEST_DEFERRED),
+    ladder_part("best-4", "best ladder: triton-layernorm, fp8-tensorwise (FP8 needs torchao) (on top of best-3)",
+                _600K, "best", 190, span("triton-layernorm", RECOMPUTE[0], but=_DEF), BEST_DEFERRED),
+    Part("check", "the whole CUDA tier (pytest -m gpu) and nvidia-smi", "every CUDA path works", part_check,
+         est_s=START_S + 15 + 360 + PACK_S),
+    ladder_part("best-5", "best ladder: whole-block and selective checkpointing and every later rung (on top of "
+                "best-4)", "what recomputation costs, whole blocks vs selective", "best", 190,
+                from_(RECOMPUTE[0], but=_DEF), BEST_DEFERRED),
     Part("memory", "configs/book-memory-5gb.toml and the book-memory baseline rung",
-         "<= 5 GB peak at <= 1.5 x the baseline's step time", part_memory),
+         "<= 5 GB peak at <= 1.5 x the baseline's step time", part_memory, est_s=START_S + 240 + 150 + PACK_S),
     Part("max-model", "bench max-model with configs/max-model-memory.toml", ">= 9B parameters on one 80 GB GPU",
-         part_max_model),
-    ladder_part("rasbt", "rasbt ladder: the eager rungs (baseline .. flash-attention)",
-                "every rung in the seed's direction", "rasbt", 60, before("compile")),
-    ladder_part("rasbt-2", "rasbt ladder: compile and every later rung (on top of rasbt)",
-                "last rung >= 3.3 x 142,156 tokens/s", "rasbt", 160, from_("compile")),
-    Part("profile", "profile + doctor: gpt2-124m preset and the best ladder's fastest config", "the bottleneck named",
-         part_profile),
-    ladder_part("llama", "llama ladder: the eager rungs (baseline .. fused-qkv)",
-                "the naive Llama 3.2 1B and what each eager switch buys", "llama", 55, before("compile")),
-    ladder_part("llama-2", "llama ladder: compile and batch-4 (on top of llama)",
-                "what torch.compile and a larger batch add", "llama", 220, these("compile", "batch-4")),
-    ladder_part("llama-3", "llama ladder: chunked-loss and batch-8 (on top of llama-2)",
-                "the fastest Llama 3.2 1B configuration on one GPU", "llama", 220, span("chunked-loss", RECOMPUTE[0])),
-    ladder_part("llama-4", "llama ladder: whole-block and selective checkpointing and every later rung (on top of "
-                "llama-3)", "what recomputation costs, whole blocks vs selective", "llama", 240, from_(RECOMPUTE[0])),
-    ladder_part("memory-ladder", "memory ladder: the rungs before the optimizer switches",
-                "one rung per memory switch", "memory", 90, before("optimizer-in-backward")),
-    ladder_part("memory-ladder-2", "memory ladder: the optimizer switches (on top of memory-ladder)",
-                "one rung per memory switch", "memory", 110, span("optimizer-in-backward", "lora")),
-    ladder_part("memory-ladder-3", "memory ladder: LoRA, then LoRA and QLoRA on Llama 3.1 8B, and every later rung "
-                "(on top of memory-ladder-2)", "the largest preset a 24 GB GPU fine-tunes", "memory", 200, from_("lora")),
+         part_max_model, est_s=PART_BUDGET_S + PACK_S),
+    ladder_part("rasbt", "rasbt ladder: baseline, mask-on-the-fly, tf32, fused-adamw",
+                "every rung in the seed's direction", "rasbt", 80, before("pin-memory")),
+    ladder_part("rasbt-2", "rasbt ladder: pin-memory .. flash-attention (on top of rasbt)",
+                "every rung in the seed's direction", "rasbt", 80, span("pin-memory", "compile")),
+    ladder_part("rasbt-3", "rasbt ladder: compile and every later rung (on top of rasbt-2; DDP needs 4 GPUs)",
+                "last rung >= 3.3 x 142,156 tokens/s", "rasbt", 126, from_("compile")),
+    Part("profile", "profile + doctor: gpt2-124m as preset", "the bottleneck named", profile_part("baseline"),
+         est_s=START_S + 260 + 60 + 60 + PACK_S),
+    Part("profile-2", "profile + doctor: the best ladder's fastest config (no max-autotune, no recomputation)",
+         "the bottleneck named", profile_part("fastest"), est_s=START_S + 260 + 60 + 60 + PACK_S),
+    ladder_part("llama", "llama ladder: baseline, tf32, fused-adamw, pin-memory",
+                "the naive Llama 3.2 1B and what each eager switch buys", "llama", 80, before("bf16-autocast")),
+    ladder_part("llama-2", "llama ladder: bf16-autocast .. fused-qkv (on top of llama)",
+                "what each eager switch buys", "llama", 80, span("bf16-autocast", "compile")),
+    ladder_part("llama-3", "llama ladder: compile and batch-4 (on top of llama-2)",
+                "what torch.compile and a larger batch add", "llama", 190, these("compile", "batch-4")),
+    ladder_part("llama-4", "llama ladder: chunked-loss and batch-8 (on top of llama-3)",
+                "the fastest Llama 3.2 1B configuration on one GPU", "llama", 190, span("chunked-loss", RECOMPUTE[0])),
+    ladder_part("llama-5", "llama ladder: whole-block and selective checkpointing and every later rung (on top of "
+                "llama-4)", "what recomputation costs, whole blocks vs selective", "llama", 190, from_(RECOMPUTE[0])),
+    ladder_part("memory-ladder", "memory ladder: baseline, bf16, chunked-loss, activation-checkpointing", _MEM,
+                "memory", 90, before("offload-activations")),
+    ladder_part("memory-ladder-2", "memory ladder: offload-activations, the allocator switches (on top of "
+                "memory-ladder)", _MEM, "memory", 110, span("offload-activations", "optimizer-in-backward")),
+    ladder_part("memory-ladder-3", "memory ladder: the optimizer switches (on top of memory-ladder-2)", _MEM,
+                "memory", 90, span("optimizer-in-backward", "lora")),
+    ladder_part("memory-ladder-4", "memory ladder: LoRA, then LoRA and QLoRA on Llama 3.1 8B, and every later rung "
+                "(on top of memory-ladder-3)", "the largest preset a 24 GB GPU fine-tunes", "memory", 200, from_("lora")),
     ladder_part("book-memory", "book-memory ladder (the FSDP rung needs 2 GPUs)", "the book's direction per rung",
-                "book-memory", 100),
-    Part("book-perf", "book-perf ladder, after preparing the byte-level corpus (the DDP rung needs 2 GPUs)",
-         "the book's direction per rung", part_book_perf, ladder="book-perf", rungs=lambda names: list(names)),
-    ladder_part("optimizers", "optimizers ladder: AdamW and Muon at equal tokens (gpt-mini, 65,536 samples)",
-                "Muon's final loss against AdamW's at equal tokens, and what its step costs", "optimizers", 110),
-    Part("document-mask", "gpt2-124m on the embedded corpus without and with data.document_mask (and positions)",
-         "what keeping documents apart costs in tokens/s and memory", part_document_mask),
+                "book-memory", 95),
+    Part("book-perf", "book-perf ladder: baseline .. non-blocking, after preparing the byte-level corpus",
+         "the book's direction per rung", book_perf_part(before("compile-reduce-overhead")), ladder="book-perf",
+         rungs=before("compile-reduce-overhead"),
+         est_s=ladder_estimate("book-perf", before("compile-reduce-overhead"), 70, extra_s=150)),
+    Part("book-perf-2", "book-perf ladder: compile-reduce-overhead and every later rung (the DDP rung needs 2 GPUs)",
+         "the book's direction per rung", book_perf_part(from_("compile-reduce-overhead")), ladder="book-perf",
+         rungs=from_("compile-reduce-overhead"),
+         est_s=ladder_estimate("book-perf", from_("compile-reduce-overhead"), 70, extra_s=150)),
+    ladder_part("optimizers", "optimizers ladder: AdamW at lr 1e-3 and 2e-3 (gpt-mini, 65,536 samples)",
+                "Muon's final loss against AdamW's at equal tokens", "optimizers", 170, before("muon")),
+    ladder_part("optimizers-2", "optimizers ladder: Muon at muon_lr 0.02 and 0.04 (on top of optimizers)",
+                "Muon's final loss against AdamW's at equal tokens, and what its step costs", "optimizers", 170,
+                from_("muon")),
+    Part("document-mask", "gpt2-124m on the embedded corpus without and with data.document_mask (FlexAttention, "
+         "the explicit mask)", "what keeping documents apart costs in tokens/s and memory, and what "
+         "FlexAttention gives back", part_document_mask, est_s=START_S + 3 * 130 + PACK_S),
     ladder_part("best-autotune", "best ladder: compile-max-autotune on top of every other best rung but the "
-                "checkpointing ones", "what max-autotune adds", "best", 480, these(*BEST_DEFERRED), list(RECOMPUTE),
+                "checkpointing ones", "what max-autotune adds", "best", 380, these(*BEST_DEFERRED), list(RECOMPUTE),
                 fold_all=True),
 ]
 
 
 def list_parts() -> str:
-    lines = ["parts, in order of value (one device call each, each ends within 9 minutes):"]
+    lines = ["parts, in order of value (one device call each; ~minutes: the most it takes on one H100):"]
     for i, p in enumerate(PARTS, 1):
-        lines.append(f"{i:>2}. {p.name:<16} {p.what}  [goal: {p.goal}]")
+        lines.append(f"{i:>2}. {p.name:<16} ~{(p.est_s or p.budget_s) / 60:.1f} min  {p.what}  [goal: {p.goal}]")
     return "\n".join(lines)
 
 
@@ -473,42 +638,62 @@ def list_parts() -> str:
 
 
 def run_part(part: Part, out: Path, commit: str, smoke: bool) -> int:
+    """Run one part and leave its files in ``out``. The manifest is rewritten after every step; SIGINT or
+    SIGTERM stops the running step and the part still packs and writes its files (exit 130 / 143); every
+    process a step started is ended, even when the part itself is killed (its reaper)."""
     out.mkdir(parents=True, exist_ok=True)
-    s = Session(part.name, out, commit, smoke)
-    s.log(f"[{part.name}] {part.what}; commit {commit}{' [SMOKE: tiny shapes, figures mean nothing]' if smoke else ''}")
+    s = Session(part.name, out, commit, smoke, part.budget_s, meta={"what": part.what, "goal": part.goal})
+    s.save()
+    reaper = start_reaper(s.tag)
+    try:
+        try:
+            s.log(f"[{part.name}] {part.what}; commit {commit}"
+                  f"{' [SMOKE: tiny shapes, figures mean nothing]' if smoke else ''}")
+            s.results["env"] = _environment()
+            s.save()
+            part.run(s)
+        except Stopped as e:
+            s.stopped_by = str(e)
+            s.log(f"[{part.name}] stopped by {e}: packing what it finished")
+        except Exception as e:  # noqa: BLE001 - pack whatever the part produced, then report
+            s.error = f"{type(e).__name__}: {e}"
+            s.log(f"[{part.name}] error: {s.error}")
+        s.save()
+        return finish(s)
+    except Stopped as e:  # a signal while packing: the manifest on disk stays whole
+        s.stopped_by = s.stopped_by or str(e)
+        return 130
+    finally:
+        kill_tagged(s.tag)
+        reaper.kill()
+        reaper.wait()
+
+
+def _environment() -> dict[str, Any]:
     try:
         from tokenmill.bench.env import probe_environment
 
-        s.results["env"] = probe_environment()
+        return probe_environment(timeout_s=90)
     except Exception as e:  # noqa: BLE001 - the measurements still count; say what is missing
-        s.results["env"] = {"error": str(e)}
-    error = None
-    try:
-        part.run(s)
-    except Exception as e:  # noqa: BLE001 - pack whatever the part produced, then report
-        error = f"{type(e).__name__}: {e}"
-        s.log(f"[{part.name}] error: {error}")
+        return {"error": str(e)}
+
+
+def finish(s: Session) -> int:
+    """Pack the details, check the layout, write the final manifest; the part's exit status."""
     extra = [p for p in s.top if p.exists()][5:]  # at most 5 result files beside manifest, log, archive
     for p in extra:
         p.unlink()
-    manifest = {
-        "part": part.name, "what": part.what, "goal": part.goal, "commit": commit, "smoke": smoke,
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "wall_s": round(time.monotonic() - s.start, 1),
-        "budget_s": PART_BUDGET_S, "error": error, "steps": s.steps,
-        "environment": s.results.pop("env", None), "results": s.results,
-        "moved_into_archive": [p.name for p in extra],
-    }
-    manifest["archive"] = pack(s)
-    path = out / f"{part.name}.json"
-    path.write_text(json.dumps(manifest, indent=2, default=str))
-    manifest["layout"] = layout(out)
-    path.write_text(json.dumps(manifest, indent=2, default=str))
+    archive = pack(s)
+    s.save(moved_into_archive=[p.name for p in extra], archive=archive)
+    manifest = s.save(moved_into_archive=[p.name for p in extra], archive=archive, layout=layout(s.out))
     failed = [st["name"] for st in s.steps if st.get("rc") not in (0, None) or st.get("timed_out")]
-    s.log(f"[{part.name}] done in {manifest['wall_s']} s -> {out}: {manifest['layout']['count']} files"
+    s.log(f"[{s.part}] done in {manifest['wall_s']} s -> {s.out}: {manifest['layout']['count']} files"
           + ("" if manifest["layout"]["ok"] else " (LAYOUT NOT OK: see the manifest)")
           + (f"; steps not ok: {', '.join(failed)}" if failed else ""))
     copy_log(s)
-    return 0 if (manifest["layout"]["ok"] and not failed and error is None) else 1
+    if s.stopped_by:
+        return 143 if s.stopped_by == "SIGTERM" else 130
+    return 0 if (manifest["layout"]["ok"] and not failed and s.error is None) else 1
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -531,7 +716,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("give the commit as the third argument (the device has no .git)", file=sys.stderr)
         return 2
     os.environ["TOKENMILL_GIT_COMMIT"] = args.commit
-    return run_part(parts[args.part], Path(args.out).resolve(), args.commit, args.smoke)
+    previous = stop_on_signals()  # SIGINT/SIGTERM: run_part ends cleanly with its files (see its doc)
+    try:
+        return run_part(parts[args.part], Path(args.out).resolve(), args.commit, args.smoke)
+    except Stopped as e:  # before the part had started: gpu_session.sh's first manifest stays
+        print(f"gpu_session: stopped by {e} before the part started", file=sys.stderr)
+        return 128 + e.signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

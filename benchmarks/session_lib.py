@@ -1,13 +1,91 @@
 """What a GPU-session part leaves and reads: the output layout the device returns (at most 8 files of at
-most 16 MiB, no sub-folders; the details packed in one archive) and the shipped ladders' TOML."""
+most 16 MiB, no sub-folders; the details packed in one archive), the shipped ladders' TOML, and how a part
+ends: SIGINT/SIGTERM raise :class:`Stopped` in the part (it stops its step, packs and writes its files), and
+every process a step started carries the part's tag in its environment, so the part (or, when the part is
+killed with SIGKILL, its reaper) ends each of them (:func:`kill_tagged`)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import tarfile
+import time
 from pathlib import Path
 from typing import Any
 
 MAX_FILES, MAX_BYTES = 8, 16 * 2**20
+TAG_VAR = "TOKENMILL_SESSION_TAG"  # in every step's environment (inherited by everything it starts)
+BEST_DEFERRED = ["compile-max-autotune"]  # minutes of autotuning: measured alone, in its own part
+RECOMPUTE = ("checkpoint-blocks", "selective-checkpointing")  # the last rungs of best and llama: speed for memory
+
+
+class Stopped(BaseException):
+    """SIGINT or SIGTERM reached the part: it stops the running step and ends with its files."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def stop_on_signals() -> dict[int, Any]:
+    """SIGINT/SIGTERM raise :class:`Stopped` once; a later one is ignored (the part is already ending, and
+    SIGKILL is there for the impatient). Returns the previous handlers."""
+    seen: list[int] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        if not seen:
+            seen.append(signum)
+            raise Stopped(signum)
+
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def tagged_pids(tag: str) -> list[int]:
+    """The processes (other than this one) whose environment carries ``TAG_VAR=tag`` (Linux /proc)."""
+    needle = f"{TAG_VAR}={tag}".encode()
+    found = []
+    for d in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            if needle in (d / "environ").read_bytes().split(b"\0"):
+                found.append(int(d.name))
+        except OSError:  # gone, or not ours
+            continue
+    return found
+
+
+def kill_tagged(tag: str, rounds: int = 3) -> list[int]:
+    """SIGKILL every process carrying ``tag`` (a few rounds: one may start another while dying)."""
+    killed: list[int] = []
+    for _ in range(rounds):
+        pids = tagged_pids(tag)
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except OSError:
+                pass
+        time.sleep(0.2)
+    return killed
+
+
+def start_reaper(tag: str) -> subprocess.Popen:
+    """A watcher in its own session: when this process is gone (even by SIGKILL), it kills every process
+    carrying ``tag``. The part ends it when the part ends normally."""
+    env = {k: v for k, v in os.environ.items() if k != TAG_VAR}
+    return subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--reap", str(os.getpid()), tag],
+                            env=env, start_new_session=True, stdin=subprocess.DEVNULL)
+
+
+def _reap(parent: int, tag: str) -> None:
+    while os.getppid() == parent:
+        time.sleep(0.25)
+    kill_tagged(tag, rounds=10)
 
 
 def read_ladder(name: str) -> dict[str, Any]:
@@ -102,3 +180,22 @@ def slice_ladder(name: str, rungs: list[str], deferred: list[str], cuda: bool, s
         note += f"; without {', '.join(deferred)} (measured in another part)"
     head["description"] = note + ".\n" + tree["ladder"]["description"]
     return {"ladder": head, "rung": [tree["rung"][by_name[r]] for r in rungs]}
+
+
+def fastest_best_sets(cuda: bool, smoke: bool) -> tuple[dict[str, Any], list[str]]:
+    """The switches of the best ladder's fastest rung as the ladder would carry them here: its base and every
+    rung runnable here but the deferred max-autotune and the recompute rungs (speed traded for memory).
+    Returns (the config overrides, the rungs folded in)."""
+    tree = read_ladder("best")
+    sets = dict(tree["ladder"].get("base", {}))
+    names = []
+    for r in tree["rung"]:
+        if r["name"] in (*BEST_DEFERRED, *RECOMPUTE) or not runnable_here(r, tree, cuda, smoke):
+            continue
+        sets.update(r.get("set", {}))
+        names.append(r["name"])
+    return sets, names
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--reap"]:
+    _reap(int(sys.argv[2]), sys.argv[3])

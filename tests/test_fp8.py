@@ -142,6 +142,7 @@ def test_emulated_fp8_against_bf16(recipe, family):
     assert 1e-3 < worst < 0.15, worst
 
 
+@pytest.mark.slow
 @needs_torchao
 def test_emulated_fp8_training_converges_like_bf16():
     """60 steps on a Markov chain (entropy floor 1.61 nats), fp32 master weights under bf16 autocast: the
@@ -173,6 +174,8 @@ def test_emulated_fp8_training_converges_like_bf16():
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
                     reason="FP8 needs a CUDA GPU with compute capability >= 8.9 (H100, L4, RTX 4090, ...)")
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
+                    reason="FP8 training needs torchao (not installed: pip install torchao)")
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_fp8_trains_on_cuda(recipe, tmp_path):
     """The real FP8 kernels (torch._scaled_mm) through the trainer, compiled, against bf16 autocast: the
@@ -230,6 +233,7 @@ def test_doctor_names_fp8_that_cannot_pay():
         1.69, abs=0.01)
 
 
+@pytest.mark.slow
 def test_estimator_speeds_up_large_matmuls_only_on_fp8_gpus():
     """``tokenmill estimate``: width 2048 compiled on an H100, the FP8 matmul time is lower; on an A100
     (no FP8) nothing changes; at width 32, eager, FP8 is slower (the casts)."""

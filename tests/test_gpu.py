@@ -300,7 +300,9 @@ def pool(request, tmp_path_factory) -> Pool:
     wanted: set[str] = set()
     for item in request.session.items:
         if item.module is request.module:
-            wanted.update(TEST_JOBS.get(getattr(item, "originalname", item.name), []))
+            jobs = TEST_JOBS.get(getattr(item, "originalname", item.name), [])
+            param = getattr(getattr(item, "callspec", None), "params", {}).get("name")
+            wanted.update([param] if param in jobs else jobs)  # a selected switch starts only its own job
     jobs = {k: v for k, v in ALL_JOBS.items() if k in wanted and not _missing_package(k)}
     return Pool(jobs, tmp_path_factory.mktemp("gpu-runs"))
 

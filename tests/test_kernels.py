@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from conftest import cpu_env
-from test_model import assert_same_math, build
+from test_model import assert_same_math, batch, build
 from tokenmill.errors import ConfigError
 from tokenmill.model.kernels import layernorm as K
 
@@ -69,6 +69,26 @@ def test_forward_and_gradients_match_pytorch(interpret, shape, bias):
 
 
 @needs_triton
+@pytest.mark.skipif(not K._TRITON_OP, reason="torch.library.triton_op needs torch >= 2.6")
+def test_both_operator_forms_match_pytorch(interpret):
+    """The triton_op form (GPUs) and the custom_op form (the interpreter, torch < 2.6) run the same kernels
+    eagerly: both equal nn.LayerNorm, forward and gradients."""
+    ref, _ = _ref_and_triton(48, True)
+    g = torch.Generator().manual_seed(3)
+    x = 1.0 + torch.randn(2, 5, 48, generator=g)
+    dy = torch.randn(2, 5, 48, generator=g)
+    y1, dx1, gp1 = _fwd_bwd(ref, x, dy)
+    for form in (True, False):
+        xr = x.clone().requires_grad_(True)
+        w, b = (p.detach().clone().requires_grad_(True) for p in (ref.weight, ref.bias))
+        y = K.triton_layer_norm(xr, w, b, 1e-5, triton_op=form)
+        y.backward(dy)
+        for got, want, what in ((y, y1, "y"), (xr.grad, dx1, "dx"), (w.grad, gp1["weight"], "dw"),
+                                (b.grad, gp1["bias"], "db")):
+            torch.testing.assert_close(got.detach(), want, atol=1e-5, rtol=1e-5, msg=f"{what} (triton_op={form})")
+
+
+@needs_triton
 def test_bf16_matches_pytorch_bf16(interpret):
     """bf16 in and out, fp32 statistics inside, like PyTorch's kernel: equal up to one bf16 rounding."""
     ref, tri = _ref_and_triton(64, True, torch.bfloat16)
@@ -84,11 +104,35 @@ def test_bf16_matches_pytorch_bf16(interpret):
         torch.testing.assert_close(gp2[n].float(), gp1[n].float(), atol=5e-2, rtol=2e-2, msg=n)
 
 
+@pytest.mark.slow
 @needs_triton
 @pytest.mark.parametrize("bias", [True, False])
 def test_gpt_with_triton_norm_keeps_the_math(interpret, bias):
     """model.norm='triton' vs 'native' in a whole GPT: same logits, loss and every gradient (fp32)."""
     assert_same_math(build(norm="native", bias=bias), build(norm="triton", bias=bias))
+
+
+@needs_triton
+@pytest.mark.slow
+def test_compiled_gpt_keeps_the_triton_norm_in_one_graph(interpret):
+    """The kernels are torch.library operators (triton_op on a GPU where torch has it, custom_op under the
+    interpreter or on older torch, each with a fake): torch.compile traces a GPT with model.norm='triton' as ONE graph, 0 breaks (the
+    autograd.Function it replaced broke the graph at every norm on a GPU, and under the interpreter dynamo
+    failed inside the launch). Backend 'eager': the graph dynamo captures, which is where breaks happen
+    (Inductor with the triton_op form: the GPU test below)."""
+    ref, tri = build(norm="native"), build(norm="triton")
+    tri.load_state_dict(ref.state_dict())
+    x, y = batch()
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(tri)(x, y)
+    assert (explained.graph_break_count, explained.graph_count) == (0, 1), explained.break_reasons
+    _, loss = torch.compile(tri, backend="eager", fullgraph=True)(x, y)
+    loss.backward()
+    _, loss_ref = ref(x, y)
+    loss_ref.backward()
+    torch.testing.assert_close(loss, loss_ref, atol=1e-5, rtol=1e-5)
+    for (n, p), q in zip(tri.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=n)
 
 
 @needs_triton
@@ -126,7 +170,6 @@ def test_cli_reports_the_error_without_a_traceback(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or not K.triton_available(), reason="needs a CUDA GPU and triton")
 def test_on_cuda_matches_native_bf16():
     ref, tri = _ref_and_triton(768, True, torch.bfloat16, "cuda")
@@ -138,3 +181,21 @@ def test_on_cuda_matches_native_bf16():
     torch.testing.assert_close(dx2, dx1, atol=2e-2, rtol=1.6e-2)
     for n in gp1:  # summed over 8192 rows in another order: relative L2 error
         assert ((gp2[n].float() - gp1[n].float()).norm() / gp1[n].float().norm()).item() < 1e-2, n
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not K.triton_available(), reason="needs a CUDA GPU and triton")
+def test_on_cuda_inductor_compiles_the_triton_norm_without_breaks():
+    """On a GPU, Inductor compiles the norm's kernels into the model's graph: 0 breaks, the native loss."""
+    torch._dynamo.reset()
+    ref, tri = build(norm="native").cuda(), build(norm="triton").cuda()
+    tri.load_state_dict(ref.state_dict())
+    x, y = (t.cuda() for t in batch())
+    assert torch._dynamo.explain(tri)(x, y).graph_break_count == 0
+    _, loss = torch.compile(tri, fullgraph=True)(x, y)
+    loss.backward()
+    _, loss_ref = ref(x, y)
+    loss_ref.backward()
+    torch.testing.assert_close(loss, loss_ref, atol=1e-4, rtol=1e-4)
+    for (n, p), q in zip(tri.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-3, msg=n)

@@ -13,8 +13,8 @@ what the graphs hold.
 
 Which pieces are compiled follows :func:`tokenmill.model.build.apply_compile`: ``compile.scope='model'``
 compiles the embeddings, the blocks and the head with the loss; ``compile.loss_outside`` leaves the head
-and the loss eager; ``compile.scope='block'`` compiles the blocks only. The chunked loss stays eager (a
-loop Dynamo would unroll). An activation-checkpointed block keeps only its input in forward and runs its
+and the loss eager; ``compile.scope='block'`` compiles the blocks only. The chunked loss is costed as it runs
+under compile: one opaque operator (``model/loss.py``) whose chunk loop runs eagerly inside the graph. An activation-checkpointed block keeps only its input in forward and runs its
 compiled forward again in backward (Dynamo marks the checkpointed region for recomputation).
 
 Two measured behaviours of compiled training are part of the model: the logits the model returns beside

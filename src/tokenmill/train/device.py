@@ -2,8 +2,9 @@
 settings (the one place where ``memory.expandable_segments``, ``memory.max_split_size_mb`` and
 ``memory.gc_threshold`` are applied), and activation offloading (``memory.offload_activations``).
 
-The allocator reads ``PYTORCH_CUDA_ALLOC_CONF`` when CUDA initialises, so :func:`apply_allocator_settings`
-runs first thing in ``train()``. If CUDA is already initialised in this process (e.g. a notebook that
+The allocator reads ``PYTORCH_ALLOC_CONF`` (torch >= 2.9; ``PYTORCH_CUDA_ALLOC_CONF`` when that is unset,
+and on older torch) when CUDA initialises, so :func:`apply_allocator_settings` runs first thing in ``train()``
+and writes the merged settings to both. If CUDA is already initialised in this process (e.g. a notebook that
 touched the GPU before), the setting is applied at run time through the allocator's settings hook when
 this PyTorch has it (it affects new segments only), otherwise a warning says it had no effect.
 """
@@ -13,7 +14,8 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Optional
 
 import torch
 
@@ -22,7 +24,7 @@ from tokenmill.errors import TrainingError
 
 
 def allocator_settings(cfg: MemoryConfig) -> dict[str, str]:
-    """The ``PYTORCH_CUDA_ALLOC_CONF`` entries asked for by ``memory.expandable_segments``,
+    """The allocator entries (``PYTORCH_ALLOC_CONF``) asked for by ``memory.expandable_segments``,
     ``memory.max_split_size_mb`` and ``memory.gc_threshold`` (0 = not set)."""
     out = {}
     if cfg.expandable_segments:
@@ -34,37 +36,62 @@ def allocator_settings(cfg: MemoryConfig) -> dict[str, str]:
     return out
 
 
+# The variables the caching allocator reads its settings from, in its order: torch >= 2.9 reads
+# PYTORCH_ALLOC_CONF and, only when that is unset, PYTORCH_CUDA_ALLOC_CONF; older torch reads the second only.
+ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def _entries(value: str) -> dict[str, str]:
+    return dict(e.strip().split(":", 1) for e in value.split(",") if ":" in e)
+
+
+def allocator_conf(environ: Optional[Mapping[str, str]] = None) -> tuple[dict[str, str], dict[str, str]]:
+    """The allocator entries the environment sets (``key -> value``), both variables merged, a key in
+    ``PYTORCH_ALLOC_CONF`` over the same key in ``PYTORCH_CUDA_ALLOC_CONF`` (what torch >= 2.9 reads first),
+    and for each key the variable that set it. An empty variable counts as unset."""
+    env = os.environ if environ is None else environ
+    entries: dict[str, str] = {}
+    source: dict[str, str] = {}
+    for var in reversed(ALLOC_CONF_VARS):  # the legacy variable first, the one read first overrides
+        for key, value in _entries(env.get(var, "")).items():
+            entries[key], source[key] = value, var
+    return entries, source
+
+
 def apply_allocator_settings(cfg: MemoryConfig) -> bool:
-    """Put the allocator settings into ``PYTORCH_CUDA_ALLOC_CONF`` (before CUDA initialises); a key the
-    environment already sets is left as it is, with a warning when it differs. Returns True when every
-    asked setting is (or will be) in effect; False when none was asked or one could not apply."""
+    """Put the allocator settings into the environment (before CUDA initialises): the entries of both
+    ``PYTORCH_ALLOC_CONF`` and ``PYTORCH_CUDA_ALLOC_CONF`` merged with the asked ones, written to both, so
+    whichever this torch reads holds all of them. A key the environment already sets is left as it is,
+    with a warning when it differs. Returns True when every asked setting is (or will be) in effect;
+    False when none was asked or one could not apply."""
     wanted = allocator_settings(cfg)
     if not wanted:
         return False
-    current = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    entries = dict(e.split(":", 1) for e in current.split(",") if ":" in e)
+    entries, source = allocator_conf()
     ok, new = True, {}
     for key, value in wanted.items():
         if key in entries:
             if entries[key] != value:
-                warnings.warn(f"PYTORCH_CUDA_ALLOC_CONF={current!r} already sets {key}; leaving it.", stacklevel=2)
+                var = source[key]
+                warnings.warn(f"{var}={os.environ[var]!r} already sets {key}; leaving it.", stacklevel=2)
                 ok = False
             continue
         new[key] = value
     if not new:
         return ok
-    value = ",".join([current] * bool(current) + [f"{k}:{v}" for k, v in new.items()])
+    value = ",".join(f"{k}:{v}" for k, v in {**entries, **new}.items())
     if not torch.cuda.is_initialized():
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = value
+        os.environ.update(dict.fromkeys(ALLOC_CONF_VARS, value))
         return ok
     setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
     if setter is not None:
         setter(",".join(f"{k}:{v}" for k, v in new.items()))
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = value
+        os.environ.update(dict.fromkeys(ALLOC_CONF_VARS, value))
         return ok
     warnings.warn(
         f"memory allocator settings ({', '.join(new)}): CUDA was already initialised in this process, so they "
-        f"cannot change; set PYTORCH_CUDA_ALLOC_CONF={value} before starting Python.",
+        f"cannot change; set PYTORCH_ALLOC_CONF={value} (PYTORCH_CUDA_ALLOC_CONF before torch 2.9) before "
+        "starting Python.",
         stacklevel=2,
     )
     return False
@@ -145,7 +172,25 @@ def cpu_contention(threads: dict[str, int], load: float | None = None) -> str | 
     if want <= max(free, 1.0) + 0.5:
         return None
     fit = max(1, int(free // procs)) if free >= procs else 1
+    if fit >= per:  # already at (or below) the threads that fit: the setting would change nothing
+        return None
     return (f"tokenmill: note: this run asks for {want} CPU threads ({per} per process x {procs}) but the machine "
             f"has {cores} cores with a load average of {load:.1f} (about {free:.1f} free): oversubscribed threads "
             f"wait on each other and the run can be several times slower. Set OMP_NUM_THREADS={fit} (or run when "
             "the machine is idle); `tokenmill doctor --try` measures it.")
+
+
+NOTED_ENV = "TOKENMILL_THREADS_NOTED"  # set once the note was said: processes started after it stay quiet
+
+
+def contention_note(threads: dict[str, int] | None = None) -> str | None:
+    """:func:`cpu_contention`'s note (for this process's :func:`thread_settings` unless ``threads``), once per
+    process tree: saying it sets :data:`NOTED_ENV`, which the processes started afterwards inherit (a ladder
+    says it once and passes it to its rungs), so it is never repeated. None when it was said or does not
+    apply."""
+    if os.environ.get(NOTED_ENV):
+        return None
+    note = cpu_contention(threads or thread_settings())
+    if note is not None:
+        os.environ[NOTED_ENV] = "1"
+    return note

@@ -13,6 +13,10 @@ weight and bias gradients afterwards (no atomics, deterministic).
 All statistics are fp32 whatever the input dtype, as in PyTorch's own kernel, so the switch keeps
 the math of ``nn.LayerNorm`` (tests/test_kernels.py compares forward and gradients under the
 interpreter). The kernels are built on first use, so ``TRITON_INTERPRET`` is read then.
+
+The two launches are the operators ``tokenmill::layer_norm_fwd`` / ``_bwd`` (``torch.library.triton_op``
+on torch >= 2.6, ``custom_op`` before; autograd joins them), so ``torch.compile`` keeps every norm in the
+model's one graph (tests/test_kernels.py counts 0 graph breaks).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import functools
 import importlib.util
 import os
 from functools import lru_cache
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
@@ -148,48 +152,122 @@ def _on(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-class _LayerNormFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float):
-        fwd, _ = _kernels()
-        C = x.shape[-1]
-        x2 = x.reshape(-1, C).contiguous()
-        M = x2.size(0)
-        y = torch.empty_like(x2)
-        mean = torch.empty(M, dtype=torch.float32, device=x.device)
-        rstd = torch.empty(M, dtype=torch.float32, device=x.device)
-        w = weight.contiguous()
-        b = bias.contiguous() if bias is not None else w  # unused without HAS_BIAS
-        if M:
-            with _on(x.device):
-                fwd[(M,)](x2, y, w, b, mean, rstd, x2.stride(0), C, eps, HAS_BIAS=bias is not None, BLOCK=_block(C))
-        ctx.save_for_backward(x2, w, mean, rstd)
-        ctx.has_bias, ctx.shape = bias is not None, x.shape
-        return y.view(x.shape)
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        _, bwd = _kernels()
-        x2, w, mean, rstd = ctx.saved_tensors
-        M, C = x2.shape
-        dy2 = dy.reshape(-1, C).contiguous()
-        dx = torch.empty_like(x2)
-        P = _programs(x2, M)
-        dw_part = torch.zeros(P, C, dtype=torch.float32, device=x2.device)
-        db_part = torch.zeros(P, C, dtype=torch.float32, device=x2.device)
-        if M:
-            with _on(x2.device):
-                bwd[(P,)](dy2, x2, w, mean, rstd, dx, dw_part, db_part, x2.stride(0), M, C, P,
-                          ROWS=triton_cdiv(M, P), BLOCK=_block(C))
-        dw = dw_part.sum(0).to(w.dtype)
-        db = db_part.sum(0).to(w.dtype) if ctx.has_bias else None
-        return dx.view(ctx.shape), dw, db, None
-
-
-def triton_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float = 1e-5) -> torch.Tensor:
-    """LayerNorm over the last dimension of ``x`` with the Triton kernels (autograd-aware)."""
+def _ln_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, wrap: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward kernel on ``x`` (M, C): ``(y, mean, rstd)``, new tensors (the operators' body)."""
     check_device(x.device)
-    return _LayerNormFn.apply(x, weight, bias, eps)
+    fwd = _wrap(_kernels()[0], wrap)
+    M, C = x.shape
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    mean = torch.empty(M, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
+    w = weight.contiguous()
+    b = bias.contiguous() if bias is not None else w  # unused without HAS_BIAS
+    if M:
+        with _on(x.device):
+            fwd[(M,)](x, y, w, b, mean, rstd, x.stride(0), C, eps, HAS_BIAS=bias is not None, BLOCK=_block(C))
+    return y, mean, rstd
+
+
+def _ln_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                 wrap: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward kernel: ``(dx, dweight, dbias)`` for ``x`` (M, C) (the operators' body)."""
+    bwd = _wrap(_kernels()[1], wrap)
+    M, C = x.shape
+    x, dy, w = x.contiguous(), dy.contiguous(), weight.contiguous()
+    dx = torch.empty_like(x)
+    P = _programs(x, M)
+    dw_part = torch.zeros(P, C, dtype=torch.float32, device=x.device)
+    db_part = torch.zeros(P, C, dtype=torch.float32, device=x.device)
+    if M:
+        with _on(x.device):
+            bwd[(P,)](dy, x, w, mean, rstd, dx, dw_part, db_part, x.stride(0), M, C, P,
+                      ROWS=triton_cdiv(M, P), BLOCK=_block(C))
+    return dx, dw_part.sum(0).to(w.dtype), db_part.sum(0).to(w.dtype)
+
+
+def _wrap(kernel: Any, wrap: bool) -> Any:
+    """``kernel`` as torch.compile should see it: in a ``triton_op``, ``torch.library.wrap_triton(kernel)``
+    (the launch becomes a node of the graph); the kernel itself otherwise."""
+    return torch.library.wrap_triton(kernel) if wrap else kernel
+
+
+# torch.library.triton_op (torch >= 2.6): an operator whose body Inductor sees (the kernel launches
+# become graph nodes it schedules with the rest); before, torch.library.custom_op: one opaque operator
+# with a fake (shape) function. Either way torch.compile keeps the norm inside the compiled graph: no
+# graph break at each norm, as there was when dynamo traced into the launch of an autograd.Function.
+# Under Triton's CPU interpreter the custom_op form too: AOT tracing runs a triton_op's body on fake
+# tensors, which the interpreter cannot launch. Both forms can live in one process (the tests run both).
+_TRITON_OP = hasattr(torch.library, "triton_op") and hasattr(torch.library, "wrap_triton")
+_OPS: dict[bool, tuple[Any, Any]] = {}  # triton_op form or not -> (forward, backward) operators
+
+
+def triton_op_form() -> bool:
+    """Whether operators made now are ``triton_op``s (torch >= 2.6, outside ``TRITON_INTERPRET=1``)."""
+    return _TRITON_OP and not _interpret()
+
+
+def _fake_forward(x, weight, bias, eps):
+    M = x.shape[0]
+    return torch.empty_like(x), x.new_empty(M, dtype=torch.float32), x.new_empty(M, dtype=torch.float32)
+
+
+def _fake_backward(dy, x, weight, mean, rstd):
+    return torch.empty_like(x), torch.empty_like(weight), torch.empty_like(weight)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, bias, _ = inputs
+    _, mean, rstd = output
+    ctx.save_for_backward(x, weight, mean, rstd)
+    ctx.has_bias = bias is not None
+    ctx.mark_non_differentiable(mean, rstd)
+
+
+def _register(triton: bool) -> tuple[Any, Any]:
+    """``tokenmill::layer_norm_fwd`` / ``_bwd`` (``..._opaque`` for the custom_op form) with their fakes
+    and autograd."""
+
+    def forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _ln_forward(x, weight, bias, eps, triton)
+
+    def backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _ln_backward(dy, x, weight, mean, rstd, triton)
+
+    make, suffix = (torch.library.triton_op, "") if triton else (torch.library.custom_op, "_opaque")
+    fwd = make(f"tokenmill::layer_norm_fwd{suffix}", forward, mutates_args=())
+    bwd = make(f"tokenmill::layer_norm_bwd{suffix}", backward, mutates_args=())
+    # shapes without running the body: a triton_op's own fake is its body on fake tensors (the same shapes)
+    fwd.register_fake(_fake_forward)
+    bwd.register_fake(_fake_backward)
+
+    def grads(ctx, dy, _dmean, _drstd):
+        x, weight, mean, rstd = ctx.saved_tensors
+        dx, dw, db = bwd(dy, x, weight, mean, rstd)
+        return dx, dw, db if ctx.has_bias else None, None
+
+    fwd.register_autograd(grads, setup_context=_setup_context)
+    return fwd, bwd
+
+
+def _ops(triton: bool) -> tuple[Any, Any]:
+    """The operators of one form, registered once per process on first use (at model build: never
+    inside a traced region)."""
+    if triton not in _OPS:
+        _OPS[triton] = _register(triton)
+    return _OPS[triton]
+
+
+def triton_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float = 1e-5,
+                      triton_op: Optional[bool] = None) -> torch.Tensor:
+    """LayerNorm over the last dimension of ``x`` with the Triton kernels (autograd-aware; one operator
+    that torch.compile keeps in its graph). ``triton_op``: which form (default :func:`triton_op_form`)."""
+    fwd = _ops(triton_op_form() if triton_op is None else triton_op)[0]
+    y, _, _ = fwd(x.reshape(-1, x.shape[-1]), weight, bias, float(eps))
+    return y.view(x.shape)
 
 
 class TritonLayerNorm(nn.Module):
@@ -205,6 +283,8 @@ class TritonLayerNorm(nn.Module):
         if not triton_available():
             check_device("cuda")  # raises the "install triton" error
         _block(ndim)  # width check, at build time
+        self.triton_op = triton_op_form()  # the operators' form, chosen and registered at build, not traced
+        _ops(self.triton_op)
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(ndim))
         if bias:
@@ -213,4 +293,4 @@ class TritonLayerNorm(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return triton_layer_norm(x, self.weight, self.bias, self.eps)
+        return triton_layer_norm(x, self.weight, self.bias, self.eps, self.triton_op)
