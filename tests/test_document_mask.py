@@ -159,6 +159,7 @@ def bpe_data(corpus, tmp_path_factory) -> Path:
                    glob="*.txt")
 
 
+@pytest.mark.slow
 def test_training_with_document_mask_learns(bpe_data, tmp_path):
     """tokenmill.train with data.document_mask and document_positions on prepared BPE data: the model it
     trains keeps documents apart by the data's end-of-text id (meta.json), and the loss falls; `tokenmill eval`
@@ -210,7 +211,8 @@ def test_refusals_by_message(bpe_data, corpus, tmp_path, capsys):
     del meta["tokenizer"]["eot_id"]
     (old / "meta.json").write_text(json.dumps(meta))
     assert document_eot_id(cfg, old) == json.loads((bpe_data / "meta.json").read_text())["tokenizer"]["eot_id"]
-    # through the command line: one line, no traceback
+    # through the command line: one line, no traceback (what the configs above printed is not its output)
+    capsys.readouterr()
     rc = main(["train", "--preset", "tiny", "--run-dir", str(tmp_path / "r"), "--data.source", "synthetic",
                "--model.vocab_size", "64", "--data.document_mask", "true", "--train.device", "cpu"])
     err = capsys.readouterr().err
@@ -232,7 +234,8 @@ def test_apply_document_mask_off_leaves_the_model():
 
 def _est_cfg(**over) -> C.Config:
     base = {"data.source": "synthetic", "model.vocab_size": 512, "model.n_layer": 2, "model.n_embd": 128,
-            "model.n_head": 4, "model.block_size": 1024, "train.batch_size": 4, "train.device": "cpu"}
+            "model.n_head": 4, "model.block_size": 1024, "train.batch_size": 4, "train.device": "cpu",
+            "model.document_attention": "explicit"}  # the explicit mask's costs (FlexAttention's: test_flex_attention)
     return C.resolve(None, overrides={**base, **over}, overrides_from_string=False)
 
 
@@ -275,9 +278,11 @@ def test_estimate_counts_the_mask_and_the_lost_causal_skip():
 
 
 def test_doctor_names_the_cost_of_document_masking():
-    """The doctor rule: data.document_mask with SDPA on an H100 (a GPU-bound step) reports the estimate's extra
-    step time (the attention term above) and the mask's bytes (B x T x T x 2 in bf16); nothing on a CPU, with
-    manual attention or with the switch off."""
+    """The doctor rule: data.document_mask on the explicit path with SDPA on an H100 (a GPU-bound step; a run
+    config without model.document_attention predates FlexAttention's path) reports the estimate's extra step time
+    over FlexAttention (the attention term above) and the mask's bytes (B x T x T x 2 in bf16), and names
+    model.document_attention first; nothing on a CPU, with manual attention, with the switch off, or with
+    FlexAttention ('flex', or 'auto' without dropout); 'auto' with dropout suggests dropping the dropout."""
     from tokenmill.profiling.docmask_rules import document_mask_cost
     from tokenmill.profiling.rules import RULES
 
@@ -291,9 +296,14 @@ def test_doctor_names_the_cost_of_document_masking():
     assert document_mask_cost({**facts, "device": "cpu"}) is None
     assert document_mask_cost({**facts, "config": {**run, "model.attention": "manual"}}) is None
     assert document_mask_cost({**facts, "config": {**run, "data.document_mask": False}}) is None
+    for impl in ("auto", "flex"):
+        assert document_mask_cost({**facts, "config": {**run, "model.document_attention": impl}}) is None
+    dropout = document_mask_cost({**facts, "config": {**run, "model.document_attention": "auto", "model.dropout": 0.1}})
+    assert dropout.suggestions[0]["switch"] == "--model.document_attention auto --model.dropout 0.0"
     found = document_mask_cost(facts)
     assert found is not None and "without the flash kernel" in found.title
     assert f"{_attention_extra_ms(B, T, 2, 4, 64):.1f} ms of " in found.evidence[1], found.evidence
     assert f"{B * T * T * 2 / 2**20:.0f} MB more at the peak" in found.evidence[1]
-    assert found.suggestions[0]["switch"] == "--data.document_mask false"
+    assert found.suggestions[0]["switch"] == "--model.document_attention auto"
+    assert found.suggestions[1]["switch"] == "--data.document_mask false"
     assert 0.05 < found.score < 0.5

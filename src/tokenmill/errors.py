@@ -26,6 +26,11 @@ class DataError(TokenmillError, ValueError):
     """Bad or missing data. The message names the file, the problem and the fix."""
 
 
+class BadRecordError(DataError):
+    """One input record that cannot be used (e.g. a conversation the chat template refuses): ``prepare`` counts
+    and reports it, and stops on it only with ``--on-bad-record stop``. The message is the reason alone."""
+
+
 class PathError(TokenmillError, ValueError):
     """An output path that overlaps an input, or a name that would leave its folder."""
 

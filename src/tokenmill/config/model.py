@@ -42,6 +42,16 @@ class ModelConfig:
     sdpa_backend: Literal["auto", "flash", "efficient", "cudnn", "math"] = F(
         "auto", "Force one SDPA backend (attention='sdpa' only); 'auto' lets PyTorch pick."
     )
+    document_attention: Literal["auto", "flex", "explicit"] = F(
+        "auto",
+        "How SDPA attention keeps documents apart (data.document_mask): 'flex' = FlexAttention with a block "
+        "mask built once per forward from the document boundaries (causal AND same document; tiles of other "
+        "documents skipped, no T x T mask, grouped k/v heads native; compiled on CUDA); 'explicit' = SDPA with "
+        "the (batch, 1, T, T) additive mask (the reference path, no flash kernel); 'auto' = 'flex' on CUDA, "
+        "'explicit' on the CPU and MPS (FlexAttention has no backward there) and while training with "
+        "model.dropout > 0 (FlexAttention has no attention dropout). 'flex' is refused for training on the CPU "
+        "and with model.dropout > 0. model.attention='manual' always uses the explicit mask.",
+    )
     causal_mask: Literal["buffer", "on_the_fly"] = F(
         "on_the_fly",
         "Manual attention only: 'buffer' keeps a (block_size x block_size) triu mask as a registered "

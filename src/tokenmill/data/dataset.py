@@ -24,6 +24,7 @@ from .meta import DTYPES, META_NAME, PREPARE_HINT, read_meta
 from .shards import ShardedTokens, split_shards
 
 _M64 = (1 << 64) - 1
+IGNORE_INDEX = -100  # a target the loss skips (F.cross_entropy's default ignore_index)
 STREAM_LENGTH = 2**62  # __len__ of the stream datasets: indices are unbounded in practice
 _SCAN_TOKENS = 1 << 22
 
@@ -43,6 +44,21 @@ class TokenFile:
         self.shards = split_shards(meta["splits"][split])
         self.files = [Path(path) / s["file"] for s in self.shards]
         self._tokens = None
+        chat = meta.get("chat")  # a `prepare --format chat` folder: uint8 loss-mask shards beside the tokens
+        self.mask_shards = chat["splits"][split]["shards"] if chat else None
+        self._masks = None
+
+    @property
+    def masks(self):
+        """The split's loss-mask bytes (one per token: bit 0 learned, bit 1 a sequence starts; see
+        :mod:`tokenmill.data.chat`), memory-mapped like the tokens; None for a folder without masks."""
+        if self._masks is None and self.mask_shards is not None:
+            files = [Path(self.path) / s["file"] for s in self.mask_shards]
+            counts = [s["tokens"] for s in self.mask_shards]
+            self._masks = np.empty(0, np.uint8) if self.n_tokens == 0 else (
+                np.memmap(files[0], dtype=np.uint8, mode="r", shape=(counts[0],)) if len(files) == 1
+                else ShardedTokens(files, counts, np.dtype(np.uint8)))
+        return self._masks
 
     @property
     def tokens(self):
@@ -59,7 +75,7 @@ class TokenFile:
         return self.n_tokens
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_tokens": None}
+        return {**self.__dict__, "_tokens": None, "_masks": None}
 
     def __repr__(self) -> str:
         return f"TokenFile({str(self.file)!r}, tokens={self.n_tokens}, vocab_size={self.vocab_size})"
@@ -110,10 +126,27 @@ def open_token_data(
     tf = TokenFile(folder, split, file, meta)
     for shard, f in zip(shards, tf.files):
         _check_size(f, shard["tokens"], meta["dtype"])
+    for shard in tf.mask_shards or []:  # loss masks: one byte per token
+        _check_mask(folder / shard["file"], shard["tokens"], shard.get("sha256"), validate == "full")
     if validate == "full":
         for shard, f in zip(shards, tf.files):
             _scan(f, shard["tokens"], tf.dtype, vocab, shard.get("sha256"))
     return tf
+
+
+def _check_mask(file: Path, n: int, sha: str | None, full: bool) -> None:
+    fix = f"Fix: prepare the folder again ({PREPARE_HINT})."
+    if not file.is_file() or file.stat().st_size != n:
+        size = file.stat().st_size if file.is_file() else None
+        raise DataError(f"loss-mask file '{file}' is {'missing' if size is None else f'{size} bytes'}, but meta.json "
+                        f"says {n} bytes (one per token). {fix}")
+    if full and sha is not None:
+        h = hashlib.sha256()
+        with open(file, "rb") as f:
+            while block := f.read(1 << 24):
+                h.update(block)
+        if h.hexdigest() != sha:
+            raise DataError(f"loss-mask file '{file}': sha256 checksum mismatch; it changed after preparation. {fix}")
 
 
 def _check_size(file: Path, n: int, name: str) -> None:
@@ -237,6 +270,8 @@ class WindowDataset(Dataset):
     ``len - block_size`` starts. 'sequential': non-overlapping window ``k mod n_windows`` (seed unused).
     ``cpu_work_ms`` > 0 burns that much CPU per sample (GIL held; the tokens are unchanged).
     ``ids``: the tensors' dtype (int64, or a narrow type from :func:`id_dtype`; same values).
+    ``loss_mask``: targets whose token is not learned (the folder's loss mask, ``prepare --format chat``) are
+    ``IGNORE_INDEX`` (-100), which the loss skips; ``y`` is then int64, or int32 with narrow ids.
     """
 
     def __init__(
@@ -247,6 +282,7 @@ class WindowDataset(Dataset):
         seed: int = 0,
         cpu_work_ms: float = 0.0,
         ids: torch.dtype = torch.int64,
+        loss_mask: bool = False,
     ):
         if sampling not in ("random", "sequential"):
             raise ValueError(f"sampling must be 'random' or 'sequential', got {sampling!r}")
@@ -262,6 +298,10 @@ class WindowDataset(Dataset):
         self.seed, self.cpu_work_ms = seed, cpu_work_ms
         self.vocab_size = token_file.vocab_size
         self.ids = ids
+        if loss_mask and token_file.mask_shards is None:
+            raise DataError(f"'{token_file.path}' has no loss mask (it was not prepared with --format chat). Fix: "
+                            "prepare chat data with `tokenmill prepare FILES --format chat --tokenizer-from HFDIR`.")
+        self.loss_mask = loss_mask
         self.n_starts = n - block_size  # random starts 0 .. n-block_size-1
         self.n_windows = (n - 1) // block_size  # non-overlapping sequential windows
 
@@ -277,7 +317,12 @@ class WindowDataset(Dataset):
     def window(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y) of the window starting at token ``start``."""
         buf = torch.from_numpy(self.token_file.tokens[start : start + self.block_size + 1].astype(_NP_IDS[self.ids]))
-        return buf[:-1], buf[1:]
+        if not self.loss_mask:
+            return buf[:-1], buf[1:]
+        learned = np.asarray(self.token_file.masks[start + 1 : start + self.block_size + 1]) & 1
+        y = buf[1:].to(torch.int64 if self.ids == torch.int64 else torch.int32, copy=True)  # x shares buf
+        y[torch.from_numpy(learned == 0)] = IGNORE_INDEX
+        return buf[:-1], y
 
     def __getitem__(self, k) -> tuple[torch.Tensor, torch.Tensor]:
         k = _index(k)

@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from tokenmill import signals
+from tokenmill.errors import DataError
 
 from .dataset import SyntheticDataset, WindowDataset, global_indices, id_dtype, open_token_data
 from .mixture import MixtureDataset, open_mixture
@@ -222,6 +223,7 @@ class DataSources:
     data_dir: (
         Path | None
     )  # the prepared folder (None: synthetic); tokenizer: load_tokenizer_for_data(data_dir)
+    loss_mask: bool = False  # data.loss_mask resolved: targets at unlearned tokens are -100 (see WindowDataset)
 
 
 def build_datasets(
@@ -240,8 +242,10 @@ def build_datasets(
     if getattr(data_cfg, "mixture", None):
         train, val, vocab, first = open_mixture(data_cfg, block_size, seed, model_vocab_size, with_val,
                                                 lambda v: id_dtype(v, data_cfg.narrow_ids), progress)
+        use_loss_mask(data_cfg.loss_mask, [s.token_file for s in train.sources], "data.mixture")
         return DataSources(train, val, vocab, first)
     if data_cfg.source == "synthetic":
+        use_loss_mask(data_cfg.loss_mask, [], "data.source = 'synthetic'")
         if model_vocab_size is None:
             raise ValueError("synthetic data needs model_vocab_size (model.vocab_size)")
         ids = id_dtype(model_vocab_size, data_cfg.narrow_ids)
@@ -256,9 +260,29 @@ def build_datasets(
         folder = Path(data_cfg.path)
     tf = open_token_data(folder, "train", model_vocab_size, data_cfg.validate)
     ids = id_dtype(tf.vocab_size, data_cfg.narrow_ids)  # the data's ids are < its own vocabulary
-    train = WindowDataset(tf, block_size, data_cfg.sampling, seed, data_cfg.cpu_work_ms, ids)
+    masked = use_loss_mask(data_cfg.loss_mask, [tf], None)
+    train = WindowDataset(tf, block_size, data_cfg.sampling, seed, data_cfg.cpu_work_ms, ids, loss_mask=masked)
     val = None
     if with_val:
         vf = open_token_data(folder, "val", model_vocab_size, data_cfg.validate)
-        val = WindowDataset(vf, block_size, "sequential", seed, ids=ids)
-    return DataSources(train, val, tf.vocab_size, folder)
+        val = WindowDataset(vf, block_size, "sequential", seed, ids=ids, loss_mask=masked)
+    return DataSources(train, val, tf.vocab_size, folder, masked)
+
+
+def use_loss_mask(setting: bool | None, files: list, unsupported: str | None) -> bool:
+    """``data.loss_mask`` resolved for the token files the run reads: None (auto) -> whether they carry a loss
+    mask (``prepare --format chat``); True -> required. ``unsupported`` names a data source that cannot apply a
+    mask yet (a mixture, synthetic tokens): a mask there is refused rather than silently learning every token."""
+    has = [f for f in files if f.mask_shards is not None]
+    if setting is False:
+        return False
+    if unsupported is not None and (setting or has):
+        what = f"'{has[0].path}' holds chat data with a loss mask" if has else "data.loss_mask is true"
+        raise DataError(f"{what}, but {unsupported} cannot apply a loss mask yet. Fix: --data.loss_mask false (learn "
+                        "every token)" + (", or train on one chat folder with --data.path." if has else "."))
+    if setting and len(has) < len(files):
+        missing = next(f for f in files if f.mask_shards is None)
+        raise DataError(f"data.loss_mask is true, but '{missing.path}' has no loss mask (it was not prepared with "
+                        "--format chat). Fix: prepare it with `tokenmill prepare FILES --out DIR --format chat "
+                        "--tokenizer-from HF_MODEL_FOLDER`, or leave data.loss_mask unset (auto) or false.")
+    return bool(has)

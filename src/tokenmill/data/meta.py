@@ -18,19 +18,21 @@ Version 1 (still read) described a split as one file: ``{"file": "train.bin", "t
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from tokenmill.errors import DataError
+from tokenmill.filecheck import get, read_json, shown
+from tokenmill.paths import inside
 
 FORMAT = "tokenmill-tokens"
 VERSION = 2
 META_NAME = "meta.json"
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 PREPARE_HINT = "run `tokenmill prepare INPUT --out DIR` and point data.path at DIR"
+_FIX = f" Fix: prepare the folder again ({PREPARE_HINT})."
 
 
 def dtype_for_vocab(vocab_size: int) -> str:
@@ -63,83 +65,95 @@ def read_meta(folder: str | Path) -> dict[str, Any]:
             f"'{meta_path}' is missing: '{folder}' is not a prepared token folder, or its preparation "
             f"was interrupted (meta.json is written last). Fix: {PREPARE_HINT}."
         )
-    try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DataError(
-            f"'{meta_path}' is not valid JSON ({e}). Fix: prepare the folder again ({PREPARE_HINT})."
-        ) from None
+    meta = read_json(meta_path, "", DataError, kind=None, fix=_FIX)
+    where = f"'{meta_path}'"
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         raise DataError(
-            f"'{meta_path}' is not a tokenmill token folder description (format is {found!r}, expected "
+            f"{where} is not a tokenmill token folder description (format is {shown(found)}, expected "
             f"{FORMAT!r}). Fix: {PREPARE_HINT}."
         )
-    version = meta.get("version")
-    if not isinstance(version, int) or version > VERSION:
+    version = get(meta, "version", int, where, default=None, fix=_FIX)
+    if version is None or version > VERSION:
         raise DataError(
-            f"'{meta_path}' has format version {version!r}; this tokenmill reads version <= {VERSION}. "
+            f"{where} has format version {version!r}; this tokenmill reads version <= {VERSION}. "
             f"Fix: upgrade tokenmill or prepare the folder again with this version."
         )
     missing = [k for k in ("vocab_size", "dtype", "splits", "tokenizer") if k not in meta]
     if missing:
-        raise DataError(
-            f"'{meta_path}' lacks the key(s) {missing}. Fix: prepare the folder again ({PREPARE_HINT})."
-        )
-    vocab = meta["vocab_size"]
-    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
-        raise DataError(
-            f"'{meta_path}': vocab_size must be a positive integer, got {vocab!r}. Fix: {PREPARE_HINT}."
-        )
-    dtype = meta["dtype"]
+        raise DataError(f"{where} lacks the key(s) {missing}. Fix: prepare the folder again ({PREPARE_HINT}).")
+    vocab = get(meta, "vocab_size", int, where, lo=1, fix=_FIX)
+    dtype = get(meta, "dtype", str, where, fix=_FIX)
     if dtype not in DTYPES:
         raise DataError(
-            f"'{meta_path}': dtype {dtype!r} is not supported; token files are 'uint16' or 'uint32'. "
-            f"Fix: {PREPARE_HINT}."
+            f"{where}: dtype {shown(dtype)} is not supported; token files are 'uint16' or 'uint32'. Fix: {PREPARE_HINT}."
         )
     if dtype == "uint16" and vocab > 2**16:
         raise DataError(
-            f"'{meta_path}': dtype uint16 cannot hold vocab_size {vocab} (ids up to {vocab - 1}); it must be "
+            f"{where}: dtype uint16 cannot hold vocab_size {vocab} (ids up to {vocab - 1}); it must be "
             f"'uint32'. Fix: prepare the folder again ({PREPARE_HINT})."
         )
-    if not isinstance(meta["splits"], dict):
-        raise DataError(f"'{meta_path}': 'splits' must be an object. Fix: {PREPARE_HINT}.")
-    for name, entry in meta["splits"].items():
+    _check_tokenizer(where, get(meta, "tokenizer", dict, where, fix=_FIX), vocab)
+    for name, entry in get(meta, "splits", dict, where, fix=_FIX).items():
         _check_split(meta_path, name, entry)
+    if "chat" in meta:
+        _check_chat(meta_path, meta)
     return meta
+
+
+def _check_tokenizer(where: str, info: dict, vocab: int) -> None:
+    """meta.json's ``tokenizer`` object: a name, its vocabulary size and an end-of-text id inside the data's
+    vocabulary (every field optional but typed)."""
+    where = f"{where}: tokenizer"
+    get(info, "name", str, where, default=None, fix=_FIX)
+    get(info, "vocab_size", int, where, lo=1, default=None, fix=_FIX)
+    get(info, "eot_id", int, where, lo=0, hi=vocab - 1, default=None, fix=_FIX)
+
+
+def _check_chat(meta_path: Path, meta: dict) -> None:
+    """``chat`` (a ``prepare --format chat`` folder): per split, loss-mask shards (uint8) inside the folder that
+    hold as many entries as the split has tokens (see :mod:`tokenmill.data.chat`)."""
+    chat, fix = meta["chat"], f"Fix: prepare the folder again ({PREPARE_HINT})."
+    if not isinstance(chat, dict) or chat.get("dtype") != "uint8" or not isinstance(chat.get("splits"), dict):
+        raise DataError(f"'{meta_path}': 'chat' must describe uint8 loss-mask shards per split. {fix}")
+    for name, split in meta["splits"].items():
+        entry = chat["splits"].get(name)
+        shards = entry.get("shards") if isinstance(entry, dict) else None
+        if not isinstance(shards, list) or not shards:
+            raise DataError(f"'{meta_path}': chat.splits.{name} lacks its loss-mask 'shards'. {fix}")
+        for shard in shards:
+            _check_file_entry(meta_path, f"{name} (loss mask)", shard)
+        if sum(s["tokens"] for s in shards) != split.get("tokens"):
+            raise DataError(f"'{meta_path}': the loss-mask shards of split '{name}' do not cover its tokens. {fix}")
 
 
 def _check_split(meta_path: Path, name: str, entry: Any) -> None:
     """A split entry: one file (version 1) or a list of shards (version 2), each a file in the folder."""
-    if isinstance(entry, dict) and "shards" in entry:
-        shards = entry["shards"]
-        if not isinstance(shards, list) or not shards or "tokens" not in entry:
-            raise DataError(
-                f"'{meta_path}': split '{name}' must have 'tokens' and a non-empty 'shards' list. Fix: prepare "
-                f"the folder again ({PREPARE_HINT})."
-            )
-        for shard in shards:
-            _check_file_entry(meta_path, name, shard)
-        counts = [s["tokens"] for s in shards]
-        if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts) or (
-                sum(counts) != entry["tokens"]):
+    where = f"'{meta_path}': splits.{name}"
+    if not isinstance(entry, dict):
+        raise DataError(f"{where} must be an object, got {shown(entry)}. Fix: prepare the folder again ({PREPARE_HINT}).")
+    if "shards" in entry:
+        shards = get(entry, "shards", list, where, fix=_FIX)
+        total = get(entry, "tokens", int, where, lo=0, fix=_FIX)
+        if not shards:
+            raise DataError(f"{where}.shards is empty. Fix: prepare the folder again ({PREPARE_HINT}).")
+        counts = [_check_file_entry(meta_path, name, shard) for shard in shards]
+        if sum(counts) != total:
             raise DataError(
                 f"'{meta_path}': the shards of split '{name}' hold {counts[:4]}... tokens, which do not add up to its "
-                f"{entry['tokens']!r} tokens. Fix: prepare the folder again ({PREPARE_HINT})."
+                f"{total} tokens. Fix: prepare the folder again ({PREPARE_HINT})."
             )
         return
     _check_file_entry(meta_path, name, entry)
 
 
-def _check_file_entry(meta_path: Path, name: str, entry: Any) -> None:
+def _check_file_entry(meta_path: Path, name: str, entry: Any) -> int:
+    """A token file entry (``file``, ``tokens``, ``sha256``), its file inside the folder; its token count."""
     need = [k for k in ("file", "tokens", "sha256") if not isinstance(entry, dict) or k not in entry]
     if need:
         raise DataError(
             f"'{meta_path}': split '{name}' lacks {need}. Fix: prepare the folder again ({PREPARE_HINT})."
         )
-    file = entry["file"]
-    if not isinstance(file, str) or not file or Path(file).name != file or file in (".", ".."):
-        raise DataError(  # a token file lives in the folder itself: never read a path elsewhere
-            f"'{meta_path}': split '{name}' names the file {file!r}; it must be a file name inside the "
-            f"folder (e.g. '{name}.bin'). Fix: prepare the folder again ({PREPARE_HINT})."
-        )
+    inside(meta_path.parent, entry["file"], f"'{meta_path}': split '{name}' (its 'file')", DataError)
+    get(entry, "sha256", str, f"'{meta_path}': split '{name}'", nullable=True, fix=_FIX)
+    return get(entry, "tokens", int, f"'{meta_path}': split '{name}'", lo=0, fix=_FIX)

@@ -138,7 +138,8 @@ def _pieces_time(pieces: Pieces, plan: Plan, cfg: C.Config, gpu: GPU, threads: i
                 f8, k = fp8_op_seconds(bf16, c, cfg, gpu.hbm_gbs * 1e9 * MEMORY_EFFICIENCY, KERNEL_MIN_US * 1e-6)
                 s, out["kernels"] = f8, out["kernels"] + (k - 1)
             if block and c.attention:  # data.document_mask: the whole T x T and the mask's read (techniques.py)
-                s = docmask_attention_seconds(s, cfg, pieces.batch, pieces.seq, gpu.hbm_gbs * 1e9 * MEMORY_EFFICIENCY)
+                s = docmask_attention_seconds(s, cfg, pieces.batch, pieces.seq, gpu.hbm_gbs * 1e9 * MEMORY_EFFICIENCY,
+                                              plan.cuda)
             out["matmul" if c.flops else "memory"] += s
             out["flops"] += c.flops
             out["kernels"] += c.launches

@@ -26,7 +26,11 @@ the flash kernel, and the kernel that takes one (memory-efficient on CUDA, the C
 computes every tile of the T x T scores, not the causal half: twice the fused attention's FLOPs; and it reads
 the mask, once in the forward and once in the backward (heads share it through the cache). On CUDA with
 grouped-query attention the keys and values are repeated per query head for that kernel, and kept for backward
-(:func:`docmask_bytes`).
+(:func:`docmask_bytes`). With FlexAttention (``model.document_attention``: 'flex', or 'auto' on CUDA without
+dropout; :func:`docmask_flex`) none of that: the block mask is a few block indices (B x (T/128)^2, not counted),
+grouped heads stay grouped, and the kernel skips the tiles outside the causal half like flash does; its time is
+counted as the fused causal kernel's (the further tiles it skips across documents, and its lower throughput than
+flash, are not modelled). The positions' angles stay.
 """
 
 from __future__ import annotations
@@ -104,6 +108,14 @@ def fp8_op_seconds(bf16_seconds: float, op, cfg: C.Config, hbm_bytes_s: float, k
     return t + extra * kernel_min_s, 1 + extra
 
 
+def docmask_flex(cfg: C.Config, cuda: bool) -> bool:
+    """Whether ``data.document_mask`` runs FlexAttention (``model.document_attention``, as
+    :meth:`tokenmill.model.GPT.document_attention_mask` picks it for training) rather than the explicit mask."""
+    m = cfg.model
+    return m.attention == "sdpa" and (m.document_attention == "flex" or (m.document_attention == "auto" and cuda
+                                                                         and m.dropout == 0))
+
+
 def docmask_bytes(cfg: C.Config, batch: int, seq: int, cuda: bool = False) -> int:
     """Device bytes ``data.document_mask`` holds from a micro-batch's first block to its last block's backward
     (module doc); 0 when off. On CUDA with grouped key/value heads and SDPA, the keys and values repeated per
@@ -113,8 +125,10 @@ def docmask_bytes(cfg: C.Config, batch: int, seq: int, cuda: bool = False) -> in
         return 0
     m = cfg.model
     size = 2 if cfg.train.precision in ("bf16", "bf16-autocast", "fp16-autocast") else 4
-    mask = batch * seq * seq * (1 if m.attention == "manual" else size)
     angles = 2 * batch * seq * m.head_width * 4 if cfg.data.document_positions and m.pos_emb == "rope" else 0
+    if docmask_flex(cfg, cuda):
+        return angles
+    mask = batch * seq * seq * (1 if m.attention == "manual" else size)
     repeated = 0
     if cuda and m.attention == "sdpa" and m.kv_heads < m.n_head:
         kept = cfg.model.n_layer - sum(checkpointed_blocks(m.n_layer, cfg.memory.activation_checkpointing))
@@ -123,11 +137,12 @@ def docmask_bytes(cfg: C.Config, batch: int, seq: int, cuda: bool = False) -> in
     return mask + angles + repeated
 
 
-def docmask_attention_seconds(seconds: float, cfg: C.Config, batch: int, seq: int, hbm_bytes_s: float) -> float:
+def docmask_attention_seconds(seconds: float, cfg: C.Config, batch: int, seq: int, hbm_bytes_s: float,
+                              cuda: bool = True) -> float:
     """A fused attention kernel's seconds (forward or backward, causal: the half of T x T the flash kernel
     computes) with ``data.document_mask``: the whole T x T computed (twice the time) plus one read of the
-    additive mask (module doc)."""
-    if not cfg.data.document_mask or cfg.model.attention != "sdpa":
+    additive mask (module doc); unchanged with FlexAttention (:func:`docmask_flex`)."""
+    if not cfg.data.document_mask or cfg.model.attention != "sdpa" or docmask_flex(cfg, cuda):
         return seconds
     low = cfg.train.precision in ("bf16", "bf16-autocast", "fp16-autocast")
     return 2.0 * seconds + batch * seq * seq * (2 if low else 4) / hbm_bytes_s

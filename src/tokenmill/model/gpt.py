@@ -37,12 +37,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tokenmill.config import ModelConfig
-from tokenmill.errors import ParallelError, SampleError
+from tokenmill.errors import ConfigError, ParallelError, SampleError
 from tokenmill.model.layers import (
     NORMS,
     Block,
     KVCache,
     causal_mask,
+    document_block_mask,
     document_mask,
     document_positions,
     make_norm,
@@ -107,10 +108,33 @@ class GPT(nn.Module):
         (``data.document_positions``): each document's positions start at 0 (learned or rotary), so every
         document is computed as if it were alone at the start of a window. The loss is unchanged: every
         position counts, the end-of-text token predicting the next document's first token from its own
-        document only."""
+        document only. ``model.document_attention``: the mask's form, see :meth:`document_attention_mask`."""
         if not 0 <= eot_id < self.vocab_size:
             raise ValueError(f"end-of-text id {eot_id} is outside the vocabulary (0..{self.vocab_size - 1})")
+        c = self.cfg
+        if c.document_attention == "flex" and c.attention == "sdpa" and c.dropout > 0:
+            raise ConfigError(f"model.document_attention='flex' has no dropout on the attention weights, but "
+                              f"model.dropout={c.dropout}: set --model.dropout 0 or --model.document_attention auto "
+                              "(the explicit mask while training with dropout)")
         self.doc_eot_id, self.doc_positions = int(eot_id), bool(restart_positions)
+
+    def document_attention_mask(self, pos: torch.Tensor, dtype: torch.dtype):
+        """The one mask of a forward with ``data.document_mask``, shared by every layer (built once here, the
+        attention picks its path by its type): a FlexAttention ``BlockMask`` (:func:`document_block_mask`) for
+        ``model.document_attention='flex'``, and for 'auto' on CUDA unless attention dropout is active (training
+        with ``model.dropout`` > 0); else the explicit (B, 1, T, T) mask (:func:`document_mask`). Manual attention
+        always takes the explicit mask. Forced 'flex' is refused where it cannot train: on the CPU or MPS with
+        gradients (FlexAttention has no backward there)."""
+        c = self.cfg
+        dropout = self.training and c.dropout > 0
+        flex = c.attention == "sdpa" and (c.document_attention == "flex" or (c.document_attention == "auto"
+                                                                            and pos.is_cuda and not dropout))
+        if not flex:
+            return document_mask(pos, c.attention, dtype)
+        if not pos.is_cuda and torch.is_grad_enabled():
+            raise ConfigError(f"model.document_attention='flex' cannot train on {pos.device.type}: FlexAttention has "
+                              "no backward there; use --model.document_attention auto (or explicit)")
+        return document_block_mask(pos)
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -160,7 +184,7 @@ class GPT(nn.Module):
             self.rope_sin.copy_(sin)
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean"
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """idx, targets: (B, T) token ids, T <= block_size.
 
@@ -170,6 +194,9 @@ class GPT(nn.Module):
         None without targets).
         With ``model.loss_impl='chunked'`` and targets, the head and loss run chunk by chunk
         (:mod:`tokenmill.model.loss`) and the logits are not returned: ``(None, loss)``.
+        Targets of -100 (``data.loss_mask``: tokens not learned) are skipped; ``reduction='sum'`` returns the
+        sum over the other positions (0 when there is none), which the trainer divides by the global batch's
+        learned-token count; 'mean' is the mean over them.
 
         A pipeline stage (:mod:`tokenmill.parallel.pipeline`) is a GPT with the parts of other stages
         removed: without ``wte`` it takes the previous stage's hidden states (B, T, C) instead of token
@@ -179,7 +206,7 @@ class GPT(nn.Module):
         x = self.trunk(idx)
         if self.ln_f is None or self.hidden_output:  # a pipeline stage: its hidden states
             return x
-        return self.head_loss(x, targets)
+        return self.head_loss(x, targets, reduction)
 
     def trunk(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Everything before the head: embeddings (or, on a later pipeline stage, the previous stage's
@@ -206,7 +233,7 @@ class GPT(nn.Module):
         rope = (self.rope_cos, self.rope_sin) if self.cfg.pos_emb == "rope" else None
         if docs and self.doc_positions and rope is not None:  # each token's angles, (B, 1, T, head_width)
             rope = (rope[0][pos].unsqueeze(1), rope[1][pos].unsqueeze(1))
-        mask = document_mask(pos, self.cfg.attention, _attention_dtype(x)) if docs else None
+        mask = self.document_attention_mask(pos, _attention_dtype(x)) if docs else None
         for _, block in self.present_blocks():
             if cache is not None:
                 x = block(x, rope, cache)
@@ -216,21 +243,24 @@ class GPT(nn.Module):
             cache.pos += T
         return self.ln_f(x) if self.ln_f is not None else x
 
-    def head_loss(self, x: torch.Tensor, targets: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The head (and the loss when ``targets`` is given) on the final normalised hidden states."""
+    def head_loss(self, x: torch.Tensor, targets: torch.Tensor | None,
+                  reduction: str = "mean") -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The head (and the loss when ``targets`` is given, reduced as :meth:`forward` says) on the final
+        normalised hidden states."""
         B, T = x.shape[:2]
         if targets is not None and self.cfg.loss_impl == "chunked":
             from tokenmill.model.loss import chunked_cross_entropy
 
             loss = chunked_cross_entropy(x.reshape(B * T, -1), self.lm_head.weight, targets.reshape(B * T),
-                                         self._loss_vocab(), self.cfg.loss_chunk_size)
+                                         self._loss_vocab(), self.cfg.loss_chunk_size, reduction=reduction)
             return None, loss
         full = self.lm_head(x)
         logits = full[..., : self.vocab_size] if self.padded_vocab != self.vocab_size else full
         loss = None
         if targets is not None:
             scored = full if self._loss_vocab() != self.vocab_size else logits  # padded columns never predicted
-            loss = F.cross_entropy(upcast(scored, self.cfg.fp32_islands).reshape(B * T, -1), targets.reshape(B * T))
+            loss = F.cross_entropy(upcast(scored, self.cfg.fp32_islands).reshape(B * T, -1), targets.reshape(B * T),
+                                   reduction=reduction)  # ignore_index -100: the targets data.loss_mask drops
         return logits, loss
 
     def _loss_vocab(self) -> int:

@@ -190,6 +190,37 @@ def document_mask(pos: torch.Tensor, attention: str, dtype: torch.dtype) -> torc
     return torch.zeros(blocked.shape, dtype=dtype, device=pos.device).masked_fill_(blocked, float("-inf"))
 
 
+def document_block_mask(pos: torch.Tensor):
+    """``model.document_attention='flex'``: the :func:`document_mask` of ``pos`` (B, T) as FlexAttention's
+    ``BlockMask``, the same rule (key j visible to query i when ``i - pos[i] <= j <= i``), shared by every
+    head and layer. It holds block indices only (B x (T/128)^2), no T x T mask: FlexAttention computes the
+    128 x 128 tiles that hold a visible pair and skips the rest (the other documents' and the future's)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B, T = pos.shape
+    start = torch.arange(T, device=pos.device) - pos  # (B, T): the index of each token's document start
+
+    def causal_same_document(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (kv_idx >= start[b, q_idx])
+
+    return create_block_mask(causal_same_document, B, None, T, T, device=pos.device)
+
+
+_FLEX_COMPILED: dict[str, object] = {}
+
+
+def _flex_attention(cuda: bool):
+    """FlexAttention compiled once per process on CUDA (eager it runs an unfused reference that materialises
+    the scores); as it is on the CPU and inside a compiled graph (``compile.enabled`` traces it there)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if not cuda or torch.compiler.is_compiling():
+        return flex_attention
+    if "cuda" not in _FLEX_COMPILED:
+        _FLEX_COMPILED["cuda"] = torch.compile(flex_attention)
+    return _FLEX_COMPILED["cuda"]
+
+
 def _sdpa_backends() -> dict[str, object]:
     """``model.sdpa_backend`` name -> ``SDPBackend`` member (those this torch build has)."""
     from torch.nn.attention import SDPBackend
@@ -239,7 +270,9 @@ class CausalSelfAttention(nn.Module):
     positions), or with ``data.document_positions`` the angles of each token (B, 1, T, head_width);
     ``cache`` (:class:`KVCache`, generation) = keys and values of earlier positions: ``x`` then holds the
     new positions ``cache.pos ...`` only; ``doc_mask`` (``data.document_mask``, :func:`document_mask`)
-    replaces the causal mask: causal AND within one document (SDPA then cannot use the flash kernel).
+    replaces the causal mask: causal AND within one document (SDPA then cannot use the flash kernel), or,
+    a ``BlockMask`` (``model.document_attention='flex'``, :func:`document_block_mask`), sends the attention
+    to FlexAttention (no dropout on the attention weights: the model refuses or avoids it).
     """
 
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
@@ -307,7 +340,12 @@ class CausalSelfAttention(nn.Module):
                                                                                    device=q.device)
         if doc_mask is not None:  # data.document_mask (training forwards, no cache): causal and same document
             mask = doc_mask
-        y = self._manual(q, k, v, mask) if self.attention == "manual" else self._sdpa(q, k, v, mask)
+        if mask is not None and not isinstance(mask, torch.Tensor):  # a BlockMask: model.document_attention
+            y = _flex_attention(q.is_cuda)(q, k, v, block_mask=mask, enable_gqa=q.size(1) != k.size(1))
+        elif self.attention == "manual":
+            y = self._manual(q, k, v, mask)
+        else:
+            y = self._sdpa(q, k, v, mask)
         y = y.transpose(1, 2).contiguous().view(B, T, -1)
         return self.resid_dropout(self.c_proj(y))
 
