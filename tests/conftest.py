@@ -1,4 +1,6 @@
+import multiprocessing.process
 import os
+import subprocess
 
 import pytest
 import torch
@@ -49,3 +51,56 @@ def block_import(monkeypatch, prefix: str) -> None:
         return real(name, *a, **k)
 
     monkeypatch.setattr(builtins, "__import__", refuse)
+
+
+# ------------------------------------------------------------------------------------------------
+# The quick tier (`pytest -m "not slow"`) starts no process: a test that starts one (a subprocess, a torchrun
+# launch, DataLoader or prepare workers) is marked slow, and one that is not fails here, saying so.
+
+_quick = {"item": None, "started": {}}  # the quick-tier test now running; nodeid -> what it started
+_real_popen_init = subprocess.Popen.__init__
+_real_process_start = multiprocessing.process.BaseProcess.start
+
+
+def _refuse_in_quick_tier(what: str) -> None:
+    item = _quick["item"]
+    if item is not None:
+        _quick["started"].setdefault(item.nodeid, []).append(what)
+        pytest.fail(f"{item.nodeid} starts a process ({what}): mark this test slow (@pytest.mark.slow); the quick "
+                    "tier (-m 'not slow') starts none", pytrace=False)
+
+
+def _popen_init(self, args, *a, **k):
+    _refuse_in_quick_tier(" ".join(map(str, args))[:120] if isinstance(args, (list, tuple)) else str(args)[:120])
+    _real_popen_init(self, args, *a, **k)
+
+
+def _process_start(self):
+    _refuse_in_quick_tier(f"multiprocessing {type(self).__name__} {self.name}")
+    _real_process_start(self)
+
+
+subprocess.Popen.__init__ = _popen_init
+multiprocessing.process.BaseProcess.start = _process_start
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test without the slow (or gpu) marker is set up, run and torn down with process starts refused."""
+    exempt = item.get_closest_marker("slow") or item.get_closest_marker("gpu")
+    _quick["item"] = None if exempt else item
+    try:
+        yield
+    finally:
+        _quick["item"] = None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A refused start that the test's code swallowed (or a thread raised) still fails the test."""
+    rep = (yield).get_result()
+    started = _quick["started"].pop(item.nodeid, None) if call.when == "teardown" else _quick["started"].get(item.nodeid)
+    if started and rep.passed and call.when == "call":
+        rep.outcome = "failed"
+        rep.longrepr = (f"{item.nodeid} started a process ({started[0]}): mark this test slow (@pytest.mark.slow); "
+                        "the quick tier (-m 'not slow') starts none")

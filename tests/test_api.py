@@ -19,6 +19,7 @@ def api_snippet() -> str:
     return body.split("```python", 1)[1].split("```", 1)[0]
 
 
+@pytest.mark.slow
 def test_documented_snippet_runs_as_written(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "my_text.txt").write_text(TEXT)

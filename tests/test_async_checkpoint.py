@@ -59,6 +59,7 @@ def test_stage_copies_every_tensor_and_container():
     assert staged["w"].tolist() == [1.0, 1.0, 1.0] and staged["groups"][0]["lr"] == 0.1 and staged["step"] == 4
 
 
+@pytest.mark.slow
 def test_background_checkpoints_equal_synchronous_ones(tmp_path):
     """Every checkpoint of a run saved in the background holds exactly what the synchronous run saved:
     model, optimizer moments, scheduler, RNG state, data position (the config differs in the switch only)."""
@@ -102,6 +103,7 @@ def timed_run(run_dir: Path, async_save: bool) -> tuple[float, list[float]]:
     return time.perf_counter() - t0, [b - a for a, b in zip(stamps, stamps[1:])]
 
 
+@pytest.mark.slow
 def test_training_overlaps_the_write_of_a_lagging_disk(tmp_path, monkeypatch):
     """With a disk that takes 0.2 s per save (two fsyncs of 0.1 s, which sleep), the synchronous run pays every
     save in the step after it; the background run hides the write. Judged inside each run, against its own
@@ -123,6 +125,7 @@ def test_training_overlaps_the_write_of_a_lagging_disk(tmp_path, monkeypatch):
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path / "async")] == [3, 6, 9, 12]
 
 
+@pytest.mark.slow
 def test_a_failed_background_write_is_reported_at_the_next_save(tmp_path):
     """The write of step 2 fails inside torch.save (the writer hook adds an object that cannot be pickled):
     the next save raises an error naming the file, the atomic writer left nothing partial, and step 1 still
@@ -218,6 +221,7 @@ def test_a_process_killed_mid_write_keeps_the_previous_checkpoint(tmp_path):
     assert not tmp[0].exists() and [s for s, _ in ckpt.list_checkpoints(run)] == [2, 3]
 
 
+@pytest.mark.slow
 def test_a_nan_stop_lets_the_save_in_flight_land_before_setting_checkpoints_aside(tmp_path):
     """set_aside (a non-finite loss) waits for the background save first, so a checkpoint still being
     written cannot appear under its real name after the others were set aside."""
@@ -273,3 +277,72 @@ def test_background_checkpoints_on_cuda_equal_synchronous_ones(tmp_path):
         sb["config"]["checkpoint"].pop("async_save")
         assert_same_tree(sa, sb, pa.name)
     assert background.PENDING.pinned  # the pinned staging buffers were used
+
+
+def _count_while_writing(monkeypatch, folder: Path) -> list[int]:
+    """Wrap both writers (the background one and the synchronous final save): before each write, the number of
+    checkpoint files on disk plus the one about to be written; after it, the files on disk."""
+    seen: list[int] = []
+
+    def files() -> int:
+        return len([p for p in folder.iterdir() if p.name.startswith("step_")]) if folder.is_dir() else 0
+
+    def wrap(real):
+        def write(state, path):
+            seen.append(files() + 1)
+            real(state, path)
+            seen.append(files())
+        return write
+
+    monkeypatch.setattr(background.PENDING, "write", wrap(background.PENDING.write))
+    monkeypatch.setattr(ckpt, "atomic_torch_save", wrap(ckpt.atomic_torch_save))
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_save", [True, False])
+def test_keep_last_1_never_holds_more_than_two_checkpoints(tmp_path, monkeypatch, async_save):
+    """keep_last 1: at every save (three in the background, the final one synchronous) the folder holds at most
+    two checkpoints, the one being written and the last good one; the run ends with the final checkpoint and the
+    one before it, kept until the final one has proved itself by a finite next step (see test_trust_numerics.py)."""
+    run = tmp_path / "run"
+    seen = _count_while_writing(monkeypatch, run / "checkpoints")
+    over = {"train.max_steps": 8, "checkpoint.every_steps": 2, "checkpoint.keep_last": 1,
+            "checkpoint.async_save": async_save, "train.eval_batches": 0}
+    train(tiny_cfg(**over), run, quiet=True)
+    assert len(seen) == 8 and max(seen) == 2, seen  # four saves, before and after each
+    assert [s for s, _ in ckpt.list_checkpoints(run)] == [6, 8]
+    assert not list((run / "checkpoints").glob(".*"))
+
+
+def _tensor_bytes(run: Path) -> int:
+    return ckpt.files.state_nbytes(ckpt.read_state(ckpt.list_checkpoints(run)[-1][1]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("over, peak", [
+    ({"checkpoint.every_steps": 2, "checkpoint.keep_last": 2}, 3),  # saves 2, 4, 6, 8: keep_last + 1
+    ({"checkpoint.every_steps": 0, "checkpoint.keep_last": 5}, 1),  # the final save alone: one
+])
+def test_the_disk_check_asks_for_the_documented_room(tmp_path, monkeypatch, capsys, over, peak):
+    """Before writing, a save compares the free space with the documented need, peak x (tensor bytes + 1 MiB)
+    with peak = min(keep_last + 1, the saves of the run), less the checkpoints already there: one byte short
+    for the rest of the run is a warning with the numbers at the first save (the run goes on); one byte short
+    for the checkpoint itself (with peak 1, the same) stops the run before anything is written; exactly enough
+    is silent."""
+    cfg = tiny_cfg(**{"train.max_steps": 8, "train.eval_batches": 0, **over})
+    train(cfg, tmp_path / "measure", quiet=True)
+    one = _tensor_bytes(tmp_path / "measure") + ckpt.files.SLACK_BYTES
+    for free, run in ((peak * one, "enough"), (peak * one - 1, "short"))[: 1 + (peak > 1)]:
+        monkeypatch.setattr(ckpt.files, "free_bytes", lambda folder, free=free: free)
+        capsys.readouterr()
+        train(cfg, tmp_path / run, quiet=True)
+        err = capsys.readouterr().err
+        assert ckpt.list_checkpoints(tmp_path / run)[-1][0] == 8
+        warned = f"the run needs room for {peak} checkpoint(s) of {ckpt.files._gb(one)}"
+        assert (warned in err and "0.0 MB short" in err) == (run == "short") and err.count(warned) <= 1, err
+    monkeypatch.setattr(ckpt.files, "free_bytes", lambda folder: one - 1)
+    with pytest.raises(CheckpointError, match=rf"not enough disk space .*step_0000000\d\.pt: the run needs room for "
+                                              rf"{peak} checkpoint.*nothing was written"):
+        train(cfg, tmp_path / "full", quiet=True)
+    assert not ckpt.list_checkpoints(tmp_path / "full")

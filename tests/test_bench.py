@@ -138,6 +138,7 @@ def test_memory_ladder_one_rung_per_switch():
         "lora-llama3.1-8b", "qlora-llama3.1-8b"]
 
 
+@pytest.mark.slow
 def test_memory_ladder_lora_rungs_fine_tune_the_largest_preset_a_24gb_gpu_holds():
     """LoRA instead of the optimizer switches (plain AdamW over the adapters), then Llama 3.1 8B, the largest
     preset, which fits a 24 GB GPU (rtx-4090) with LoRA by estimate, and does not as a full fine-tune."""
@@ -244,6 +245,7 @@ def test_smoke_shapes_keep_every_presets_family(preset):
         assert s.mlp_width / s.n_embd == pytest.approx(m.mlp_width / m.n_embd, rel=0.05)
 
 
+@pytest.mark.slow
 def test_llama_ladder_estimate_fits_one_80gb_gpu_and_each_memory_rung_pays(tmp_path, capsys):
     """The ladder's design, by `tokenmill estimate`: every rung fits one H100 80 GB (the naive one at batch 2),
     SDPA and the chunked loss lower the peak, and the batch the chunked loss makes room for still fits."""
@@ -364,6 +366,7 @@ def test_failure_reason_lines():
 # Running ladders
 
 
+@pytest.mark.slow
 def test_failing_rung_is_reported_and_the_ladder_goes_on(tmp_path):
     rungs = """
 [[rung]]
@@ -474,6 +477,7 @@ def test_report_loss_flag_mfu_bf16_and_reference_gating(tmp_path):
     assert not report.compares_references(smoke) and "not compared: a --smoke run" in report.markdown(smoke)
 
 
+@pytest.mark.slow
 def test_git_commit_only_from_tokenmills_own_checkout(tmp_path, monkeypatch):
     monkeypatch.delenv("TOKENMILL_GIT_COMMIT", raising=False)
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
@@ -541,6 +545,7 @@ def _check_smoke(result, name):
     return {r["name"]: r for r in doc["rungs"]}
 
 
+@pytest.mark.slow
 def test_smoke_rasbt(smoke_runs):
     rungs = _check_smoke(smoke_runs["rasbt"], "rasbt")
     assert rungs["baseline"]["status"] == "measured" and rungs["batch-32"]["status"] == "measured"
@@ -553,6 +558,7 @@ def test_smoke_rasbt(smoke_runs):
         assert rungs["native-norm-gelu"]["config"]["train"]["precision"] == "fp32"  # bf16 was not carried
 
 
+@pytest.mark.slow
 def test_smoke_book_memory(smoke_runs):
     rungs = _check_smoke(smoke_runs["book-memory"], "book-memory")
     acc = rungs["grad-accum-2"]["config"]["train"]
@@ -635,6 +641,7 @@ def test_max_model_search():
         "gpt2-124m", "gpt2-medium-350m", "gpt2-large-774m"]
 
 
+@pytest.mark.slow
 def test_max_batch_real_probes_on_cpu(tmp_path):
     out = tmp_path / "mb"
     cmd = [sys.executable, "-m", "tokenmill", "bench", "max-batch", "--preset", "tiny", "--data.source", "synthetic",
@@ -678,6 +685,7 @@ def test_searches_start_from_the_estimates_guess():
     assert search_max_model(shapes, probe, log=lambda s: None, guess=8)["largest"]["name"] == "gpt3-2.7b"
 
 
+@pytest.mark.slow
 def test_max_batch_estimate_only_runs_nothing(tmp_path, capsys):
     out = tmp_path / "mb"
     assert main(["bench", "max-batch", "--preset", "gpt2-124m", "--data.source", "synthetic", "--estimate-only",
@@ -692,6 +700,7 @@ def test_max_batch_estimate_only_runs_nothing(tmp_path, capsys):
     assert all("estimate:" in p["reason"] for p in res["probes"])
 
 
+@pytest.mark.slow
 def test_ladder_estimate_mode_writes_estimates_beside_the_references(tmp_path, capsys):
     path = _write(tmp_path, USER_LADDER + """
 [[rung]]

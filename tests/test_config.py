@@ -56,6 +56,7 @@ def test_presets_resolve(name):
     assert cfg.model.n_embd % cfg.model.n_head == 0
 
 
+@pytest.mark.slow
 def test_cli_help_lists_every_field():
     out = subprocess.run([sys.executable, "-m", "tokenmill", "train", "--help"], capture_output=True, text=True)
     assert out.returncode == 0

@@ -24,9 +24,11 @@ def test_contention_note(threads, procs, cores, load, note):
         assert 1 <= fit * procs <= max(1, cores - load) or fit == 1
 
 
+@pytest.mark.slow
 def test_a_busy_machine_is_named_at_the_start_of_a_cpu_run(tmp_path, monkeypatch, capsys):
     from tokenmill.train.trainer import train
 
+    monkeypatch.delenv(D.NOTED_ENV, raising=False)  # said once per process tree: not yet in this test
     monkeypatch.setattr(D.os, "getloadavg", lambda: (64.0, 64.0, 64.0))  # as if 64 busy processes ran
     monkeypatch.setattr(D.torch, "get_num_threads", lambda: 4)
     train(tiny_cfg(**{"train.max_steps": 1, "train.eval_batches": 0}), tmp_path)

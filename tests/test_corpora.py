@@ -143,6 +143,7 @@ def test_formats_agree_and_globs_folders_and_several_inputs(tmp_path, recs, byte
         [("", r["text"]) for r in a + b], byte_tok)
 
 
+@pytest.mark.slow
 def test_text_files_compressed_and_plain_give_the_same_tokens(tmp_path, recs, monkeypatch):
     """A .txt.gz document is one document, cut into pieces while streaming: same ids as the plain file."""
     prep = importlib.import_module("tokenmill.data.prepare")

@@ -80,6 +80,7 @@ def test_interrupted_prepare_resumes_to_the_same_folder(tmp_path, monkeypatch, c
     assert not (tmp_path / ".out.prepare").exists()
 
 
+@pytest.mark.slow
 def test_changed_settings_or_inputs_start_over(tmp_path, monkeypatch, capsys):
     src = make_inputs(tmp_path / "in")
     monkeypatch.setattr(prep, "CHUNK_BYTES", 700)

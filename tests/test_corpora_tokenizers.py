@@ -101,6 +101,7 @@ def _text(n_lines: int, seed: int = 0) -> str:
                      for _ in range(n_lines)) + "\n"
 
 
+@pytest.mark.slow
 def test_bpe_from_bounded_chunks_equals_the_whole_text(tmp_path):
     """The library's trainer fed the whole 1.6 MB file as one string, and tokenmill feeding it ~1 MiB
     pieces cut at safe points: the same tokenizer (so chunking changes nothing)."""

@@ -182,6 +182,7 @@ def test_prepare_bpe_folder(prepared, corpus):
     assert first in {p.read_text() for p in corpus.rglob("*.txt")}  # a whole document, decoded exactly
 
 
+@pytest.mark.slow
 def test_prepare_is_deterministic_across_workers_and_chunking(prepared, corpus, tmp_path, monkeypatch):
     tok = load_tokenizer_for_data(prepared)
     one = prepare(corpus, tmp_path / "w1", tok, workers=1, progress=False)
@@ -399,6 +400,7 @@ def test_cpu_work_burns_time_without_changing_tokens(prepared):
     assert torch.equal(SyntheticDataset(9, 4, 0, cpu_work_ms=5)[1][0], SyntheticDataset(9, 4, 0)[1][0])
 
 
+@pytest.mark.slow
 def test_same_samples_in_another_process(prepared):
     code = (
         "import sys, torch\n"
@@ -454,6 +456,7 @@ def test_layouts_cover_the_same_samples_per_step():
     assert rows(4, 2, 1) == rows(8, 1, 1) == rows(4, 1, 2)
 
 
+@pytest.mark.slow
 def test_loader_resume_and_workers(prepared):
     ds = WindowDataset(open_token_data(prepared, "train"), 8, seed=5)
     full = [b for b in build_train_loader(ds, _cfg(), 3, 2, 0, 6)]
@@ -531,6 +534,7 @@ def test_embedded_corpus_files():
     assert rel == sorted(rel) and embedded_corpus_files(5) == files[:5]
 
 
+@pytest.mark.slow
 def test_embedded_corpus_is_prepared_once(tmp_path, monkeypatch, capsys):
     cfg = _cfg(tokenizer="bytes", cache_dir=str(tmp_path / "cache"))
     t = time.process_time()  # CPU time, not wall time: a loaded machine slows the wall clock, not this
@@ -557,6 +561,7 @@ def _ensure_in_child(cache: str, q) -> None:
     q.put(str(ensure_embedded_corpus(_cfg(tokenizer="bytes", cache_dir=cache), progress=False, max_files=40)))
 
 
+@pytest.mark.slow
 def test_embedded_corpus_concurrent_preparation(tmp_path):
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     q = ctx.Queue()

@@ -38,6 +38,7 @@ def test_estimate_on_a_gpu_defaults_to_bf16(capsys):
     assert "precision fp32" in out and "tf32" not in out.split("precision fp32")[1].splitlines()[0]
 
 
+@pytest.mark.slow
 def test_a_cpu_run_records_what_auto_became(tmp_path):
     from tokenmill.train.trainer import train
 

@@ -31,8 +31,10 @@ from tokenmill.profiling.doctor import (
     diagnose,
     facts_from_metrics,
     facts_from_profile,
+    gather_facts,
     last_run,
     layer_form_ops,
+    load_run,
     rank,
 )
 from tokenmill.profiling.runner import ProfileOptions, prepare_config, run_profile
@@ -73,14 +75,32 @@ def token_data(path) -> dict:
     return {"data.source": "tokens", "data.path": str(path), "data.validate": "quick", "model.vocab_size": None}
 
 
+@pytest.mark.slow
 def test_data_bound_is_named_first(tmp_path, byte_tokens):
+    """Per-sample CPU work planted in the training process: the step waits for its batches and the doctor
+    names that first, the planted work in its evidence. Which remedy it offers is judged by the run's own
+    measurements, not by the machine's load: DataLoader workers when workers on the spare cores would bring
+    the step under 90% of today's (the wait spread over them, the training compute unchanged), else the
+    advice that this machine is too small for the per-sample work. On a quiet 2-core machine the tiny
+    model's compute is so short that one worker, loading as long as the step now waits, hides almost
+    nothing: the honest verdict there is the advice (this test once failed there, asking for the switch)."""
     v = profiled(tmp_path, **token_data(byte_tokens), **{"data.cpu_work_ms": 20.0, "train.batch_size": 2})
     assert v["main"] == "data_bound", v
     top = v["findings"][0]
-    assert any(s.startswith("--data.num_workers") for s in switches(top))
-    assert any("data.cpu_work_ms" in e for e in top["evidence"])
+    assert any("data.cpu_work_ms" in e for e in top["evidence"]), top
+    f = gather_facts(load_run(tmp_path))
+    step, wait, spare = f["step_ms"], f["data_ms"], f["threads"]["cpu_count"] - f["threads"]["intra_op"]
+    compute = max(step - wait, 0.05 * step)
+    workers_help = spare >= 1 and (math.ceil(1.25 * wait / compute) <= spare or max(compute, wait / spare) <= 0.9 * step)
+    seen = (step, wait, f["threads"], top["suggestions"])
+    if workers_help:
+        assert any(s.startswith("--data.num_workers") for s in switches(top)), seen
+    else:
+        assert not any(s.startswith("--data.num_workers") for s in switches(top)), seen
+        assert any("machine is too small for the per-sample work" in s["why"] for s in top["suggestions"]), seen
 
 
+@pytest.mark.slow
 def test_data_bound_from_metrics_alone(tmp_path, byte_tokens):
     """A plain training run (no profile): the trainer's always-on breakdown is enough."""
     cfg = tiny_cfg(**token_data(byte_tokens), **{"data.cpu_work_ms": 10.0, "train.batch_size": 2,
@@ -90,6 +110,7 @@ def test_data_bound_from_metrics_alone(tmp_path, byte_tokens):
     assert v["sources"] == ["metrics.jsonl", "summary.json"] and v["main"] == "data_bound"
 
 
+@pytest.mark.slow
 def test_host_sync_every_step_is_named_first(tmp_path):
     v = profiled(tmp_path, **{"log.every_steps": 1, "train.batch_size": 16, "model.n_embd": 128, "model.n_head": 4})
     assert v["main"] == "host_sync", v
@@ -97,12 +118,14 @@ def test_host_sync_every_step_is_named_first(tmp_path):
     assert "--log.every_steps 50" in switches(v["findings"][0])
 
 
+@pytest.mark.slow
 def test_tiny_batch_is_overhead_bound(tmp_path):
     v = profiled(tmp_path, **{"train.batch_size": 1, "model.block_size": 16, "log.every_steps": 100})
     assert v["main"] == "launch_overhead", v
     assert any(s.startswith("--train.batch_size 4") for s in switches(v["findings"][0]))
 
 
+@pytest.mark.slow
 def test_manual_attention_gets_the_sdpa_suggestion(tmp_path):
     opts = ProfileOptions(wait=1, warmup=1, active=3, per_block=True)
     v = profiled(tmp_path, opts, **{"model.attention": "manual", "train.batch_size": 8, "model.block_size": 64,
@@ -113,12 +136,14 @@ def test_manual_attention_gets_the_sdpa_suggestion(tmp_path):
     assert v["main"] == "attention"
 
 
+@pytest.mark.slow
 def test_balanced_run_has_no_false_alarm(tmp_path):
     v = profiled(tmp_path, **{"train.batch_size": 16, "model.n_embd": 128, "model.n_head": 4})
     assert "data_bound" not in keys(v) and "host_sync" not in keys(v)
     assert v["main"] is None and v["verdict"] == "nothing stands out"
 
 
+@pytest.mark.slow
 def test_doctor_cli_text_json_and_errors(tmp_path, capsys):
     cfg = tiny_cfg(**{"train.max_steps": 6, "log.every_steps": 1, "train.batch_size": 16, "model.n_embd": 128,
                       "model.n_head": 4, "train.eval_batches": 0})
@@ -158,6 +183,7 @@ def doctor_json(run_dir, capsys) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.slow
 def test_cli_default_threads_tiny_batch_and_sync_every_step(tmp_path, capsys, all_cores):
     """Through the CLI at the default thread count: a planted tiny batch (8 tokens per step) is
     overhead-bound; a default-batch run that logs every step is host-sync-bound, not overhead-bound.
@@ -399,6 +425,8 @@ RUN_VARIANTS = [
     {"model.norm": "manual", "model.gelu": "manual", "model.fused_qkv": False},
     {"train.eval_every_steps": 5, "train.eval_batches": 20, "checkpoint.every_steps": 10},
     {"train.batch_size": 2, "train.grad_accum_steps": 8}, {"train.init_from": "models/a-hugging-face-folder"},
+    {"data.document_mask": True, "model.document_attention": "explicit", "model.block_size": 1024,
+     "train.batch_size": 8},
     {"train.fp8": "tensorwise"}, {"optim.name": "muon", "train.init_from": "models/a-hugging-face-folder"},
     {"data.document_mask": True, "model.block_size": 2048, "train.batch_size": 16, "model.n_embd": 256},
     {"lora.rank": 8, "train.init_from": "models/a-hugging-face-folder"},
@@ -433,6 +461,7 @@ PLANTED_CUDA = [
 ]
 
 
+@pytest.mark.slow
 def test_every_suggested_switch_resolves_on_the_run_config(tmp_path, monkeypatch):
     """Each switch any rule prints, added to the run's own config the way a user would
     (`--config RUN/config.toml --key value ...`), passes the config resolver."""
@@ -598,6 +627,7 @@ def planted(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cause", [*PLANTS, "outside_steady_state"])
 def test_planted_cause_is_named_first_three_times(planted, cause):
     """Stable verdicts: the same planted run, repeated three times, is found each time, and named first
@@ -613,6 +643,7 @@ def test_planted_cause_is_named_first_three_times(planted, cause):
             assert v["main"] in (cause, "thread_oversubscription"), (v["main"], v["findings"][:2])
 
 
+@pytest.mark.slow
 def test_planted_evidence_and_switches(planted):
     """What each planted verdict says: the measured figure behind it and the switch that undoes the plant.
     (Every assertion names what it saw: a failure here once went unexplained.)"""
@@ -640,6 +671,7 @@ def test_planted_evidence_and_switches(planted):
     assert "host_sync" not in keys(wall), wall["findings"]
 
 
+@pytest.mark.slow
 def test_profiled_evaluation_is_not_blamed_on_logging(tmp_path):
     """An evaluation of 50 batches after every step, inside the profiled window: the doctor names the
     evaluation (found between the phases in the trace), not the logging syncs."""
@@ -651,6 +683,7 @@ def test_profiled_evaluation_is_not_blamed_on_logging(tmp_path):
     assert all(x["minor"] or x["key"] != "host_sync" for x in v["findings"])
 
 
+@pytest.mark.slow
 def test_micro_batch_and_threads_planted_through_the_cli(tmp_path):
     """A batch of 1 accumulated 8 times is named as such (merge the micro-batches, same global batch);
     twice as many intra-op threads as cores are named as over-subscription, with the count to set."""
@@ -784,6 +817,7 @@ def test_try_candidates_and_verdicts():
     assert trial.compare(base, failed, "speed") == {"status": "failed", "reason": "out of memory"}
 
 
+@pytest.mark.slow
 def test_doctor_try_measures_the_top_suggestion(planted, monkeypatch):
     """`tokenmill doctor RUN --try 1` on the evaluation-every-step run: the suggested evaluation
     interval runs as B against the run's own config as A, in fresh processes, A and B alternated; the
@@ -822,7 +856,9 @@ def test_doctor_try_errors(tmp_path, capsys):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_allocator_thrash_from_varying_shapes():
     """Growing shapes never fit the cached blocks: a cudaMalloc every step; fixed shapes settle."""
-    if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+    from tokenmill.train.device import allocator_conf  # PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF
+
+    if allocator_conf()[0].get("expandable_segments") == "True":
         pytest.skip("expandable segments grow in place instead of calling cudaMalloc")
 
     def run(sizes) -> dict:
@@ -860,6 +896,7 @@ def test_vocabulary_sized_logits_peak(tmp_path):
     assert memory_keys and memory_keys[0] == "logits_peak"
 
 
+@pytest.mark.slow
 def test_memory_savers_with_room_through_the_cli(tmp_path):
     """Activations offloaded to the CPU and the gradients reduced every micro-batch in a CPU run: the
     doctor names both switches with the overrides that turn them off; none when memory is tight on a GPU."""

@@ -184,6 +184,7 @@ def llama_profile(tmp_path_factory):
     return d, json.loads(buf.getvalue())
 
 
+@pytest.mark.slow
 def test_doctor_on_a_llama_profile_names_the_family_forms(llama_profile):
     d, verdict = llama_profile
     found = by_key(verdict["findings"])
@@ -201,6 +202,7 @@ def test_doctor_on_a_llama_profile_names_the_family_forms(llama_profile):
         C.resolve(None, [str(d / "config.toml")], {k[2:]: v for k, v in zip(words[::2], words[1::2])})
 
 
+@pytest.mark.slow
 def test_the_recompute_of_a_llama_block_counts_its_norms_and_silu(llama_profile):
     """Activation checkpointing recomputes each block's forward in backward; the profile finds it by the
     layers' outermost forward operators, the family's included: per block 2 rms_norm, 7 linear (q, k,

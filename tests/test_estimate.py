@@ -223,6 +223,7 @@ CPU_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CPU_CASES))
 def test_cpu_estimate_agrees_with_measured_allocations(case, tmp_path):
     cfg = small(**CPU_CASES[case])
@@ -235,6 +236,7 @@ def test_cpu_estimate_agrees_with_measured_allocations(case, tmp_path):
 # GPU estimates against the seeds' published figures
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,metric", [("rasbt", "peak_reserved_mb"), ("book-memory", "peak_alloc_mb")])
 def test_ladder_estimates_within_15_percent_of_the_seed_references(name, metric, tmp_path):
     ladder = load_ladder(name)

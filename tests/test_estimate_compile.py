@@ -45,6 +45,7 @@ def _allocations(plan):
     return [e for e in plan.events if e[0] == "a"]
 
 
+@pytest.mark.slow
 def test_inductor_fuses_element_wise_chains_and_pads_misaligned_products():
     fw, bw = _graphs(lambda x, w: torch.tanh((x @ w) * 2.0 + 1.0).exp(), (64, 32), (32, 48))
     plan = plan_graph(fw, cpu=False)
@@ -69,6 +70,7 @@ def _head_saved(cfg, returns_logits=True):
     return sum(p.head.sizes[s] for s in _saved(rnd.fwd, {rnd.x})), rnd
 
 
+@pytest.mark.slow
 def test_compiled_loss_keeps_the_logits_not_their_fp32_copies():
     over = {"data.source": "synthetic", "model.vocab_size": 4096, "model.n_layer": 1, "model.n_embd": 64,
             "model.n_head": 2, "model.block_size": 64, "train.batch_size": 4}
@@ -86,6 +88,7 @@ def test_compiled_loss_keeps_the_logits_not_their_fp32_copies():
     assert not any(e[0] == "a" and e[3] == "zeros" for e in rnd_loss_only.bwd)
 
 
+@pytest.mark.slow
 def test_host_model_small_batches_cuda_graphs_and_optimizer():
     def est(**o):
         over = {"data.source": "synthetic", "train.batch_size": 1, "train.precision": "bf16-autocast", **o}

@@ -76,6 +76,7 @@ FAMILY_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(FAMILY_CASES))
 def test_family_estimates_agree_with_measured_cpu_allocations(case, tmp_path):
     cfg = small(**{**LLAMA, **FAMILY_CASES[case]})
@@ -153,6 +154,7 @@ def test_fsdp_state_keeps_the_parameters_dtype():
 # Llama 3.1 8B on eight H100s, FSDP
 
 
+@pytest.mark.slow
 def test_llama31_8b_fsdp8_in_seconds_and_by_hand(capsys):
     argv = ["estimate", "--preset", "llama3.1-8b", "--gpu", "h100", "--nproc", "8", "--parallel.dp_shard", "8",
             "--parallel.dp_replicate", "1", "--train.precision", "bf16-autocast"]
@@ -196,6 +198,7 @@ def test_family_shapes_for_max_model():
     assert [s["name"] for s in gpt] == [s[0] for s in SHAPES] and all(s["family"] == {} for s in gpt)
 
 
+@pytest.mark.slow
 def test_max_batch_and_max_model_estimate_only_for_a_family_preset(tmp_path, capsys):
     cfg = C.resolve("qwen3-0.6b", overrides={"data.source": "synthetic", "train.precision": "bf16-autocast"},
                     overrides_from_string=False)

@@ -93,6 +93,7 @@ def load_text(text: str):
     return [Case(**c) for c in tomllib.loads(text)["case"]]
 
 
+@pytest.mark.slow
 def test_advice_offers_full_recomputation_over_selective():
     # every block checkpointed selectively: the list of switches offers no more checkpointing, but full
     # recomputation keeps less, under torch.compile too, and the advice names it when that is what fits

@@ -274,6 +274,7 @@ def test_cached_logits_equal_the_full_forward_at_every_position(attention):
 # Training through the real trainer
 
 
+@pytest.mark.slow
 def test_llama_style_model_trains(tmp_path):
     """A tiny Llama-style model (RoPE, RMSNorm, SwiGLU, GQA 2:1, no biases, untied head) on a small
     byte-level text through tokenmill.train.trainer.train: the loss falls from about ln(256) well below it."""

@@ -102,6 +102,7 @@ def tm_logits(run: Path, x: torch.Tensor) -> torch.Tensor:
 # init_from -> export -> transformers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tie,forms", [(True, []), (False, ["--model.fused_qkv", "false", "--model.vocab_pad_multiple", "64"])],
                          ids=["tied-safetensors", "untied-bin-separate-qkv-padded"])
 def test_round_trip_gives_the_original_then_the_trained_logits(world, tmp_path, tie, forms):
@@ -138,6 +139,7 @@ def test_round_trip_gives_the_original_then_the_trained_logits(world, tmp_path, 
     torch.testing.assert_close(hf_logits(tmp_path / "hf3", x), trained, atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 def test_init_from_a_run_converts_forms_and_starts_fresh(tmp_path):
     """A tokenmill run as the source: the new run may use other forms (separate q/k/v, padding, a
     shorter block, an untied head); at step 0 it computes the source's logits; its schedule starts at
@@ -160,6 +162,7 @@ def test_init_from_a_run_converts_forms_and_starts_fresh(tmp_path):
     assert state["step"] == 2 and state["config"]["train"]["init_from"] == str(ckpt)
 
 
+@pytest.mark.slow
 def test_shape_conflicts_and_vocabulary_mismatch_are_clear(world, tmp_path, capsys):
     src = world / "gpt2-tied"
 
@@ -201,6 +204,7 @@ def test_shape_conflicts_and_vocabulary_mismatch_are_clear(world, tmp_path, caps
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_resume_ignores_init_from(world, tmp_path, capsys):
     """--resume continues the run's own checkpoint (bit-exactly, as an uninterrupted run) even when
     --train.init_from names another model."""
@@ -222,6 +226,7 @@ def test_resume_ignores_init_from(world, tmp_path, capsys):
 # export
 
 
+@pytest.mark.slow
 def test_export_refuses_what_gpt2_cannot_express_and_never_overwrites(tmp_path, capsys):
     train(tiny_cfg(**{"train.max_steps": 1, "model.bias": False, "train.eval_batches": 0}), tmp_path / "nobias", quiet=True)
     assert main(["export", "--run-dir", str(tmp_path / "nobias"), "--out", str(tmp_path / "o")]) == 1
@@ -281,6 +286,7 @@ def test_fsdp_init_from_and_sharded_export(world, tmp_path):
 # eval
 
 
+@pytest.mark.slow
 def test_eval_whole_split_counts_every_token_and_byte(world, tmp_path, capsys):
     from tokenmill.data import load_tokenizer_for_data
     from tokenmill.train.evaluate import EVAL_FILE, token_byte_lengths
@@ -314,6 +320,7 @@ def test_eval_whole_split_counts_every_token_and_byte(world, tmp_path, capsys):
     assert r["bits_per_byte"] == pytest.approx(nats / math.log(2) / r["bytes"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_eval_batches_equal_training_val_loss_and_json(tmp_path, capsys):
     """``--batches N`` evaluates the training run's own validation windows: the same val_loss."""
     from tokenmill.data import prepare
@@ -341,6 +348,7 @@ def test_eval_batches_equal_training_val_loss_and_json(tmp_path, capsys):
 # sample
 
 
+@pytest.mark.slow
 def test_sample_options(tmp_path, capsys):
     from tokenmill.data import prepare
 
@@ -388,6 +396,7 @@ def readme_example() -> list[str]:
     return [shlex.split(ln, comments=True) for ln in lines]
 
 
+@pytest.mark.slow
 def test_readme_finetuning_example_works_as_written(world, tmp_path, monkeypatch, capsys):
     """Runs every command of the README's example in a fresh folder holding what it starts from: a
     Hugging Face GPT-2 folder ``models/gpt2`` and a folder of text ``my_texts/``. Only the

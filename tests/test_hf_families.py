@@ -322,6 +322,7 @@ def test_export_refuses_what_no_class_expresses(tmp_path, kw, match):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra,arch", [({}, "LlamaForCausalLM"),
                                         ({"model.qk_norm": True, "model.head_dim": 16}, "Qwen3ForCausalLM")])
 def test_export_of_a_run_trained_from_scratch(tmp_path, capsys, extra, arch):
@@ -469,6 +470,7 @@ def test_prepare_train_sample_eval_export_through_the_cli(tmp_path, capsys, name
     assert math.isfinite(r["bits_per_byte"])
 
 
+@pytest.mark.slow
 def test_init_from_a_family_folder_with_the_python_api(tmp_path):
     """``train()`` with train.init_from: the shape comes from the folder; 0 steps saves the converted
     model, whose logits are transformers'."""

@@ -133,6 +133,7 @@ def test_prefetcher_on_cuda_side_stream_same_batches_in_order():
         assert torch.equal(x, hx.long()) and torch.equal(y, hy.long())
 
 
+@pytest.mark.slow
 def test_training_with_narrow_ids_is_unchanged(tmp_path):
     """Through the trainer (which widens in to_device): the same losses, step for step."""
     from conftest import tiny_cfg
@@ -149,6 +150,7 @@ def test_training_with_narrow_ids_is_unchanged(tmp_path):
     assert len(la) == 4 and la == lb
 
 
+@pytest.mark.slow
 def test_a_sharded_folder_gives_the_same_batches_as_one_file(tmp_path):
     """The same corpus prepared into 1,024-token shards and into one file per split: the loader (random
     windows, many across a shard boundary, with and without narrow ids), the validation batches and

@@ -42,6 +42,7 @@ def test_jsonl_lines_are_unchanged(tmp_path):
     assert not (tmp_path / "other").exists()
 
 
+@pytest.mark.slow
 def test_tensorboard_tags_by_section(tmp_path):
     pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install tensorboard)")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

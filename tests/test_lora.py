@@ -171,6 +171,7 @@ def _losses(run) -> list[float]:
     return [r["loss"] for r in read_metrics(run) if r.get("loss") is not None]
 
 
+@pytest.mark.slow
 def test_lora_run_resumes_exactly_and_loads_merged(tmp_path):
     """A LoRA run's checkpoints hold base and adapters: a resume from the step-3 checkpoint continues
     bit-exactly; a different rank is refused naming the flags; load_model (sample, eval, export) gives the
@@ -268,6 +269,7 @@ def test_memory_advice_offers_lora_to_a_full_finetune():
     assert "--lora.rank" not in memory_advice(scratch, "l4")
 
 
+@pytest.mark.slow
 def test_estimate_finetune_says_which_gpu_fits_with_lora_and_without(capsys):
     """``tokenmill estimate --finetune``: a line per GPU; Llama 3.2 1B at 2 x 2048 needs about 27 GB as a
     full fine-tune (not a 24 GB GPU), about 16 GB with LoRA (it fits one)."""

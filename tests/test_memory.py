@@ -72,6 +72,7 @@ def test_chunked_loss_same_loss_and_grads(tied, pad):
         torch.testing.assert_close(out["chunked"][2][k], g, **TOL)
 
 
+@pytest.mark.slow
 def test_chunked_loss_trains_like_full(tmp_path):
     common = {"train.max_steps": 4, "log.every_steps": 1}
     train(tiny_cfg(**common), tmp_path / "full", quiet=True)
@@ -83,6 +84,7 @@ def test_chunked_loss_trains_like_full(tmp_path):
 # -- optimizer step in backward -------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_optimizer_in_backward_same_training(tmp_path):
     common = {"train.max_steps": 4, "log.every_steps": 1, "optim.grad_clip": 0.0}
     train(tiny_cfg(**common), tmp_path / "ref", quiet=True)
@@ -103,6 +105,7 @@ def test_optimizer_in_backward_refuses(over, msg):
 # -- CPU offload of the optimizer -----------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("switch,extra", [
     ("memory.optimizer_in_backward", {"optim.grad_clip": 0.0}),
     ("memory.optimizer_offload", {}),
@@ -116,6 +119,7 @@ def test_memory_optimizers_resume_bit_exact(tmp_path, switch, extra):
     assert losses(tmp_path / "cut") == losses(tmp_path / "full")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["foreach", "fused"])
 def test_optimizer_offload_same_training(tmp_path, impl):
     """On CPU the offload path runs in full (master copies, gradient copies, CPU step, copy back); the
@@ -157,6 +161,7 @@ def test_8bit_adamw_without_torchao_names_the_install(tmp_path, monkeypatch):
         train(tiny_cfg(**{"train.max_steps": 1, "memory.optimizer_8bit": True}), tmp_path, quiet=True)
 
 
+@pytest.mark.slow
 def test_8bit_adamw_trains_close(tmp_path):
     pytest.importorskip("torchao.optim", reason="torchao is not installed")
     common = {"train.max_steps": 5, "log.every_steps": 1}
@@ -169,32 +174,78 @@ def test_8bit_adamw_trains_close(tmp_path):
 # -- allocator ------------------------------------------------------------------------------------
 
 
-def test_expandable_segments_sets_env_before_cuda(monkeypatch):
+ALLOC_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+@pytest.fixture
+def alloc_env(monkeypatch):
+    """Both allocator variables unset, CUDA not initialised, and the environment restored after the test
+    (each variable set before it is removed, so monkeypatch restores it even when it was absent: the code
+    under test writes os.environ itself)."""
+    for var in ALLOC_VARS:
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    return monkeypatch
+
+
+def test_expandable_segments_sets_env_before_cuda(alloc_env):
     from tokenmill.config import MemoryConfig
     from tokenmill.train.device import apply_allocator_settings
 
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     assert not apply_allocator_settings(MemoryConfig())
-    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+    assert not any(v in os.environ for v in ALLOC_VARS)
     assert apply_allocator_settings(MemoryConfig(expandable_segments=True))
-    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    assert [os.environ[v] for v in ALLOC_VARS] == ["expandable_segments:True"] * 2
+    alloc_env.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    alloc_env.delenv("PYTORCH_ALLOC_CONF")
     apply_allocator_settings(MemoryConfig(expandable_segments=True))
-    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128,expandable_segments:True"
+    assert [os.environ[v] for v in ALLOC_VARS] == ["max_split_size_mb:128,expandable_segments:True"] * 2
 
 
-def test_expandable_segments_after_cuda_init_warns_or_applies(monkeypatch):
+def test_allocator_settings_merge_both_variables(alloc_env):
+    """torch >= 2.9 reads PYTORCH_ALLOC_CONF (and PYTORCH_CUDA_ALLOC_CONF only when that is unset): what the
+    user put in either is kept, the newer one's value wins a key both set, and both variables get the whole
+    merged setting, so whichever this torch reads holds it."""
+    from tokenmill.config import MemoryConfig
+    from tokenmill.train.device import allocator_conf, apply_allocator_settings
+
+    alloc_env.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:64,roundup_power2_divisions:4")
+    alloc_env.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:32,backend:native")
+    entries, source = allocator_conf()
+    assert entries == {"max_split_size_mb": "64", "backend": "native", "roundup_power2_divisions": "4"}
+    assert source["max_split_size_mb"] == source["roundup_power2_divisions"] == "PYTORCH_ALLOC_CONF"
+    assert source["backend"] == "PYTORCH_CUDA_ALLOC_CONF"
+    assert apply_allocator_settings(MemoryConfig(expandable_segments=True, gc_threshold=0.5))
+    want = "max_split_size_mb:64,backend:native,roundup_power2_divisions:4,expandable_segments:True," \
+           "garbage_collection_threshold:0.5"
+    assert [os.environ[v] for v in ALLOC_VARS] == [want] * 2
+    # a key the user set differently is left, and the warning names the variable that set it
+    with pytest.warns(UserWarning, match=r"PYTORCH_ALLOC_CONF='.*' already sets max_split_size_mb; leaving it"):
+        assert not apply_allocator_settings(MemoryConfig(max_split_size_mb=128))
+    assert allocator_conf()[0]["max_split_size_mb"] == "64"
+    # only the newer variable set, empty legacy one: it is the one read, and it gets the setting
+    alloc_env.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:16")
+    alloc_env.setenv("PYTORCH_CUDA_ALLOC_CONF", "")
+    assert apply_allocator_settings(MemoryConfig(expandable_segments=True))
+    assert os.environ["PYTORCH_ALLOC_CONF"] == "max_split_size_mb:16,expandable_segments:True"
+
+
+def test_expandable_segments_after_cuda_init_warns_or_applies(alloc_env):
     from tokenmill.config import MemoryConfig
     from tokenmill.train import device as allocator
 
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", None, raising=False)
-    with pytest.warns(UserWarning, match="already initialised"):
+    alloc_env.setattr(torch.cuda, "is_initialized", lambda: True)
+    alloc_env.setattr(torch.cuda.memory, "_set_allocator_settings", None, raising=False)
+    with pytest.warns(UserWarning, match="already initialised.*PYTORCH_ALLOC_CONF=expandable_segments:True"):
         assert not allocator.apply_allocator_settings(MemoryConfig(expandable_segments=True))
+    applied = []
+    alloc_env.setattr(torch.cuda.memory, "_set_allocator_settings", applied.append, raising=False)
+    assert allocator.apply_allocator_settings(MemoryConfig(expandable_segments=True))
+    assert applied == ["expandable_segments:True"] and os.environ["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accum", [1, 2])
 def test_offload_gradients_same_training(tmp_path, accum):
     """Gradients leave for the CPU inside backward (hook), accumulate there, and are clipped there: with

@@ -53,6 +53,7 @@ def rows(run_dir, key: str) -> list[float]:
     return [r[key] for r in read_metrics(run_dir) if key in r]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("over,base", [
     ({"memory.offload_activations": True}, {}),
     ({"optim.zero_grad": "after_forward"}, {}),
@@ -78,11 +79,13 @@ def test_checkpointed_blocks_are_wrapped():
         assert [isinstance(b, CheckpointWrapper) for b in model.blocks] == want
 
 
+@pytest.mark.slow
 def test_optimizer_in_backward_same_training(run):
     over = {"optim.grad_clip": 0.0}
     assert_runs_match(run(**over), run(**over, **{"memory.optimizer_in_backward": True}))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["foreach", "fused"])
 def test_optimizer_offload_same_training(run, impl):
     over = {"optim.impl": impl}
@@ -93,6 +96,7 @@ def test_optimizer_offload_same_training(run, impl):
         build_model(cfg(), 64, torch.device("cpu")).parameters()))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accum", [1, 2])
 def test_offload_gradients_same_training(run, accum):
     """Gradients go to the CPU in backward, accumulate and are clipped there (clipping active)."""
@@ -106,6 +110,7 @@ def test_offload_gradients_same_training(run, accum):
     assert_runs_match(ref, off)
 
 
+@pytest.mark.slow
 def test_chunked_loss_trains_like_full(run):
     pad = {"model.vocab_pad_multiple": 48}  # 64 -> 96 rows: padded columns never enter the chunks' loss
     chunked = run(**pad, **{"model.loss_impl": "chunked", "model.loss_chunk_size": 40})
@@ -114,6 +119,7 @@ def test_chunked_loss_trains_like_full(run):
         assert b == pytest.approx(a, rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("switch,extra", [
     ("memory.optimizer_in_backward", {"optim.grad_clip": 0.0}),
     ("memory.optimizer_offload", {"memory.offload_gradients": True}),
@@ -135,6 +141,7 @@ def test_8bit_adamw_without_torchao_names_the_install(tmp_path, monkeypatch):
         train(cfg(**{"train.max_steps": 1, "memory.optimizer_8bit": True}), tmp_path, quiet=True)
 
 
+@pytest.mark.slow
 def test_8bit_adamw_trains_close(run):
     pytest.importorskip("torchao.optim", reason="torchao is not installed")
     a, b = rows(run(), "loss"), rows(run(**{"memory.optimizer_8bit": True}), "loss")

@@ -106,6 +106,7 @@ def test_schedule_realises_the_weights_in_every_span(weights):
             assert np.abs(spans - n * c / period).max() < 2, (i, n)
 
 
+@pytest.mark.slow
 def test_stream_is_the_same_for_every_layout_and_worker_count(folders):
     """The global stream (samples 0..47) assembled from each rank's micro-batches equals ds[k] for
     (B, A, D) = (4,1,1), (2,2,1), (1,2,2), (2,1,2), with 0 and 2 DataLoader workers, and a loader started at
@@ -190,6 +191,7 @@ def _losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
+@pytest.mark.slow
 def test_cli_prepare_mix_train_and_resume_exactly(tmp_path, monkeypatch, capsys):
     """prepare .jsonl.gz shards (BPE) and a Parquet file (the same tokenizer), mix them 3:1, train 6 steps with
     document masking; 3 steps then --resume to 6 give the same losses and val loss; config.toml records absolute folders, the

@@ -320,6 +320,7 @@ def test_sequence_longer_than_block_size_is_an_error():
         build()(torch.zeros(1, 17, dtype=torch.long))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", [
     dict(attention="sdpa", sdpa_backend="math", dropout=0.1),
     dict(attention="manual", causal_mask="buffer", fused_qkv=False, norm="manual", gelu="manual",
@@ -448,6 +449,7 @@ def test_loss_over_padded_vocab_without_padding_is_a_no_op():
     assert torch.equal(a(idx, tgt)[1], b(idx, tgt)[1])
 
 
+@pytest.mark.slow
 def test_compiling_the_trunk_leaves_head_and_loss_outside():
     """``model.trunk = torch.compile(model.trunk)`` (compile.loss_outside): one graph without the head
     or the loss, and the same loss and gradients as eager."""

@@ -193,6 +193,7 @@ def final_loss(name: str, lr: float, muon_lr: float = 0.05, steps: int = 60) -> 
     return sum(losses[-10:]) / 10
 
 
+@pytest.mark.slow
 def test_muon_reaches_a_lower_loss_than_tuned_adamw_in_the_same_steps():
     """60 steps of a 2-layer, 64-wide model on a Markov chain (entropy floor 1.61 nats). Measured: AdamW
     2.08 / 1.91 / 3.24 at lr 3e-3 / 1e-2 / 3e-2 (best 1e-2); Muon (muon_lr 0.05, AdamW lr 1e-2 for the
@@ -202,6 +203,7 @@ def test_muon_reaches_a_lower_loss_than_tuned_adamw_in_the_same_steps():
     assert muon < best_adamw - 0.03, (muon, best_adamw)
 
 
+@pytest.mark.slow
 def test_resume_is_bit_exact_and_keeps_muon_lr(tmp_path):
     """8 steps in one go vs 4 + resume to 8: the same losses, gradient norms and final weights; after the
     resume Muon's groups are back at optim.muon_lr x the schedule (not optim.lr)."""
@@ -222,6 +224,7 @@ def test_resume_is_bit_exact_and_keeps_muon_lr(tmp_path):
     assert all(set(b["optimizer"]["state"][i]) == {"momentum_buffer"} for g in muon for i in g["params"])
 
 
+@pytest.mark.slow
 def test_switching_the_optimizer_on_resume_is_refused_naming_the_flag(tmp_path):
     train(tiny_cfg(**{"train.max_steps": 2, "optim.name": "muon"}), tmp_path / "run", quiet=True)
     with pytest.raises(TrainingError, match="optim.name: checkpoint 'muon' vs now 'adamw'.*--optim.name muon"):

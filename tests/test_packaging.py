@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -98,6 +100,7 @@ def test_dockerfile_installs_all_extras_and_runs_tokenmill():
     assert entry == ['["tokenmill"]'] and "tokenmill" in pyproject()["project"]["scripts"]
 
 
+@pytest.mark.slow
 def test_hf_extra_and_optional_imports():
     extras = pyproject()["project"]["optional-dependencies"]
     assert {p.split(">=")[0] for p in extras["hf"]} == {"transformers", "safetensors"}

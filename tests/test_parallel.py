@@ -107,6 +107,7 @@ def two_rank_runs(tmp_path_factory):
     return tmp
 
 
+@pytest.mark.slow
 def test_layouts_match_single_process(two_rank_runs, ref, tmp_path):
     ref_accum = single(tmp_path, "ref_accum", **{"train.grad_accum_steps": 2})
     for name in ("ddp", "zero1", "fsdp_zero3"):
@@ -117,6 +118,7 @@ def test_layouts_match_single_process(two_rank_runs, ref, tmp_path):
     assert_same_losses(losses(two_rank_runs / "fsdp_bf16"), ref, rel=2e-2, what="fsdp_bf16")
 
 
+@pytest.mark.slow
 def test_one_process_fsdp_under_torchrun(tmp_path, ref):
     """``--parallel.dp_shard -1`` under a one-process torchrun shards over a 1-rank mesh (the FSDP path on
     one GPU): layout 'fsdp', DCP checkpoints, and the single-process losses (the same global batch 8)."""
@@ -130,6 +132,7 @@ def test_one_process_fsdp_under_torchrun(tmp_path, ref):
     assert_same_losses(losses(tmp_path / "fsdp1"), ref, what="fsdp on one rank")
 
 
+@pytest.mark.slow
 def test_rank0_writes_global_metrics(two_rank_runs):
     run = two_rank_runs / "ddp"
     summary = json.loads((run / "summary.json").read_text())
@@ -141,6 +144,7 @@ def test_rank0_writes_global_metrics(two_rank_runs):
     assert [p.name for p in (run / "checkpoints").iterdir()] == [f"step_{STEPS:08d}.pt"]
 
 
+@pytest.mark.slow
 def test_fsdp_dcp_checkpoint_resumes_in_other_layouts(two_rank_runs, ref, tmp_path):
     from tokenmill.checkpoint import list_checkpoints as list_all
     from tokenmill.train.trainer import train
@@ -201,6 +205,7 @@ def mp2_runs(tmp_path_factory):
     return run_layouts(tmp_path_factory, MP_2, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MP_2))
 def test_tensor_and_pipeline_parallel_match_single_process(mp2_runs, name, tmp_path):
     _, ref_over, dp = MP_2[name]
@@ -228,6 +233,7 @@ def test_tensor_and_pipeline_parallel_match_single_process(mp2_runs, name, tmp_p
         assert torch.allclose(got_sd[k], want_sd[k], rtol=1e-4, atol=2e-5), (name, k)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tp", "pp_gpipe"])
 def test_model_parallel_checkpoint_resumes_in_one_process(mp2_runs, name, tmp_path):
     """The step-3 DCP checkpoint of a 2-rank TP or PP run holds the whole model under its usual
@@ -257,6 +263,7 @@ def test_four_rank_combinations_match_single_process(tmp_path_factory, tmp_path)
         assert json.loads((runs / name / "summary.json").read_text())["layout"] == name.replace("_", "+")
 
 
+@pytest.mark.slow
 def test_elastic_restart_resumes_after_a_rank_dies(tmp_path):
     """Rank 1 exits hard after step 5 on the first attempt (test-only fault injection through the
     ``on_step_end`` callback); torchrun restarts both workers, which resume from the step-4
@@ -268,6 +275,7 @@ def test_elastic_restart_resumes_after_a_rank_dies(tmp_path):
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["start_step"] == 4
 
 
+@pytest.mark.slow
 def test_two_nodes_rendezvous_with_c10d(tmp_path):
     """The multi-node command line of docs/parallel.md: two torchrun agents ("nodes", one worker
     each) meet through the c10d rendezvous at one endpoint and train as one 2-rank DDP job."""

@@ -135,18 +135,25 @@ def test_sharded_checkpoint_holds_the_single_process_weights(two_rank_runs, refs
         assert torch.allclose(got_sd[k], want_sd[k], rtol=1e-4, atol=2e-5), (name, k)
 
 
-def _plan_sums_qk_norm_grads() -> bool:
+def test_tp_plan_sums_the_qk_norm_grads_over_the_ranks():
+    """The q/k norm weights are whole on every TP rank, which normalises only its own heads: the plan must
+    declare them 'per_head' (Block.tp_plan, model/layers.py), the style that sums their gradients over the
+    tp ranks (parallel/tensor_parallel.py). Without it each rank's gradient is a partial sum: the gradient
+    norm is off and the ranks' norm weights drift apart (the torchrun test below measures it)."""
     from tokenmill.model import GPT
+    from tokenmill.parallel.tensor_parallel import styles
 
     with torch.device("meta"):
         model = GPT(preset_cfg(PRESET, **QK_NORM).model, 64)
-    return model.tp_plan(2).get("attn.q_norm") == "per_head"
+    plan = model.tp_plan(2)
+    assert {k: v for k, v in plan.items() if "norm" in k} == {"attn.q_norm": "per_head", "attn.k_norm": "per_head"}
+    assert {type(s).__name__ for k, s in styles(plan).items() if "norm" in k} == {"PerHead"}
+    with torch.device("meta"):
+        plain = GPT(preset_cfg(PRESET).model, 64)  # no q/k norm: nothing per head
+    assert "per_head" not in plain.tp_plan(2).values()
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(not _plan_sums_qk_norm_grads(), strict=True,
-                   reason="Block.tp_plan (model/layers.py) must declare attn.q_norm / attn.k_norm 'per_head': their "
-                          "weights see only this rank's heads, so each rank's gradient is a partial sum")
 def test_tp_with_qk_norm_matches_single_process(two_rank_runs, tmp_path):
     """q/k norm under TP: each rank normalises its own heads with the whole (replicated) norm weight, whose
     gradient is summed over the tp ranks ('per_head'); without the sum the gradient norm is off by

@@ -19,6 +19,7 @@ TINY_CPU = ["--preset", "tiny", "--data.source", "synthetic", "--model.vocab_siz
             "--log.progress", "plain"]
 
 
+@pytest.mark.slow
 def test_profile_cli_writes_trace_and_report(tmp_path, capsys):
     run = tmp_path / "p"
     rc = main(["profile", *TINY_CPU, "--run-dir", str(run), "--wait", "1", "--warmup", "1", "--active", "3",
@@ -60,6 +61,7 @@ def test_profile_schedule_and_max_steps(tmp_path):
     assert rc == 2  # config error: the schedule needs more steps
 
 
+@pytest.mark.slow
 def test_sync_count_follows_log_interval(tmp_path):
     """The trainer reads the loss back at log steps only: one sync point per step at every_steps=1, none in
     a window without a log step (the optimizer's host-side step counters are not syncs)."""

@@ -170,8 +170,8 @@ def test_without_torchao_the_cli_says_what_to_install(monkeypatch, tmp_path, cap
     rc = main(["train", "--preset", "tiny-llama", "--data.source", "synthetic", "--model.vocab_size", "64",
                "--train.device", "cpu", "--train.max_steps", "1", "--lora.rank", "4", "--lora.quantize_base", "nf4",
                "--run-dir", str(tmp_path / "run"), "--log.tensorboard", "false"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert rc != 0 and len(err) == 1
+    err = [ln for ln in capsys.readouterr().err.strip().splitlines() if not ln.startswith("tokenmill: warning:")]
+    assert rc != 0 and len(err) == 1  # (the warning: LoRA on a random base, no train.init_from)
     assert err[0].startswith("tokenmill: config error: lora.quantize_base='nf4' needs torchao's NF4 tensor")
 
 

@@ -16,6 +16,7 @@ from tokenmill.train.metrics import read_metrics
 from tokenmill.train.trainer import train
 
 
+@pytest.mark.slow
 def test_summary_doctor_and_ladder_read_one_figure(tmp_path):
     cfg = tiny_cfg(**{"train.max_steps": 9, "log.every_steps": 2, "log.timing_warmup_steps": 1,
                       "train.eval_batches": 0, "checkpoint.save_final": False})

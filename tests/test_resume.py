@@ -25,6 +25,7 @@ def crash_at(step):
     return hook
 
 
+@pytest.mark.slow
 def test_restart_without_checkpoint_restarts_metrics(tmp_path, monkeypatch):
     """A torchrun restart before the first checkpoint trains from step 0 again: no duplicated metric rows.
     A user's --resume with nothing to resume is an error instead, and writes nothing."""
@@ -42,6 +43,7 @@ def test_restart_without_checkpoint_restarts_metrics(tmp_path, monkeypatch):
     assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_resume_before_the_first_save_names_the_command_that_restarts_the_run(tmp_path, capsys):
     """Ctrl-C before the first checkpoint leaves config.toml and no checkpoint: ``train --resume`` says so
     and prints the command that starts the run again from its recorded config, which then completes."""
@@ -60,6 +62,7 @@ def test_resume_before_the_first_save_names_the_command_that_restarts_the_run(tm
     assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_resume_with_another_global_batch_continues_the_stream(tmp_path, capsys):
     """Saved with grad_accum 2 (global batch 8, as 2 data-parallel ranks of 4), resumed with grad_accum
     1 (global batch 4): the data goes on at sample 3 x 8 = 24, neither replayed nor skipped."""
@@ -117,6 +120,7 @@ def test_changed_model_switch_message_names_the_fix():
     assert "train from the start" in msg and "--model.tie_embeddings false" in msg
 
 
+@pytest.mark.slow
 def test_llama_family_run_extended_by_resume_is_bit_identical(tmp_path):
     """A finished tiny-llama run (RoPE, RMSNorm, SwiGLU, grouped-query attention; dropout on) of N steps,
     resumed to 2N, gives the uninterrupted 2N-step run's losses and final weights bit for bit (the

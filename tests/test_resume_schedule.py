@@ -3,6 +3,8 @@ says so and names the flag that keeps the old decay (optim.decay_steps)."""
 
 import json
 
+import pytest
+
 from tokenmill import config as C
 from tokenmill.cli import main
 from tokenmill.optim.schedule import lr_at
@@ -17,6 +19,7 @@ def lrs(run):
             if "lr" in r}
 
 
+@pytest.mark.slow
 def test_resume_with_more_steps_says_the_schedule_changed_and_decay_steps_keeps_it(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(["train", *BASE, "--run-dir", str(run), "--train.max_steps", "6"]) == 0

@@ -123,6 +123,7 @@ def test_policy_saves_matmuls_and_attention_but_recomputes_random_attention():
     assert save_matmuls_policy(None, cpu, q, q, q) == CheckpointPolicy.MUST_SAVE
 
 
+@pytest.mark.slow
 def test_the_trainer_applies_the_policy_and_keeps_the_losses(tmp_path):
     """Through the trainer (``train/parallelize.py``): the blocks are wrapped with the selective policy and
     the loss trajectory equals the run without checkpointing, exactly."""

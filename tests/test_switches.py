@@ -33,6 +33,7 @@ def reference(tmp_path_factory):
 ACCUM = {"train.grad_accum_steps": 2, "train.batch_size": 2}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("over,base", [
     ({"memory.offload_activations": True}, {}),
     ({"optim.zero_grad": "after_forward"}, {}),
@@ -51,10 +52,13 @@ def test_allocator_settings_compose_the_environment(monkeypatch):
     from tokenmill.train.device import apply_allocator_settings
 
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):  # unset, and restored after the test
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
     assert apply_allocator_settings(MemoryConfig(max_split_size_mb=256, gc_threshold=0.8))
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:256,garbage_collection_threshold:0.8"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF")
     with pytest.warns(UserWarning, match="already sets max_split_size_mb"):
         assert not apply_allocator_settings(MemoryConfig(max_split_size_mb=256, expandable_segments=True))
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64,expandable_segments:True"

@@ -44,6 +44,7 @@ def check_same_tokenizer(tmp_path, out):
     assert ids == tok.encode(NEW) + [tok.eot_id]
 
 
+@pytest.mark.slow
 def test_from_data_folder_through_the_cli(base):
     out = base / "ft"
     r = subprocess.run([sys.executable, "-m", "tokenmill", "prepare", str(base / "new.txt"), "--out", str(out),

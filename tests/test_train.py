@@ -23,6 +23,7 @@ def final_weights(run_dir):
     return state["model"]
 
 
+@pytest.mark.slow
 def test_metrics_and_run_dir(tmp_path):
     cfg = tiny_cfg(**{"train.max_steps": 6, "log.every_steps": 2, "train.eval_every_steps": 4,
                       "log.timing_warmup_steps": 1})
@@ -44,6 +45,7 @@ def test_metrics_and_run_dir(tmp_path):
     assert abs(steps[0]["loss"] - math.log(64)) < 1.0
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_equals_big_batch(tmp_path):
     common = {"train.max_steps": 3, "optim.grad_clip": 1.0}
     train(tiny_cfg(**common, **{"train.batch_size": 8, "train.grad_accum_steps": 1}), tmp_path / "a", quiet=True)
@@ -57,6 +59,7 @@ def test_gradient_accumulation_equals_big_batch(tmp_path):
     assert la.keys() == lb.keys() and all(abs(la[s] - lb[s]) < 1e-5 for s in la)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["for-loop", "fused"])
 def test_adamw_impls_match_foreach(tmp_path, impl):
     train(tiny_cfg(**{"train.max_steps": 3, "optim.impl": "foreach"}), tmp_path / "ref", quiet=True)
@@ -66,6 +69,7 @@ def test_adamw_impls_match_foreach(tmp_path, impl):
         torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "precision,tol", [("bf16-autocast", 0.05), ("bf16", 0.05), ("fp16-autocast", 0.02)]
 )
@@ -116,6 +120,7 @@ class Crash(RuntimeError):
     pass
 
 
+@pytest.mark.slow
 def test_resume_is_bit_exact_after_crash(tmp_path):
     over = {"train.max_steps": 10, "log.every_steps": 1, "checkpoint.every_steps": 3, "model.dropout": 0.1,
             "checkpoint.keep_last": 5}
@@ -175,6 +180,7 @@ def test_checkpoint_loading_refuses_arbitrary_objects(tmp_path):
         files.read_file(tmp_path / "checkpoints" / "step_00000001.pt")
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     cfg = tiny_cfg(**{"train.max_steps": 20, "checkpoint.every_steps": 4, "log.every_steps": 5})
     holder = {}
@@ -192,6 +198,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     assert all(torch.isfinite(v).all() for v in state["model"].values())
 
 
+@pytest.mark.slow
 def test_oom_is_reported_with_switches(tmp_path):
     def oom_model(model):
         def boom(*args, **kwargs):
@@ -220,6 +227,7 @@ def test_compile_keeps_the_math_and_checkpoint_names(tmp_path):
     assert not any("_orig_mod" in k for k in keys)
 
 
+@pytest.mark.slow
 def test_keep_last_and_tensorboard(tmp_path):
     pytest.importorskip("tensorboard")
     cfg = tiny_cfg(**{"train.max_steps": 8, "checkpoint.every_steps": 2, "checkpoint.keep_last": 2,
@@ -237,6 +245,7 @@ def test_keep_last_and_tensorboard(tmp_path):
 PHASE_KEYS = ("data_ms", "h2d_ms", "forward_ms", "backward_ms", "optimizer_ms")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("every_ckpt,logged", [(3, [4, 8, 12]), (0, [4, 8])])
 def test_phase_breakdown_adds_up_to_step_time(tmp_path, every_ckpt, logged):
     """A slow timing warm-up (like compilation), with and without checkpoints off the log steps: each
@@ -282,6 +291,7 @@ def test_phase_timer_counts_its_own_steps():
     assert timer.collect() == ({}, 0)
 
 
+@pytest.mark.slow
 def test_tensor_learning_rate_is_logged_as_float(tmp_path):
     """Optimizers like torchao's AdamW8bit keep lr as a tensor: metrics.jsonl still gets a float."""
     from tokenmill.train.metrics import MetricsWriter

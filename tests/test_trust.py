@@ -406,7 +406,7 @@ BAD_INPUTS: list[tuple[str, Callable[[Env], list], str]] = [
     ("sample-unavailable-device", lambda e: ["sample", "--run-dir", e.run, "--device", "cuda:99"],
      r"--device cuda:99"),
     ("sample-not-a-device", lambda e: ["sample", "--run-dir", e.run, "--device", "banana"], r"'banana' is not a dev"),
-    ("sample-missing-run", lambda e: ["sample", "--run-dir", e.tmp / "nothere"], r"no checkpoint in"),
+    ("sample-missing-run", lambda e: ["sample", "--run-dir", e.tmp / "nothere"], r"there is no run directory \S*nothere"),
     ("sample-missing-checkpoint", lambda e: ["sample", "--run-dir", e.run, "--checkpoint", e.tmp / "step_9.pt"],
      r"checkpoint .*step_9\.pt does not exist"),
     ("sample-garbage-checkpoint", lambda e: ["sample", "--run-dir", e.run, "--checkpoint",
@@ -431,6 +431,7 @@ BAD_INPUTS: list[tuple[str, Callable[[Env], list], str]] = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,setup,match", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
 def test_bad_input_is_refused_clearly_and_changes_nothing(name, setup, match, env, capsys):
     """exit != 0, a message naming the problem, no traceback, every pre-existing file unchanged (and,
@@ -573,6 +574,7 @@ def _unsafe_load(kind: str, path: Path) -> None:
             pass
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", PAYLOAD_KINDS)
 def test_planted_payload_is_live(kind, env):
     """Positive control: each planted checkpoint does run its payload when read with plain
@@ -602,6 +604,7 @@ def _commands(env: Env) -> dict[str, tuple[list, str | None]]:
 COMMANDS = ["train-resume", "sample", "init-from", "eval", "export"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", PAYLOAD_KINDS)
 @pytest.mark.parametrize("command", COMMANDS)
 def test_no_payload_runs_and_the_newest_good_checkpoint_is_used(command, kind, env, capsys):
@@ -627,6 +630,7 @@ def test_no_payload_runs_and_the_newest_good_checkpoint_is_used(command, kind, e
         assert f"resumed from {env.run / 'checkpoints' / f'step_{STEPS:08d}.pt'}" in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", PAYLOAD_KINDS)
 def test_payload_in_the_only_checkpoint_is_an_error_naming_it(kind, env, capsys):
     marker = env.tmp / "PWNED"
@@ -645,6 +649,7 @@ def test_payload_in_the_only_checkpoint_is_an_error_naming_it(kind, env, capsys)
         assert rc == 1 and "refused" in out and planted.name in out and "Traceback" not in out, out
 
 
+@pytest.mark.slow
 def test_clean_sharded_checkpoint_loads(env, capsys):
     """Control for the DCP cases: a clean sharded checkpoint resumes and samples (the refusals above come
     from the payloads, not from DCP folders being unreadable here)."""
@@ -667,6 +672,7 @@ def _assert_checkpoints_intact(run: Path, before: dict[str, str], capsys) -> Non
     assert rc == 0 and "warning" not in out, out
 
 
+@pytest.mark.slow
 def test_save_without_permission_keeps_previous_checkpoints(env, capsys):
     run = env.run
     before = tree(run / "checkpoints")
@@ -679,6 +685,7 @@ def test_save_without_permission_keeps_previous_checkpoints(env, capsys):
     _assert_checkpoints_intact(run, before, capsys)
 
 
+@pytest.mark.slow
 def test_full_disk_keeps_previous_checkpoints(env, capsys):
     """A save that hits a file-size limit (RLIMIT_FSIZE, as a full disk does: the write fails midway)
     stops with a clear error, leaves no partial file, and the previous checkpoint loads."""
@@ -712,6 +719,7 @@ def _wait_for(cond: Callable[[], bool], proc: subprocess.Popen, what: str, timeo
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_second_run_is_locked_out_and_a_killed_run_resumes(env, capsys):
     """Two trainings into one run directory: the second stops with a clear error while the first runs.
     The first killed with SIGKILL mid-run (a torn metrics line, a stale .tmp) resumes cleanly."""
@@ -742,6 +750,7 @@ def test_second_run_is_locked_out_and_a_killed_run_resumes(env, capsys):
     assert steps == sorted(steps) and steps[-1] == last + 1 and 99999 not in steps
 
 
+@pytest.mark.slow
 def test_rotation_never_deletes_the_checkpoint_just_written(env, capsys):
     """With a damaged newer checkpoint and keep_last 1, the resumed run keeps its fresh checkpoint (the
     damaged one is neither loaded nor counted, and not deleted) and the one before it, which stays until the
@@ -759,6 +768,7 @@ def test_rotation_never_deletes_the_checkpoint_just_written(env, capsys):
 # 5. Resume semantics and self-contained runs
 
 
+@pytest.mark.slow
 def test_resume_at_max_steps_writes_nothing(env, capsys):
     run = env.run
     before = tree(env.tmp)
@@ -767,6 +777,7 @@ def test_resume_at_max_steps_writes_nothing(env, capsys):
     assert tree(env.tmp) == before
 
 
+@pytest.mark.slow
 def test_settings_given_on_resume_take_effect(env, capsys):
     """--optim.lr, the schedule and weight decay given on resume are used (the step count and the optimizer
     moments come from the checkpoint)."""
@@ -782,6 +793,7 @@ def test_settings_given_on_resume_take_effect(env, capsys):
     assert "lr = 0.005" in (run / "config.toml").read_text()
 
 
+@pytest.mark.slow
 def test_run_is_self_contained(env, capsys, monkeypatch):
     """A run started with a relative data path resumes from another directory without repeating the
     flags, and samples after its data folder has moved (its tokenizer travels with it)."""
@@ -807,6 +819,7 @@ def test_run_is_self_contained(env, capsys, monkeypatch):
 # 6. prepare never damages an existing data folder
 
 
+@pytest.mark.slow
 def test_prepare_over_an_existing_folder_replaces_only_its_data(env, capsys):
     """A successful prepare into an existing folder swaps in the new data and keeps the user's own
     files; a failed one (above: prepare-failure-keeps-existing) changes nothing. No temporary folder stays."""

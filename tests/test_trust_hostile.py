@@ -418,6 +418,7 @@ def check_clean_error(rc, err: str) -> None:
     assert errors[0].startswith(("tokenmill: error: ", "tokenmill: config error: ")), err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [_param(c) for c in CASES])
 def test_hostile_value(case: Case, world, fast_parser, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # default output folders (runs/...) land here

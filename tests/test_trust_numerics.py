@@ -22,6 +22,7 @@ def poison_after(step_to_poison, holder):
     return hook
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keep_last", [1, 2])
 def test_nan_weights_saved_in_a_checkpoint_are_set_aside_and_resume_starts_before(tmp_path, keep_last):
     """Step 8's update leaves NaN weights, checkpoint 8 saves them (its losses were all finite), step 9's loss

@@ -130,6 +130,7 @@ def test_the_count_is_the_model_count_and_the_limits_refuse_only_absurd_shapes()
     assert 4.0e11 < param_count(big, 128256) < 4.1e11 < MAX_PARAMS
 
 
+@pytest.mark.slow
 def test_an_absurd_hugging_face_config_stops_before_any_weight(world, tmp_path, capsys):
     assert cli(["export", "--run-dir", world / "run", "--out", tmp_path / "hf"], capsys)[0] == 0
     conf = json.loads((tmp_path / "hf" / "config.json").read_text())
@@ -144,6 +145,7 @@ def test_an_absurd_hugging_face_config_stops_before_any_weight(world, tmp_path, 
     assert "model.n_layer 1,000,000,000 is absurd" in line and tree(tmp_path) == before
 
 
+@pytest.mark.slow
 def test_an_absurd_data_vocabulary_stops_the_estimate(world, tmp_path, capsys):
     data = tmp_path / "data"
     shutil.copytree(world / "bytes", data)
@@ -156,6 +158,7 @@ def test_an_absurd_data_vocabulary_stops_the_estimate(world, tmp_path, capsys):
     assert tree(tmp_path) == before
 
 
+@pytest.mark.slow
 def test_an_absurd_recorded_config_stops_sample_before_building(world, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(world / "run", run)
@@ -172,6 +175,7 @@ def test_an_absurd_recorded_config_stops_sample_before_building(world, tmp_path,
     assert "more than 100,000,000,000,000" in line and tree(run) == before
 
 
+@pytest.mark.slow
 def test_an_absurd_recorded_config_is_named_by_the_doctor_and_refused_by_try(world, tmp_path, capsys):
     """``doctor RUN`` reads the metrics of a run whose config.toml records an absurd depth: it warns with
     the numbers, does not offer ``--try``, and ``--try`` stops before any run (not 2 x N failed runs)."""
@@ -273,6 +277,7 @@ def resume(run: Path, data: Path, capsys, *extra) -> tuple[int, str]:
                 "--resume", *COMMON, *extra], capsys)
 
 
+@pytest.mark.slow
 def test_a_changed_data_vocabulary_is_named_with_the_folder_that_fixes_it(world, capsys):
     before = tree(world / "run")
     rc, out = resume(world / "run", world / "bpe", capsys)
@@ -282,6 +287,7 @@ def test_a_changed_data_vocabulary_is_named_with_the_folder_that_fixes_it(world,
     assert f"--data.path {world / 'bytes'}" in line and tree(world / "run") == before
 
 
+@pytest.mark.slow
 def test_every_changed_field_is_named_and_the_named_flags_fix_it(world, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(world / "run", run)
@@ -301,6 +307,7 @@ def test_every_changed_field_is_named_and_the_named_flags_fix_it(world, tmp_path
     assert "train.precision changed from 'fp32' to 'bf16-autocast'" in out  # allowed, and said
 
 
+@pytest.mark.slow
 def test_a_damaged_tokenizer_copy_names_the_fix_that_works(world, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(world / "run", run)

@@ -394,6 +394,7 @@ def test_a_signal_during_an_import_raises_after_the_module_has_loaded(tmp_path, 
         sys.modules.pop("tm_slow_import", None)
 
 
+@pytest.mark.slow
 def test_a_second_signal_during_an_import_ends_the_process_at_once(tmp_path):
     """The user presses Ctrl-C again while the first waits for a slow import: exit 130 now, one line."""
     (tmp_path / "tm_slower_import.py").write_text(
@@ -417,6 +418,7 @@ libc.pthread_mutex_lock(mutex)  # relocked by its owner: never returns, and no s
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_to_a_process_stuck_in_native_code_ends_it(sig):
     """The main thread blocked in a C call that never returns (a stuck collective, a device sync, a lock):

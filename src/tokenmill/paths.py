@@ -4,7 +4,8 @@ Every writing command goes through :func:`check_output` before it writes anythin
 equals, contains or lies inside any input the command reads (a run directory, a checkpoint, a data
 folder, a Hugging Face source, a text corpus) is refused, whatever the flags (``--overwrite`` replaces an
 earlier output, never an input). Names that become paths (ladder and rung names, run names) go through
-:func:`safe_name`. Paths a user types are expanded (``~``, ``$VAR``) by :func:`expand_path` (config
+:func:`safe_name`; file names that a file supplies (a shard index, a meta.json shard, a saved dataset's
+state.json or dataset_dict.json) through :func:`inside`, which keeps them in the folder the user named. Paths a user types are expanded (``~``, ``$VAR``) by :func:`expand_path` (config
 resolution calls it for every field declared ``F(..., path=...)``); a name that is not valid text (bytes
 that are not UTF-8) is refused by :func:`check_text` before anything reads or writes it; a folder's file
 pattern is checked by :func:`check_glob`.
@@ -20,7 +21,7 @@ from typing import Optional
 
 from tokenmill.errors import PathError
 
-__all__ = ["check_glob", "check_output", "check_text", "expand_path", "overlaps", "safe_name"]
+__all__ = ["check_glob", "check_output", "check_text", "expand_path", "inside", "overlaps", "safe_name"]
 
 
 def _real(p: str | os.PathLike) -> Path:
@@ -57,6 +58,25 @@ def safe_name(name: str, what: str) -> str:
         raise PathError(f"{what} {name!r} cannot be used as a file name: use letters, digits, '-', '_' or '.' "
                         "without a path separator.")
     return name
+
+
+def inside(folder: str | os.PathLike, name: object, what: str, err: type[Exception] = PathError) -> Path:
+    """``folder / name`` for a file name that a file inside ``folder`` supplies (a shard index's weight_map, a
+    meta.json shard, a saved dataset's data file or split), when ``name`` stays in ``folder``: a non-empty
+    relative text path with no control characters that no ``..`` takes out of the folder, judged on the
+    name as written (a symlink inside the folder, as the Hugging Face cache lays out, stays allowed). Else
+    ``err`` naming the entry (``what``: the file and its field)."""
+    if not isinstance(name, str):
+        raise err(f"{what} must name a file (a string), got {name!r:.60}.")
+    text = name.replace("\\", "/")
+    bad = (not text or any(ord(c) < 32 for c in text) or os.path.isabs(text) or text.startswith("~")
+           or re.match(r"^[A-Za-z]:", text) or os.path.normpath(text) in (".", "..")
+           or os.path.normpath(text).startswith("../"))
+    if bad:
+        raise err(f"{what} names the file {name!r:.200}; it must be a file name inside the folder '{folder}' (not "
+                  "empty or absolute, no '..' climbing out): tokenmill reads only files inside the folder you name. "
+                  "Fix the entry, or save the folder again.")
+    return Path(folder) / os.path.normpath(text)
 
 
 _UNSET_VAR = re.compile(r"\$(\w+|\{[^}]*\})")

@@ -30,6 +30,12 @@
   report is the signal's consequence, not news, and is dropped (before any signal, and in processes that
   never had one, Python's report is unchanged). What must not stop half-way is built inside
   :func:`deferred` instead (the tokenizer pool, a DataLoader's workers).
+- Inside :func:`graceful` (a training loop past its first step) the **first** signal raises nothing: it is
+  recorded (:func:`requested`) for the loop to poll at its step boundaries, where it takes it (:func:`take`),
+  stops in its own way (saves, says how to resume) and raises :func:`exception`. Not taken within the grace
+  time, the signal raises as above; a second signal ends the process at once, as above. Once a signal is
+  recorded, a child's death (a DataLoader worker killed by the same SIGTERM sent to the whole group) no
+  longer raises in the middle of a step or a save (torch's SIGCHLD check is dropped: the process is stopping).
 - After the command (``finish``, in a process that ``cli.main`` owns), a late signal during the
   interpreter's exit ends the process at once, quietly, with the command's exit code.
 - A closed stdout pipe (``tokenmill sample | head -1``) exits 141 without a message (:func:`broken_pipe`).
@@ -67,7 +73,7 @@ WORDS = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}
 
 _state: dict = {"active": False, "first": None, "announced": False, "quit": False, "previous": None,
                 "pid": None, "code": None, "defer": 0, "held": None, "import_held": None, "redeliver": False,
-                "answered": 0, "arrived": 0, "wakeup": None, "unraisable": None}
+                "answered": 0, "arrived": 0, "wakeup": None, "unraisable": None, "grace": None}
 _hooks = False
 _watcher: dict = {"pid": None, "w": -1}
 STUCK_S = 10.0  # a signal the main thread has not answered for this long, without running a line: it is stuck
@@ -81,6 +87,8 @@ def _handler(signum: int, frame) -> None:
         quiet_worker()
         if signum == signal.SIGTERM:
             os._exit(CODES[signum])  # it has done nothing yet
+        return
+    if _state["grace"] is not None and _graceful(signum):
         return
     if _state["defer"] and _state["first"] is None:
         if _state["held"] is not None:  # the second one: end now
@@ -102,6 +110,96 @@ def _handler(signum: int, frame) -> None:
         _state["first"] = signum
         raise Terminated() if signum == signal.SIGTERM else Interrupted()
     force_exit(_state["first"])
+
+
+def _graceful(signum: int) -> bool:
+    """Inside :func:`graceful`: record the first signal and start its grace timer (True: nothing more to
+    do); a second one ends the process. False: the grace time is over, the signal raises as usual."""
+    g = _state["grace"]
+    if g["escalate"]:  # sent by the grace timer
+        g["escalate"] = False
+        if g["taken"]:  # taken meanwhile: nothing to do
+            return True
+        _state["grace"] = None  # the usual path from here on
+        return False
+    if _state["first"] is not None or _state["import_held"] is not None or _state["redeliver"]:
+        return False
+    if g["requested"] is not None:  # a second signal before the loop took the first: end now
+        force_exit(g["requested"])
+    g.update(requested=signum, at=time.monotonic())
+    if hasattr(signal, "SIGCHLD"):  # a DataLoader worker killed by the same SIGTERM (sent to the whole group)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # raises no more mid-step or mid-save (this process is
+        # stopping); the loader still fails if it needs that worker's next batch
+    g["timer"] = threading.Timer(g["grace_s"], _escalate, (g,))
+    g["timer"].daemon = True
+    g["timer"].start()
+    return True
+
+
+def _escalate(g: dict) -> None:
+    """The grace time is over and the loop has not taken the signal: send it again, to raise."""
+    if _state["grace"] is g and not g["taken"]:
+        g["escalate"] = True
+        os.kill(os.getpid(), g["requested"])
+
+
+@contextlib.contextmanager
+def graceful(grace_s: float) -> Iterator[None]:
+    """Inside, the first SIGINT/SIGTERM raises nothing: :func:`requested` gives it to code that polls at safe
+    points (a training loop's step boundary) and then calls :func:`take`. Not taken within ``grace_s``
+    seconds, it raises as usual (``Interrupted``/``Terminated``); a second signal ends the process at once.
+    One still pending when the body ends raises then. Where :func:`install` did not run (``train()`` called
+    from Python), or in another thread, nothing changes."""
+    if not _state["active"] or _state["pid"] != os.getpid() or _state["first"] is not None or \
+            threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    g = {"grace_s": grace_s, "requested": None, "at": None, "taken": False, "timer": None, "escalate": False}
+    _state["grace"] = g
+    pending = False
+    try:
+        yield
+    finally:
+        if _state["grace"] is g:
+            _state["grace"] = None
+        if g["timer"] is not None:
+            g["timer"].cancel()
+        if g["requested"] is not None and not g["taken"] and _state["first"] is None:
+            _state["first"] = pending = g["requested"]  # the exit code is the signal's, whatever ends the body
+    if pending:
+        raise exception(pending)
+
+
+def requested() -> Optional[int]:
+    """The signal :func:`graceful` holds for the code to take (None: none)."""
+    g = _state["grace"]
+    return g["requested"] if g is not None and not g["taken"] else None
+
+
+def waited() -> float:
+    """Seconds since the signal :func:`requested` gives arrived (0.0: none)."""
+    g = _state["grace"]
+    return time.monotonic() - g["at"] if g is not None and g["at"] is not None else 0.0
+
+
+def take(signum: Optional[int] = None) -> int:
+    """Take the held signal (or, in a process that received none, ``signum``: another rank's) and stop its
+    grace timer: from now on a signal ends the process at once. Returns the signal to exit with."""
+    g = _state["grace"]
+    held = g["requested"] if g is not None else None
+    if g is not None:
+        g["taken"] = True
+        if g["timer"] is not None:
+            g["timer"].cancel()
+    signum = held or signum or signal.SIGINT
+    if _state["first"] is None:
+        _state["first"] = signum
+    return _state["first"]
+
+
+def exception(signum: int) -> KeyboardInterrupt:
+    """The exception a signal raises: :class:`Terminated` for SIGTERM, :class:`Interrupted` otherwise."""
+    return Terminated() if signum == signal.SIGTERM else Interrupted()
 
 
 def _forking(frame) -> bool:
@@ -152,11 +250,25 @@ def deferred() -> Iterator[None]:
         raise Terminated() if held == signal.SIGTERM else Interrupted()
 
 
+_cleanups: list = []  # run by force_exit before it ends the process (see cleanup_on_force_exit)
+
+
+@contextlib.contextmanager
+def cleanup_on_force_exit(fn) -> Iterator[None]:
+    """While the body runs, a process ended at once (a second signal, a stuck main thread) calls ``fn()``
+    first: a quick removal of what the body was writing (its temporary files), so nothing is left behind."""
+    _cleanups.append(fn)
+    try:
+        yield
+    finally:
+        _cleanups.remove(fn)
+
+
 def force_exit(signum: int, code: Optional[int] = None, announce: bool = True, why: str = "",
                flush: bool = True) -> None:
-    """End the process now: kill its multiprocessing children, write the one line once (``why`` in
-    brackets after it), flush what can be flushed, exit with ``code`` (default: the signal's; no clean-up,
-    no traceback)."""
+    """End the process now: kill its multiprocessing children, run the :func:`cleanup_on_force_exit`
+    functions, write the one line once (``why`` in brackets after it), flush what can be flushed, exit with
+    ``code`` (default: the signal's; no other clean-up, no traceback)."""
     try:
         import multiprocessing
 
@@ -164,6 +276,9 @@ def force_exit(signum: int, code: Optional[int] = None, announce: bool = True, w
             child.kill()
     except Exception:  # noqa: BLE001 - ending anyway
         pass
+    for fn in list(_cleanups):
+        with contextlib.suppress(Exception):
+            fn()
     if announce and not _state["announced"]:
         _state["announced"] = True
         os.write(2, f"tokenmill: {WORDS.get(signum, 'interrupted')}{f' ({why})' if why else ''}\n".encode())
@@ -176,13 +291,13 @@ def force_exit(signum: int, code: Optional[int] = None, announce: bool = True, w
 
 
 def received() -> Optional[int]:
-    """The first SIGINT/SIGTERM received since :func:`install` (None: none)."""
-    return _state["first"]
+    """The first SIGINT/SIGTERM received since :func:`install`, held by :func:`graceful` or not (None: none)."""
+    return _state["first"] or requested()
 
 
 def outcome(exc: BaseException) -> tuple[int, str]:
     """(exit code, the one line) for a command ended by ``exc`` after a signal or a KeyboardInterrupt."""
-    signum = _state["first"] or (signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT)
+    signum = received() or (signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT)
     _state["announced"] = True
     return CODES[signum], f"tokenmill: {WORDS[signum]}"
 
@@ -195,7 +310,7 @@ def install() -> None:
     _install_process_hooks()
     _state.update(first=None, announced=False, quit=False, active=True, pid=os.getpid(), defer=0, held=None,
                   import_held=None, redeliver=False, previous={s: signal.getsignal(s) for s in SIGNALS},
-                  answered=0, arrived=0, wakeup=_start_watcher())
+                  answered=0, arrived=0, wakeup=_start_watcher(), grace=None)
     if sys.unraisablehook is not _unraisable:
         _state["unraisable"] = sys.unraisablehook
         sys.unraisablehook = _unraisable
@@ -239,7 +354,7 @@ def quiet_worker() -> None:
         return
     signal.signal(signal.SIGINT, _ignore)
     signal.signal(signal.SIGTERM, _worker_exit)
-    _state.update(active=False, first=None, quit=False)
+    _state.update(active=False, first=None, quit=False, grace=None)
 
 
 def _ignore(signum: int, frame) -> None:

@@ -98,6 +98,7 @@ def run_train(
     config_path = run_dir / "rung.toml"
     C.save(cfg, config_path)
     cmd = train_command(config_path, run_dir, launcher, nproc)
+    _threads_note(cfg, nproc)
     rc, timed_out, wall = _run_logged(cmd, run_dir, timeout_s, echo)
     stderr = (run_dir / "stderr.log").read_text(errors="replace")
     oom = any(m in stderr.lower() for m in OOM_MARKERS)
@@ -114,12 +115,31 @@ def run_train(
     return res
 
 
+def _threads_note(cfg: C.Config, nproc: int) -> None:
+    """Say the CPU-threads note (too many threads for the free cores) once for the whole ladder, for a rung
+    that runs on the CPU with ``nproc`` processes; its rungs never repeat it."""
+    from tokenmill.train.device import NOTED_ENV, contention_note, thread_settings
+
+    if cfg.train.device not in ("cpu", "auto") or os.environ.get(NOTED_ENV):
+        return
+    if cfg.train.device == "auto":
+        import torch
+
+        if torch.cuda.is_available() or torch.backends.mps.is_available():
+            return
+    if (note := contention_note({**thread_settings(), "local_world_size": nproc})) is not None:
+        print(note, flush=True)
+
+
 def _run_logged(cmd: list[str], run_dir: Path, timeout_s: float,
                 echo: Optional[Callable[[str], None]]) -> tuple[int, bool, float]:
     """Run ``cmd`` in its own session, stdout to ``run_dir/stdout.log`` (and ``echo``), stderr to
     ``stderr.log``; the whole group is killed on timeout or on any exception here (a Ctrl-C).
     Returns (exit code, timed out, wall seconds)."""
+    from tokenmill.train.device import NOTED_ENV
+
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env[NOTED_ENV] = "1"  # the CPU-threads note is the ladder's to say, once (_threads_note), not each rung's
     t0 = time.perf_counter()
     timed_out = False
     with open(run_dir / "stderr.log", "w") as err, open(run_dir / "stdout.log", "w") as out:

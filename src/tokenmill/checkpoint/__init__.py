@@ -24,6 +24,7 @@ from tokenmill.checkpoint.files import (
     FILE_NAME,
     TMP_NAME,
     atomic_torch_save,
+    check_room,
     checkpoint_dir,
     clean_state_dict,
     dcp_path,
@@ -32,6 +33,7 @@ from tokenmill.checkpoint.files import (
     read_file,
     rng_state,
     set_rng_state,
+    state_nbytes,
 )
 from tokenmill.errors import CheckpointError, ConfigError, DataError, ParallelError
 from tokenmill.optim import consolidated_state_dict
@@ -127,6 +129,8 @@ def save_checkpoint(run_dir, step, model, optimizer, scheduler, scaler, cfg, wor
     background.wait()
     in_background = cfg.checkpoint.async_save and step < cfg.train.max_steps
     rotate = (lambda: _rotate(run_dir, step, cfg.checkpoint.keep_last)) if world.is_rank0 else None
+    if world.is_rank0:
+        _prune(run_dir, step, cfg.checkpoint.keep_last)  # before the write: the peak is keep_last + 1
     if world.sharded:
         extra = _extra(model, scheduler, scaler, cfg, world, step, global_samples) if world.is_rank0 else None
         path = dcp.save_dcp(dcp_path(run_dir, step), model, optimizer, world, extra, rotate, in_background)
@@ -138,6 +142,7 @@ def save_checkpoint(run_dir, step, model, optimizer, scheduler, scaler, cfg, wor
             state["model"] = clean_state_dict(unwrap(model).state_dict())
             state["optimizer"] = optim_sd
             path.parent.mkdir(parents=True, exist_ok=True)
+            check_room(path, state_nbytes(state), _peak_count(run_dir, step, cfg), cfg.checkpoint.async_save)
             if in_background:
                 background.PENDING.start(state, path, after=rotate)
             else:
@@ -145,6 +150,27 @@ def save_checkpoint(run_dir, step, model, optimizer, scheduler, scaler, cfg, wor
                 rotate()
     barrier(world)
     return path
+
+
+def _prune(run_dir, step: int, keep_last: int) -> None:
+    """Before writing step ``step``: keep only the newest ``keep_last`` checkpoints older than it. The
+    newest of them has proved itself (the caller checked every loss up to ``step``; the trainer never saves
+    a model whose losses were not checked), so the one :func:`_rotate` protected is no longer needed, and
+    the folder holds at most ``keep_last`` checkpoints plus the one being written."""
+    older = [p for s, p in list_checkpoints(run_dir) if s < step]
+    for old in older[:-keep_last]:
+        shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)
+
+
+def _peak_count(run_dir, step: int, cfg: C.Config) -> int:
+    """How many checkpoints the folder will hold at its fullest from this save on: ``keep_last`` plus the
+    one being written, or fewer when the run has fewer saves left (this one and the final one included)."""
+    ck, t = cfg.checkpoint, cfg.train
+    every = ck.every_steps
+    periodic = (t.max_steps - 1) // every - step // every if every else 0  # saves after this one, before the end
+    left = 1 + max(0, periodic) + int(ck.save_final and step < t.max_steps)
+    kept = len([s for s, _ in list_checkpoints(run_dir) if s < step])
+    return min(ck.keep_last + 1, kept + left)
 
 
 def _rotate(run_dir, step: int, keep_last: int) -> None:

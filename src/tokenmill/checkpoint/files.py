@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import pickle
 import re
+import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +67,54 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
             f"could not write checkpoint {path} ({first_line(e)}): the disk may be full or the file over a size "
             "limit; free space, then continue the run with --resume (the previous checkpoint is intact)."
         ) from None
+
+
+def state_nbytes(obj: Any) -> int:
+    """The bytes of every tensor in ``obj`` (nested dicts, lists and tuples): about a checkpoint file's size."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(state_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(state_nbytes(v) for v in obj)
+    return 0
+
+
+def free_bytes(folder: Path) -> int:
+    """Free bytes on the file system holding ``folder`` for this user (the tests replace it)."""
+    return shutil.disk_usage(folder).free
+
+
+SLACK_BYTES = 1 << 20  # a file's headers and the pickled containers beyond its tensors' bytes
+
+
+def check_room(path: Path, nbytes: int, peak: int, async_save: bool = False) -> None:
+    """Before writing a checkpoint of ``nbytes`` tensor bytes to ``path``: refuse when the disk cannot hold it
+    (the write would fail), and warn, once per process, when it cannot hold the rest of the run: at its fullest
+    the folder holds ``peak`` checkpoints (``checkpoint.keep_last`` plus the one being written, fewer when the
+    run saves fewer, see :func:`tokenmill.checkpoint._peak_count`), and the checkpoints already there count."""
+    folder, one = path.parent, nbytes + SLACK_BYTES
+    have = sum(_size(p) for p in folder.iterdir() if FILE_NAME.match(p.name) and p != path)
+    need, free = max(one, peak * one - have), free_bytes(folder)
+    rest = (f"the run needs room for {peak} checkpoint(s) of {_gb(one)} (checkpoint.keep_last plus the one being "
+            f"written), {_gb(peak * one)}, of which {_gb(have)} are checkpoints already there; {folder} has "
+            f"{_gb(free)} free, {_gb(need - free)} short")
+    host = f"; checkpoint.async_save also holds one copy ({_gb(nbytes)}) in host memory" if async_save else ""
+    if free < one:
+        raise CheckpointError(f"not enough disk space for checkpoint {path}: {rest}{host}. Fix: free space, lower "
+                              "checkpoint.keep_last, or use a --run-dir on a larger disk; nothing was written and "
+                              "the previous checkpoint is intact (continue with --resume).")
+    if free < need and folder not in _WARNED:
+        _WARNED.add(folder)
+        print(f"tokenmill: warning: {rest}: a later save will fail (the run then stops, resumable). Free space "
+              "or lower checkpoint.keep_last.", file=sys.stderr, flush=True)
+
+
+_WARNED: set[Path] = set()  # folders warned about (once per process)
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 def first_line(e: BaseException, limit: int = 200) -> str:

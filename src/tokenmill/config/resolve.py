@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import functools
@@ -18,14 +19,15 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-import tomli_w
-
 from tokenmill import atomic
+from tokenmill.config.inert import warn_inert
 from tokenmill.config.lora import LORA_ROLES
 from tokenmill.config.schema import Config, describe_range, field_ranges, field_specs, sections
 from tokenmill.config.size import check_size
 from tokenmill.config.suggest import suggest
+from tokenmill.config.toml_out import dumps as toml_dumps
 from tokenmill.errors import ConfigError, PathError
+from tokenmill.filecheck import Number, check_number, read_toml
 from tokenmill.paths import expand_path
 
 
@@ -64,6 +66,24 @@ def _coerce(key: str, tp: Any, value: Any, from_string: bool) -> Any:
             if v in ("0", "false", "no", "off"):
                 return False
         raise ConfigError(f"{key}: expected true or false, got {value!r}.")
+    if tp in (int, float):
+        return _coerce_number(key, tp, value)
+    if tp is str:
+        if isinstance(value, str):
+            if key not in _path_kinds():  # text, recorded in the UTF-8 config.toml (paths: expand_path checks)
+                _check_utf8(key, value)
+            return value
+        if from_string:
+            return str(value)
+        raise ConfigError(f"{key}: expected a string, got {value!r}.")
+    raise ConfigError(f"{key}: unsupported field type {tp!r}")  # pragma: no cover
+
+
+def _coerce_number(key: str, tp: type, value: Any) -> Any:
+    """An int or float field's value: a number, or text of one (flags); a TOML float keeps its literal, so an
+    infinite or underflowing one is refused naming the field (:func:`tokenmill.filecheck.check_number`)."""
+    if isinstance(value, Number):  # a TOML float: infinite or underflowed to 0.0
+        check_number(value.text, value, key, ConfigError)
     if tp is int:
         if isinstance(value, bool):
             raise ConfigError(f"{key}: expected an integer, got {value!r}.")
@@ -84,19 +104,12 @@ def _coerce(key: str, tp: Any, value: Any, from_string: bool) -> Any:
             return float(value)
         if isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
-                pass
+                number = None
+            if number is not None:
+                return check_number(value, number, key, ConfigError)
         raise ConfigError(f"{key}: expected a number, got {value!r}.")
-    if tp is str:
-        if isinstance(value, str):
-            if key not in _path_kinds():  # text, recorded in the UTF-8 config.toml (paths: expand_path checks)
-                _check_utf8(key, value)
-            return value
-        if from_string:
-            return str(value)
-        raise ConfigError(f"{key}: expected a string, got {value!r}.")
-    raise ConfigError(f"{key}: unsupported field type {tp!r}")  # pragma: no cover
 
 
 def _check_utf8(key: str, value: str) -> None:
@@ -173,15 +186,7 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file '{p}' is a folder; give the path of a .toml file.")
     if not p.is_file():
         raise ConfigError(f"config file '{p}' does not exist.")
-    try:
-        with open(p, "rb") as f:
-            return tomllib.load(f)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file '{p}' is not valid TOML: {e}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"config file '{p}' is not UTF-8 text; save it as UTF-8 TOML.") from None
-    except OSError as e:  # unreadable (permissions), or vanished meanwhile
-        raise ConfigError(f"config file '{p}' cannot be read: {e.strerror or e}.") from None
+    return read_toml(p, "config file", ConfigError)  # floats keep their literal: _coerce checks it
 
 
 def preset_names() -> list[str]:
@@ -378,11 +383,28 @@ def resolve(
     cfg = Config()
     if preset is not None:  # an empty name (an unset shell variable) is an unknown preset, not none
         apply_overrides(cfg, flatten(load_preset(preset), f"preset '{preset}'"), origin=f"preset '{preset}'")
+    base = copy.deepcopy(cfg)  # what the user did not choose here: defaults, the preset, a run's recorded config
     for path in config_files or []:
-        apply_overrides(cfg, flatten(load_toml(path), str(path)), origin=str(path))
+        flat = flatten(load_toml(path), str(path))
+        apply_overrides(cfg, flat, origin=str(path))
+        if _recorded(path):
+            apply_overrides(base, flat, origin=str(path))
     if overrides:
         apply_overrides(cfg, overrides, from_string=overrides_from_string, origin="command line")
-    return validate(cfg)
+    warn_inert(validate(cfg), base)  # switches that do nothing under the rest: said once, naming what they need
+    return cfg
+
+
+def _recorded(path: str | Path) -> bool:
+    """Whether ``path`` is a config.toml that tokenmill wrote (:func:`save`), not one a user wrote."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.readline().startswith(RECORDED_HEADER)
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+RECORDED_HEADER = "# tokenmill resolved config"  # the first line of every config.toml tokenmill writes
 
 
 def to_toml(cfg: Config) -> str:
@@ -391,13 +413,13 @@ def to_toml(cfg: Config) -> str:
     tree = {}
     for sname, body in cfg.to_dict().items():
         tree[sname] = {k: v for k, v in body.items() if v is not None}
-    return tomli_w.dumps(tree)
+    return toml_dumps(tree)
 
 
 def save(cfg: Config, path: str | Path) -> None:
     """Write ``cfg`` as TOML to ``path`` atomically (a temporary sibling renamed into place), so a crash or a
     full disk never leaves a half-written config.toml in a run directory."""
-    atomic.write_text(path, "# tokenmill resolved config: feed back with --config to reproduce this run\n" + to_toml(cfg))
+    atomic.write_text(path, RECORDED_HEADER + ": feed back with --config to reproduce this run\n" + to_toml(cfg))
 
 
 def from_dict(tree: dict[str, Any]) -> Config:

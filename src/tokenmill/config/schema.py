@@ -87,8 +87,8 @@ class DataConfig:
         "Keep documents apart inside a packed window: attention is causal AND within one document, documents "
         "ending with the data's end-of-text token (meta.json tokenizer.eot_id; the token belongs to the "
         "document it ends). The model derives each token's document from the input ids (model/gpt.py), so "
-        "data, loader and data parallelism are unchanged. Costs a (batch, 1, T, T) mask and, with SDPA, the "
-        "flash kernel (CUDA runs the memory-efficient one, over the whole T x T). The loss still counts every "
+        "data, loader and data parallelism are unchanged. model.document_attention: FlexAttention (CUDA's default) or "
+        "an explicit (batch, 1, T, T) mask, which costs the flash kernel. The loss still counts every "
         "position. Needs an end-of-text id (not the 'bytes' tokenizer, not synthetic data); not with "
         "parallel.pp > 1 or model.sdpa_backend='flash'; generation with the KV cache does not use it.",
     )
@@ -97,6 +97,10 @@ class DataConfig:
         "With data.document_mask: positions (learned or rotary) restart at 0 in every document, so each "
         "document is computed exactly as if it stood alone at the start of a window.",
     )
+    loss_mask: Optional[bool] = F(None, "Learn only the tokens the folder's loss mask marks (`prepare --format chat`; "
+        "other targets -100), the loss a mean over the global batch's learned tokens (any accumulation or process "
+        "layout alike). None (auto): when the folder has one; true: required; false: every token. Not with "
+        "parallel.pp > 1 or data.mixture.")
 
 
 @dataclass

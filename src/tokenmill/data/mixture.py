@@ -41,6 +41,7 @@ import torch
 from torch.utils.data import Dataset
 
 from tokenmill.errors import ConfigError, DataError
+from tokenmill.filecheck import check_number
 
 from .dataset import STREAM_LENGTH, WindowDataset, _index, open_token_data, sample_key
 from .meta import read_meta
@@ -84,8 +85,19 @@ def parse_mixture(spec: str) -> list[MixSource]:
 
 
 def _weight(entry: str, text: str) -> Fraction:
+    """The weight as an exact fraction; its float must be finite and a nonzero literal must not underflow to
+    0.0 (checked first: ``Fraction('1e999999999')`` would compute a billion-digit integer)."""
+    num, _, den = text.partition("/")
     try:
-        w = Fraction(text)
+        parts = [(p, float(p)) for p in ((num, den) if den else (num,))]
+    except ValueError:
+        parts = None
+    if parts and not all(math.isfinite(v) for _, v in parts):
+        parts = None  # infinite or NaN: "not a number", before Fraction runs
+    for part, value in parts or []:  # a nonzero literal read as 0.0: refused before Fraction runs
+        check_number(part, value, f"data.mixture entry {entry!r}: the weight", ConfigError)
+    try:
+        w = Fraction(text) if parts is not None else None
     except (ValueError, ZeroDivisionError):
         w = None
     if w is None or w <= 0:
@@ -272,7 +284,7 @@ def tokenizer_identity(folder: Path) -> tuple:
     if file.is_file():
         try:
             canon = json.dumps(json.loads(file.read_text(encoding="utf-8")), sort_keys=True)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):  # not JSON, or nested too deep: compare bytes
             canon = file.read_bytes().hex()
         digest = hashlib.sha256(canon.encode()).hexdigest()
     return info.get("name"), meta["vocab_size"], info.get("eot_id"), digest

@@ -30,14 +30,14 @@ from tokenmill import atomic
 from tokenmill.errors import DataError
 
 from .bpe import train_bpe
-from .build import BuildLock, Journal, build_folder, clear_build, prefix_digest, swap_into_place
+from .build import SPOOL, BuildLock, ContentChain, Journal, build_folder, clear_build, swap_into_place
 from .chunking import CHUNK_BYTES
 from .meta import DTYPES, FORMAT, META_NAME, VERSION, dtype_for_vocab, sha256_file
 from .pipeline import EncodeSettings, is_val, run
 from .progress import Progress
 from .readers import iter_pieces, piece_documents
 from .shards import SHARD_TOKENS, SplitWriter
-from .sources import collect_inputs
+from .sources import collect_inputs, spool
 from .tokenizers import TOKENIZER_FILE, BpeTokenizer, get_tokenizer
 
 DEFAULT_GLOB = None  # a folder: every file of a known kind (sources.DEFAULT_PATTERNS)
@@ -87,7 +87,7 @@ def prepare(
     # the folder itself (a link: the folder it points to, the link stays), as an absolute path
     out = given.resolve() if given.is_symlink() else Path(os.path.abspath(given))
     inputs, source = collect_inputs(input, glob, max_files, fmt)
-    inputs = [f for f in inputs if f.size > 0]
+    inputs = [f for f in inputs if f.size > 0 or f.pipe]
     if not inputs:
         raise DataError(f"input {source} holds only empty files: the corpus is empty. Fix: pass files with text.")
     opts = dict(tokenizer=tokenizer, vocab_size=vocab_size, val_fraction=val_fraction, workers=workers, seed=seed,
@@ -96,6 +96,7 @@ def prepare(
     build = build_folder(out)
     with BuildLock(build):
         try:
+            inputs = _spool_pipes(inputs, build, two_passes=tokenizer == "bpe")
             _Build(build, inputs, opts).run()
             swap_into_place(build, out)
         except DataError as e:
@@ -103,6 +104,21 @@ def prepare(
                 shutil.rmtree(build, ignore_errors=True)  # bad input: leave nothing behind
             raise
     return given
+
+
+def _spool_pipes(inputs, build: Path, two_passes: bool) -> list:
+    """Pipe inputs read once, as streams, except where prepare needs them twice (``two_passes``: a BPE trained
+    here reads the corpus, then tokenizes it) or out of order (Parquet, Arrow): those are copied into the
+    build folder first (one pass over the pipe), and the copy is read."""
+    out = []
+    for f in inputs:
+        if f.pipe and (two_passes or f.kind in ("parquet", "arrow")):
+            why = "a BPE is trained on it first" if two_passes else f"{f.kind} is read out of order"
+            print(f"tokenmill: note: input '{f.path}' is a pipe and {why}: copying it to {build / SPOOL} (the copy "
+                  "is removed at the end)", file=sys.stderr, flush=True)
+            f = spool(f, build / SPOOL)
+        out.append(f)
+    return out
 
 
 def _check_options(val_fraction, on_bad, shard_tokens, dtype, sample) -> None:
@@ -136,12 +152,12 @@ class _Build:
             **{k: opts[k] for k in ("val_fraction", "seed", "text_field", "shard_tokens", "dtype", "fmt")},
         }
         self.journal = Journal(build)
-        self.digests = prefix_digest([f.identity() for f in inputs])
+        self.content = ContentChain(inputs)  # what each journal line was written against
         self.counts = {"bad": 0, "empty": 0, "first_bad": None, "text_chars": 0}
         self.open_doc = None  # [split, start] of a text document cut into pieces, while it is written
 
     def run(self) -> None:
-        records = self.journal.read(self.settings)
+        records = self._verified(self.journal.read(self.settings))
         if not records:
             clear_build(self.build)
             self.journal.start(self.settings)
@@ -172,7 +188,8 @@ class _Build:
             trained = train_bpe(self._training_texts(bar), self.o["vocab_size"], path)
         finally:
             bar.close()
-        self._trained = [{"tokenizer_sha256": sha256_file(path)}]
+        content = ContentChain(self.inputs).at(len(self.inputs) - 1, None)  # the corpus it was trained on
+        self._trained = [{"tokenizer_sha256": sha256_file(path), "content": content}]
         self.journal.append(self._trained[0])
         return trained
 
@@ -224,13 +241,42 @@ class _Build:
 
     # -- tokenizing
 
+    def _verified(self, records: list[dict]) -> list[dict]:
+        """The journal lines whose input bytes are unchanged: the commits up to the first whose digest
+        (:class:`ContentChain`) disagrees, and the trained tokenizer's line when the whole corpus agrees
+        (else nothing: the tokenizer is trained again on the new corpus and everything is made again)."""
+        probe, commits = ContentChain(self.inputs), []
+        try:
+            for r in (r for r in records if "file" in r):
+                ok = isinstance(r["file"], int) and 0 <= r["file"] < len(self.inputs)
+                if not ok or probe.at(r["file"], r.get("n")) != r.get("content"):
+                    self._changed(r["file"] if ok else None)
+                    break
+                commits.append(r)
+            trained = [r for r in records if "tokenizer_sha256" in r][-1:]
+            if trained and probe.at(len(self.inputs) - 1, None) != trained[0].get("content"):
+                self._changed(None, "the tokenizer trained on them is trained again")
+                return []
+        finally:
+            probe.close()
+        return trained + commits
+
+    def _changed(self, i: int | None, what: str = "") -> None:
+        pipes = [f for f in self.inputs[: i + 1] if f.pipe] if i is not None else []
+        inp = pipes[0] if pipes else self.inputs[i] if i is not None else None
+        if pipes:
+            why = f"input '{inp.path}' is a pipe, which cannot be read again: it is read from its start"
+        else:
+            where = f"input '{inp.path}'" if inp is not None else "an input file"
+            why = f"{where} changed since the interrupted prepare read it: {what or 'its tokens are made again'}"
+        print(f"tokenmill: note: {why}", file=sys.stderr, flush=True)
+
     def _restore(self, records: list[dict]) -> tuple[int, list]:
         """Where to start: after the last journal line whose input files are unchanged (the shards cut back
         to it). The journal is rewritten to end at that line, so lines of abandoned work never count again."""
         keep = [r for r in records if "tokenizer_sha256" in r]
         commits = [r for r in records if "file" in r]
-        valid = [r for r in commits if r["file"] < len(self.digests) and r["prefix"] == self.digests[r["file"]]]
-        for rec in reversed(valid):
+        for rec in reversed(commits):
             try:
                 for s, w in self.writers.items():
                     w.restore(rec["splits"][s])
@@ -262,12 +308,14 @@ class _Build:
         settings = EncodeSettings(self.o["text_field"], self.o["seed"], self.o["val_fraction"], self.dtype, self.sep,
                                   self.tok.vocab_size)
         workers = self.o["workers"] or os.cpu_count() or 1
-        workers = max(1, min(workers, (total - self.done_bytes) // CHUNK_BYTES + 1))
+        if not any(f.pipe for f in self.inputs):  # a pipe's size is unknown
+            workers = max(1, min(workers, (total - self.done_bytes) // CHUNK_BYTES + 1))
         self.last_commit = time.monotonic()
         try:
             run(self._pieces(start), workers, self.inputs, self.tok, settings, self._take)
         finally:
             self.bar.close()
+            self.content.close()
 
     def _take(self, piece, enc) -> None:
         """Write one tokenized piece (in input order), count and report its bad records, commit now and then."""
@@ -320,7 +368,9 @@ class _Build:
     def _commit(self, piece) -> None:
         for w in self.writers.values():
             w.sync()
-        self.journal.append({"file": piece.file, "pos": piece.end, "prefix": self.digests[piece.file],
+        inp = self.inputs[piece.file]
+        n = None if piece.end is None or inp.kind in ("parquet", "arrow") else piece.raw or piece.end[0]
+        self.journal.append({"file": piece.file, "pos": piece.end, "n": n, "content": self.content.at(piece.file, n),
                              "splits": {s: w.state() for s, w in self.writers.items()},
                              "counts": self.counts, "open_doc": self.open_doc, "bytes": self.bar.bytes})
         self.last_commit = time.monotonic()

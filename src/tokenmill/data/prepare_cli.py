@@ -6,13 +6,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
 from tokenmill.config.options import number
-from tokenmill.errors import DataError
+from tokenmill.errors import DataError, describe_os_error
+from tokenmill.filecheck import get, read_toml
 from tokenmill.paths import check_output, check_text
 
+from .chat import LEARN, OVERFLOW
 from .meta import META_NAME
 from .prepare import DEFAULT_GLOB, ON_BAD, prepare
 from .shards import SHARD_TOKENS
@@ -33,20 +34,19 @@ from .tokenizers import (
 
 
 def _run_data_folder(run_dir: Path) -> Path:
-    """The prepared data folder a run directory's ``config.toml`` trained on."""
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # pragma: no cover
-        import tomli as tomllib
-
+    """The prepared data folder a run directory's ``config.toml`` trained on (its values type-checked: a
+    damaged config.toml is one error naming it)."""
     from .corpus import ensure_embedded_corpus
 
     cfg_path = run_dir / "config.toml"
-    try:
-        data = tomllib.loads(cfg_path.read_text(encoding="utf-8")).get("data", {})
-    except (OSError, ValueError) as e:
-        raise DataError(f"'{cfg_path}' cannot be read as TOML ({e}).") from None
-    if data.get("source") == "synthetic":
+    where = f"'{cfg_path}'"
+    data = get(read_toml(cfg_path, "run config", DataError), "data", dict, where, default={})
+    where = f"{where}: [data]"
+    data = {"source": get(data, "source", str, where, default=None), "path": get(data, "path", str, where, default=None),
+            "tokenizer": get(data, "tokenizer", str, where, default="bpe"),
+            "bpe_vocab_size": get(data, "bpe_vocab_size", int, where, lo=1, default=4096),
+            "cache_dir": get(data, "cache_dir", str, where, default=None)}
+    if data["source"] == "synthetic":
         raise DataError(
             f"run '{run_dir}' trained on synthetic tokens (data.source = 'synthetic'): it has no tokenizer to "
             "reuse. Fix: pass the data folder or tokenizer.json to reuse instead."
@@ -64,8 +64,7 @@ def _run_data_folder(run_dir: Path) -> Path:
     # the embedded corpus: its prepared folder in the cache (prepared again, identically, if gone)
     from types import SimpleNamespace
 
-    dc = SimpleNamespace(tokenizer=data.get("tokenizer", "bpe"), bpe_vocab_size=data.get("bpe_vocab_size", 4096),
-                         cache_dir=data.get("cache_dir"))
+    dc = SimpleNamespace(tokenizer=data["tokenizer"], bpe_vocab_size=data["bpe_vocab_size"], cache_dir=data["cache_dir"])
     return ensure_embedded_corpus(dc)
 
 
@@ -158,8 +157,11 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     )
     parser.add_argument("--text-field", default="text", metavar="NAME",
                         help="the JSON field / Parquet or Arrow column holding the text (default: text)")
-    parser.add_argument("--format", default="auto", choices=("auto", *KINDS),
-                        help="the kind of every input file (default: auto, from the file name)")
+    parser.add_argument("--format", default="auto", choices=("auto", *KINDS, "chat"),
+                        help="the kind of every input file (default: auto, from the file name); chat: records are "
+                        "conversations (JSON Lines / Parquet / Arrow), rendered with the chat template of "
+                        "--tokenizer-from, with a loss mask (docs/data.md, Chat data)")
+    add_chat_args(parser)
     parser.add_argument("--on-bad-record", default="skip", choices=ON_BAD,
                         help="a record that is not JSON, not UTF-8, lacks the field or is not text, or a truncated "
                         "shard: skip (count, report the first ones) or stop (default: skip)")
@@ -187,6 +189,43 @@ def _glob_root(pattern: str) -> str:
     return pattern
 
 
+def add_chat_args(parser: argparse.ArgumentParser) -> None:
+    """The options of ``--format chat``."""
+    parser.add_argument("--chat-template", default=None, metavar="FILE",
+                        help="with --format chat: a Jinja chat template instead of the --tokenizer-from folder's")
+    parser.add_argument("--chat-learn", default="assistant", choices=LEARN,
+                        help="with --format chat: the tokens the loss learns: every assistant reply, only the last, or "
+                        "every token (default: assistant)")
+    parser.add_argument("--chat-overflow", default="split", choices=OVERFLOW,
+                        help="with --format chat: a conversation longer than --block-size is dropped, or split at "
+                        "exchange boundaries (default: split)")
+    parser.add_argument("--block-size", type=number(int, ge=2), default=None, metavar="N",
+                        help="with --format chat: the training window in tokens (default: no limit)")
+
+
+def _run_chat(args: argparse.Namespace, source) -> int:
+    """``prepare --format chat``: the template and tokenizer of --tokenizer-from, then the chat build."""
+    from .chat import ChatTemplate
+    from .chat_prepare import chat_summary, prepare_chat
+
+    if source is None or args.tokenizer is not None or args.vocab_size is not None:
+        raise DataError("--format chat renders each conversation with a model's chat template: pass --tokenizer-from "
+                        "HF_MODEL_FOLDER (and neither --tokenizer nor --vocab-size).")
+    out = prepare_chat(args.input or None, args.out, ChatTemplate(source, args.chat_template), learn=args.chat_learn,
+                       overflow=args.chat_overflow, block_size=args.block_size, val_fraction=args.val_fraction,
+                       workers=args.workers, seed=args.seed, progress=not args.no_progress, glob=args.glob,
+                       max_files=args.max_files, on_bad_record=args.on_bad_record, shard_tokens=args.shard_tokens,
+                       dtype=args.dtype)
+    meta = json.loads((out / META_NAME).read_text())
+    s, prep = meta["splits"], meta["prepare"]
+    bad = prep["bad_records"]
+    print(f"prepared {out}: train {s['train']['tokens']:,} tokens ({s['train']['documents']} sequences), val "
+          f"{s['val']['tokens']:,} tokens ({s['val']['documents']} sequences), {meta['dtype']}, with loss masks\n"
+          f"{chat_summary(meta)}\nsource: {meta['source']}\ntokenizer and chat template from: {source}\n"
+          f"skipped {bad:,} bad record(s)" + (f" (the first: {prep['first_bad_record']})" if bad else ""))
+    return 0
+
+
 def run_prepare(args: argparse.Namespace) -> int:
     """Run ``prepare`` from parsed arguments, print a summary; DataError propagates. Returns 0."""
     source = getattr(args, "tokenizer_from", None)
@@ -195,6 +234,13 @@ def run_prepare(args: argparse.Namespace) -> int:
             check_text(path, what)  # before any name is printed, hashed or recorded
     inputs = {f"the input {i}": _glob_root(i) for i in (args.input or [])}
     check_output(args.out, {**inputs, "the --tokenizer-from source": source})  # before anything is written
+    template, block = getattr(args, "chat_template", None), getattr(args, "block_size", None)
+    if args.format != "chat" and (template or block):
+        raise DataError("--chat-template and --block-size go with --format chat. Fix: add --format chat, or drop them.")
+    if template is not None:
+        check_text(template, "--chat-template")
+    if args.format == "chat":
+        return _run_chat(args, source)
     if source is not None:
         given = [f for f, v in (("--tokenizer", args.tokenizer), ("--vocab-size", args.vocab_size)) if v is not None]
         if given:
@@ -205,7 +251,7 @@ def run_prepare(args: argparse.Namespace) -> int:
         tokenizer = tokenizer_from(source)
     else:
         tokenizer = args.tokenizer if args.tokenizer is not None else "bpe"
-    out = prepare(
+    out = _prepare(
         args.input or None,
         args.out,
         tokenizer=tokenizer,
@@ -237,6 +283,25 @@ def run_prepare(args: argparse.Namespace) -> int:
         + f"\nskipped {bad:,} bad record(s)" + (f" (the first: {prep['first_bad_record']})" if bad else "")
     )
     return 0
+
+
+def _prepare(inputs, out_dir: str, **kwargs) -> Path:
+    """``prepare``; an operating-system error that stops it (a file-size limit, a full disk) also says that the
+    hidden build folder is kept, and how to resume from it or remove it."""
+    try:
+        return prepare(inputs, out_dir, **kwargs)
+    except OSError as e:
+        given = Path(out_dir)
+        out = given.resolve() if given.is_symlink() else Path(os.path.abspath(given))
+        build = next((b for b in (out.parent / f".{out.name}.prepare", out / f".{out.name}.prepare") if b.is_dir()),
+                     None)
+        if build is None:
+            raise
+        raise DataError(
+            f"prepare stopped: {describe_os_error(e)} The partial build is kept in {build} (hidden, beside "
+            "--out): once the limit is raised or space is freed (`ulimit -f` shows a file-size limit), run the same "
+            f"command again and it resumes where it stopped; to start over instead, remove it: rm -r {build}"
+        ) from None
 
 
 def parse_size(text: str) -> int:

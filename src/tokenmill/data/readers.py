@@ -26,12 +26,14 @@ from collections.abc import Iterator
 from tokenmill.errors import DataError
 
 from .chunking import CHUNK_BYTES, next_cut
-from .sources import InputFile, Piece, missing_input  # noqa: F401
+from .sources import InputFile, Piece, missing_input, open_pipe
 
 READ_BYTES = 1 << 18  # compressed bytes read at a time
 
 
 def _open(inp: InputFile):
+    if inp.pipe:
+        return open_pipe(inp)
     try:
         return open(inp.path, "rb")
     except FileNotFoundError:
@@ -46,7 +48,7 @@ def iter_pieces(inp: InputFile, index: int, start: list, chunk: int = CHUNK_BYTE
         from .columnar import iter_columnar_pieces
 
         yield from iter_columnar_pieces(inp, index, start, chunk, text_field)
-    elif inp.compression:
+    elif inp.compression or inp.pipe:  # read once, in order: the pieces carry their bytes
         yield from _stream_pieces(inp, index, start, chunk, cut_text)
     else:
         yield from _range_pieces(inp, index, start, chunk if cut_text or inp.kind == "jsonl" else 1 << 62)
@@ -113,13 +115,16 @@ def _utf8_problem(f, size: int) -> str | None:
 
 
 class _Stream:
-    """Decompressed bytes of a gzip / Zstandard file read in steps; ``raw`` = compressed bytes read.
-    Raises EOFError when the compressed stream ends before its end marker (a truncated file)."""
+    """Decompressed bytes of a gzip / Zstandard file (or the bytes of an uncompressed pipe) read in steps;
+    ``raw`` = file bytes read. Raises EOFError when the compressed stream ends before its end marker (a
+    truncated file)."""
 
-    def __init__(self, f, compression: str):
+    def __init__(self, f, compression: str | None):
         self.f, self.compression, self.raw = f, compression, 0
         self.done = False
-        if compression == "gzip":
+        if compression is None:
+            self.d = None
+        elif compression == "gzip":
             self.d = zlib.decompressobj(wbits=31)
         else:
             try:
@@ -139,7 +144,7 @@ class _Stream:
             self.raw += len(raw)
             if not raw:
                 self.done = True
-                if not self.d.eof:
+                if self.d is not None and not self.d.eof:
                     raise EOFError("the compressed stream ends before its end marker (a truncated file)")
                 return b""
             out = self._feed(raw)
@@ -148,6 +153,8 @@ class _Stream:
         return b""
 
     def _feed(self, raw: bytes) -> bytes:
+        if self.d is None:
+            return raw
         out = self.d.decompress(raw)
         while self.d.eof and self.d.unused_data:  # another member / frame follows
             rest = self.d.unused_data
@@ -186,7 +193,7 @@ def _stream_pieces(inp: InputFile, index: int, start: list, chunk: int, cut_text
                 lines = buf.count(b"\n", 0, cut) + (buf[cut - 1] != 0x0A) if inp.kind == "jsonl" else 0
                 last = eof and cut == len(buf) and error is None
                 piece = Piece(index, [offset, record], None if last else [offset + cut, record + lines], (0, cut),
-                              data=bytes(buf[:cut]), disk=stream.raw - disk)
+                              data=bytes(buf[:cut]), disk=stream.raw - disk, raw=stream.raw)
                 disk = stream.raw
                 del buf[:cut]
                 offset, record = offset + cut, record + lines
@@ -222,11 +229,13 @@ def piece_documents(inp: InputFile, piece: Piece, text_field: str) -> tuple[list
 
         return columnar_documents(inp, piece, text_field)
     data = piece.data if piece.data is not None else _read_range(inp, *piece.span)
+    bom = len(codecs.BOM_UTF8) if piece.first and data.startswith(codecs.BOM_UTF8) else 0
+    data = data[bom:]  # a byte-order mark (Windows editors write one) is not text
     if inp.kind == "text":
-        try:
-            return [data.decode("utf-8-sig" if piece.first else "utf-8")], [1], []
+        try:  # Windows line ends read as "\n", as Python's text files do: the same tokens as the LF copy
+            return [data.decode("utf-8").replace("\r\n", "\n")], [1], []
         except UnicodeDecodeError as e:
-            return [], [], [(1, f"is not UTF-8 text (bad byte at byte offset {piece.start[0] + e.start})")]
+            return [], [], [(1, f"is not UTF-8 text (bad byte at byte offset {piece.start[0] + bom + e.start})")]
     return _jsonl_documents(data, piece.start[1], text_field, inp)
 
 
@@ -246,6 +255,9 @@ def _jsonl_documents(data: bytes, first: int, field: str, inp: InputFile) -> tup
             obj = json.loads(line.decode("utf-8"))
         except UnicodeDecodeError as e:
             bad.append((n, f"is not UTF-8 (bad byte {line[e.start]:#04x} at column {e.start + 1})"))
+            continue
+        except RecursionError:  # arrays/objects nested beyond what Python reads
+            bad.append((n, "is nested too deep to read (JSON arrays/objects inside each other)"))
             continue
         except ValueError as e:
             if n == 1 and line.lstrip().startswith(b"["):

@@ -27,8 +27,9 @@ def shard_name(split: str, k: int) -> str:
 
 
 def is_output_name(name: str) -> bool:
-    """Whether ``name`` is a token file a preparation writes (train.bin, val-00003.bin, ...)."""
-    return re.fullmatch(r"(train|val)(-\d{5})?\.bin", name) is not None
+    """Whether ``name`` is a token file a preparation writes (train.bin, val-00003.bin, ...; also the loss-mask
+    files of chat data: train.mask.bin, train.mask-00001.bin, ...)."""
+    return re.fullmatch(r"(train|val)(\.mask)?(-\d{5})?\.bin", name) is not None
 
 
 class SplitWriter:

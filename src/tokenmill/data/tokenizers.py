@@ -21,6 +21,7 @@ import numpy as np
 
 from tokenmill import atomic
 from tokenmill.errors import DataError
+from tokenmill.filecheck import get, read_json
 
 from .meta import read_meta
 
@@ -428,22 +429,31 @@ def load_hf_tokenizer_file(path: str | Path) -> BpeTokenizer:
 
 
 def _folder_eos_id(tok, folder: Path) -> int | None:
-    """The end-of-sequence id a Hugging Face model folder declares, if ``tok`` has it (None otherwise)."""
+    """The end-of-sequence id a Hugging Face model folder declares, if ``tok`` has it (None otherwise). An
+    absent file declares nothing; a damaged one, or a value of the wrong type, is a DataError naming it."""
 
-    def read(name: str) -> dict:
-        try:
-            d = json.loads((folder / name).read_text(encoding="utf-8"))
-            return d if isinstance(d, dict) else {}
-        except (OSError, ValueError):
-            return {}
+    def read(name: str) -> tuple[dict, str]:
+        path = folder / name
+        return (read_json(path, "Hugging Face", DataError) if path.is_file() else {}), f"Hugging Face '{path}'"
 
-    eos = read("config.json").get("eos_token_id")
-    eos = eos[0] if isinstance(eos, list) and eos else eos
-    if isinstance(eos, int) and not isinstance(eos, bool) and tok.id_to_token(eos) is not None:
+    cfg, where = read("config.json")
+    fix = " It must be an integer id, a list of integer ids, or null."
+    eos = cfg.get("eos_token_id")
+    if isinstance(eos, list):  # several end ids (Llama 3): the first one separates documents
+        ids = [get({"eos_token_id": e}, "eos_token_id", int, where, lo=0, fix=fix) for e in eos]
+        eos = ids[0] if ids else None
+    else:
+        eos = get(cfg, "eos_token_id", int, where, lo=0, default=None, fix=fix)
+    if eos is not None and tok.id_to_token(eos) is not None:
         return eos
-    text = read("tokenizer_config.json").get("eos_token")
-    text = text.get("content") if isinstance(text, dict) else text
-    return tok.token_to_id(text) if isinstance(text, str) else None
+    tcfg, where = read("tokenizer_config.json")
+    fix = " It must be a token string, an object with a string 'content', or null."
+    text = tcfg.get("eos_token")
+    if isinstance(text, dict):  # an AddedToken: {"content": "</s>", ...}
+        text = get(text, "content", str, f"{where}: eos_token", default=None, fix=fix)
+    else:
+        text = get(tcfg, "eos_token", str, where, default=None, fix=fix)
+    return tok.token_to_id(text) if text is not None else None
 
 
 def load_vocab_merges(folder: str | Path) -> BpeTokenizer:

@@ -7,7 +7,6 @@ training steps per rank (:mod:`.timeline`) and replayed through a model of the C
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -76,7 +75,9 @@ def vocab_size_of(cfg: C.Config) -> int:
     if path:
         meta = Path(path) / "meta.json"
         if meta.is_file():
-            vocab = int(json.loads(meta.read_text())["vocab_size"])
+            from tokenmill.data.meta import read_meta
+
+            vocab = read_meta(path)["vocab_size"]  # checked: a damaged meta.json is one line naming it
             check_size(cfg.model, cfg.train.batch_size, vocab, where=str(meta))  # the data's vocabulary too
             return vocab
         raise ConfigError(f"{key} '{path}' has no meta.json; prepare it first or set model.vocab_size.")

@@ -34,6 +34,7 @@ from torch import nn
 from tokenmill import config as C
 from tokenmill.errors import ConfigError
 from tokenmill.model.flops import peak_flops
+from tokenmill.model.lora import torchao_quietly
 
 FP8_ALIGN = 16  # torch._scaled_mm needs both sizes of the weight to be multiples of 16
 FP8_GPU_WORDS = (("H100",), ("H200",), ("GH200",), ("L4",), ("L40S",), ("RTX", "4090"))
@@ -134,7 +135,8 @@ def check_fp8(cfg: C.TrainConfig, parallel: C.ParallelConfig, device: torch.devi
 def fp8_config(cfg: C.TrainConfig, emulate: bool = False):
     """torchao's ``Float8LinearConfig`` for ``train.fp8`` (and ``train.fp8_all_gather``)."""
     try:
-        from torchao.float8 import Float8LinearConfig
+        with torchao_quietly():
+            from torchao.float8 import Float8LinearConfig
     except ImportError as e:
         raise ConfigError(f"train.fp8 needs torchao's float8 training, which could not be imported ({e}): "
                           "`pip install torchao`, or use --train.fp8 off.") from None

@@ -20,7 +20,6 @@ different activation, norm, eps, MLP width, head layout or attention scaling.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,8 +30,10 @@ import torch
 from tokenmill import atomic
 from tokenmill.config import ModelConfig, shape_fields
 from tokenmill.errors import CheckpointError
+from tokenmill.filecheck import get, read_json
 from tokenmill.model import hf_llama
 from tokenmill.model.gpt import GPT, adapt_state_dict
+from tokenmill.paths import inside
 
 __all__ = ["CONFIG_NAME", "SAFETENSORS_NAME", "check_exportable", "export_architecture", "from_hf_state_dict",
            "hf_architecture", "hf_config", "hf_model_fields", "is_hf_folder", "is_hf_gpt2_folder", "load_hf",
@@ -100,26 +101,26 @@ def _check_hf_config(c: Mapping[str, Any], where: str) -> None:
         raise CheckpointError(f"{where}: model_type is {mt!r}; only Hugging Face GPT-2 folders (model_type 'gpt2', "
                               "GPT2LMHeadModel) are read here (tokenmill.model.hf.load_hf reads every family).")
     for key in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
-        v = c.get(key)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise CheckpointError(f"{where}: '{key}' must be a positive integer, got {v!r}.")
+        get(c, key, int, where, err=CheckpointError, lo=1)
     if c["n_embd"] % c["n_head"]:
         raise CheckpointError(f"{where}: n_embd ({c['n_embd']}) is not divisible by n_head ({c['n_head']}).")
-    act = c.get("activation_function", "gelu_new")
+    act = get(c, "activation_function", str, where, err=CheckpointError, default="gelu_new")
     if act not in TANH_GELUS:
         raise CheckpointError(f"{where}: activation_function {act!r} is not the tanh-approximation GELU "
                               f"({', '.join(TANH_GELUS)}) that tokenmill's MLP computes; it cannot be loaded exactly.")
-    inner = c.get("n_inner")
+    inner = get(c, "n_inner", int, where, err=CheckpointError, default=None)
     if inner is not None and inner != 4 * c["n_embd"]:
         raise CheckpointError(f"{where}: n_inner is {inner}, but tokenmill's MLP width is 4 * n_embd = {4 * c['n_embd']}.")
-    eps = c.get("layer_norm_epsilon", LN_EPS)
-    if not math.isclose(float(eps), LN_EPS, rel_tol=1e-6):
+    eps = get(c, "layer_norm_epsilon", float, where, err=CheckpointError, default=LN_EPS)
+    if not math.isclose(eps, LN_EPS, rel_tol=1e-6):
         raise CheckpointError(f"{where}: layer_norm_epsilon is {eps}, but tokenmill's GPT-2 LayerNorms use {LN_EPS}; "
                               "the logits would differ.")
-    if not c.get("scale_attn_weights", True) or c.get("scale_attn_by_inverse_layer_idx", False):
+    flag = {k: get(c, k, bool, where, err=CheckpointError, default=d) for k, d in (("scale_attn_weights", True), (
+        "scale_attn_by_inverse_layer_idx", False), ("add_cross_attention", False), ("tie_word_embeddings", True))}
+    if not flag["scale_attn_weights"] or flag["scale_attn_by_inverse_layer_idx"]:
         raise CheckpointError(f"{where}: attention scaling differs from 1/sqrt(head_dim) (scale_attn_weights / "
                               "scale_attn_by_inverse_layer_idx); tokenmill's attention cannot compute it.")
-    if c.get("add_cross_attention", False):
+    if flag["add_cross_attention"]:
         raise CheckpointError(f"{where}: a GPT-2 with cross-attention (an encoder-decoder part) is not a decoder-only GPT.")
 
 
@@ -159,7 +160,8 @@ def hf_model_fields(hf_cfg: Mapping[str, Any]) -> dict[str, Any]:
     fields = {name: getattr(default, name) for name in shape_fields()}
     fields.update(vocab_size=int(hf_cfg["vocab_size"]), block_size=int(hf_cfg["n_positions"]),
                   n_layer=int(hf_cfg["n_layer"]), n_head=int(hf_cfg["n_head"]), n_embd=int(hf_cfg["n_embd"]),
-                  bias=True, qkv_bias=True, tie_embeddings=bool(hf_cfg.get("tie_word_embeddings", True)))
+                  bias=True, qkv_bias=True, tie_embeddings=get(hf_cfg, "tie_word_embeddings", bool, CONFIG_NAME,
+                                                                     err=CheckpointError, default=True))
     return fields
 
 
@@ -304,7 +306,8 @@ def hf_architecture(c: Mapping[str, Any], where: str) -> str:
     """The class a config.json describes, if tokenmill converts it: 'GPT2LMHeadModel' (model_type 'gpt2')
     or a Llama-family class (``architectures``, else ``model_type``). :class:`CheckpointError` naming
     the value otherwise."""
-    archs, mt = c.get("architectures"), c.get("model_type")
+    archs = get(c, "architectures", list, where, err=CheckpointError, default=None)
+    mt = get(c, "model_type", str, where, err=CheckpointError, default=None)
     if mt == "gpt2":
         return GPT2
     known = ", ".join([GPT2, *hf_llama.ARCHITECTURES])
@@ -314,7 +317,7 @@ def hf_architecture(c: Mapping[str, Any], where: str) -> str:
             return by_type[mt]
         raise CheckpointError(f"{where}: model_type is {mt!r} and no architectures are given; tokenmill converts "
                               f"{known} (model_type 'gpt2', {', '.join(repr(t) for t in by_type)}).")
-    if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in hf_llama.ARCHITECTURES:
+    if len(archs) != 1 or not isinstance(archs[0], str) or archs[0] not in hf_llama.ARCHITECTURES:
         raise CheckpointError(f"{where}: architectures is {archs!r}; tokenmill converts one of {known}.")
     want = hf_llama.ARCHITECTURES[archs[0]]
     if mt is not None and mt != want:
@@ -329,13 +332,7 @@ def _read_config(folder: str | Path) -> dict[str, Any]:
             f"'{p}' is missing: '{folder}' is not a Hugging Face model folder (config.json + model.safetensors "
             "or pytorch_model.bin)."
         )
-    try:
-        c = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"'{p}' cannot be read as JSON ({e}).") from None
-    if not isinstance(c, dict):
-        raise CheckpointError(f"'{p}' is not a JSON object.")
-    return c
+    return read_json(p, "", CheckpointError)
 
 
 def is_hf_folder(path: str | Path, architecture: str | None = None) -> bool:
@@ -400,15 +397,14 @@ def read_hf_weights(folder: str | Path) -> dict[str, torch.Tensor]:
             return loader(folder / name)
         index = folder / f"{name}.index.json"
         if index.is_file():
-            try:
-                shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-            except (OSError, ValueError, KeyError, AttributeError) as e:
-                raise CheckpointError(f"'{index}' is not a valid shard index ({e}).") from None
+            weight_map = get(read_json(index, "shard index", CheckpointError), "weight_map", dict, f"'{index}'",
+                             err=CheckpointError)
+            files = {inside(folder, f, f"'{index}': weight_map['{k}']", CheckpointError) for k, f in weight_map.items()}
             sd: dict[str, torch.Tensor] = {}
-            for shard in shards:
-                if not (folder / shard).is_file():
-                    raise CheckpointError(f"'{index}' lists the shard '{shard}', which is missing in '{folder}'.")
-                sd.update(loader(folder / shard))
+            for shard in sorted(files):
+                if not shard.is_file():
+                    raise CheckpointError(f"'{index}' lists the shard '{shard.name}', which is missing in '{folder}'.")
+                sd.update(loader(shard))
             return sd
     raise CheckpointError(
         f"'{folder}' has a config.json but no weights: expected {SAFETENSORS_NAME} or {BIN_NAME} "

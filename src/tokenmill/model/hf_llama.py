@@ -35,7 +35,6 @@ express, a null where a number is needed.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from collections.abc import Mapping
 from typing import Any, Optional
@@ -44,6 +43,7 @@ import torch
 
 from tokenmill.config import ModelConfig, shape_fields
 from tokenmill.errors import CheckpointError
+from tokenmill.filecheck import get
 from tokenmill.model.gpt import GPT, adapt_state_dict
 
 __all__ = ["ARCHITECTURES", "Spec", "check_config", "check_context", "export_architecture", "from_hf_state_dict",
@@ -113,11 +113,12 @@ def _get(c: Mapping[str, Any], d: Mapping[str, Any], key: str, where: str, kind:
         if nullable:
             return None
         raise CheckpointError(f"{where}: '{key}' is null; tokenmill needs a number there.")
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (kind is float or float(v).is_integer())
-    if not ok or v <= 0 or (kind is float and not math.isfinite(v)):
-        what = "a positive integer" if kind is int else "a positive number"
-        raise CheckpointError(f"{where}: '{key}' must be {what}, got {v!r}.")
-    return kind(v)
+    return get({key: v}, key, kind, where, err=CheckpointError, **({"lo": 1} if kind is int else {"gt": 0}))
+
+
+def _flag(c: Mapping[str, Any], d: Mapping[str, Any], key: str, where: str) -> bool:
+    """``c[key]`` (``d[key]`` when absent or null) as a JSON boolean: the string "false" is refused."""
+    return bool(get(c, key, bool, where, err=CheckpointError, default=d[key], nullable=True) or False)
 
 
 def _rope(c: Mapping[str, Any], d: Mapping[str, Any], max_pos: int, where: str):
@@ -154,7 +155,7 @@ def _window(c: Mapping[str, Any], d: Mapping[str, Any], mt: str, layers: int, wh
     """The sliding window a config uses (None: full attention in every layer)."""
     if mt == "llama":
         return None
-    if mt in ("qwen2", "qwen3") and not c.get("use_sliding_window", d["use_sliding_window"]):
+    if mt in ("qwen2", "qwen3") and not _flag(c, d, "use_sliding_window", where):
         return None
     w = _get(c, d, "sliding_window", where, nullable=True)
     if w is None or mt == "mistral":
@@ -173,7 +174,7 @@ def _biases(c: Mapping[str, Any], d: Mapping[str, Any], mt: str, where: str) -> 
         return False, True
     if mt == "mistral":
         return False, False
-    ab, mb = bool(c.get("attention_bias", d["attention_bias"])), bool(c.get("mlp_bias", d["mlp_bias"]))
+    ab, mb = _flag(c, d, "attention_bias", where), _flag(c, d, "mlp_bias", where)
     if mt == "qwen3" and ab:
         raise CheckpointError(f"{where}: attention_bias is true: Qwen3 then has a bias in o_proj but none in the MLP, "
                               "which tokenmill cannot express (model.bias covers both).")
@@ -213,7 +214,7 @@ def check_config(c: Mapping[str, Any], architecture: str, where: str) -> Spec:
     L, max_pos = _get(c, d, "num_hidden_layers", where), _get(c, d, "max_position_embeddings", where)
     theta, llama3 = _rope(c, d, max_pos, where)
     bias, qkv_bias = _biases(c, d, mt, where)
-    tie = c.get("tie_word_embeddings", d["tie_word_embeddings"])
+    tie = _flag(c, d, "tie_word_embeddings", where)
     return Spec(architecture, _get(c, d, "vocab_size", where), C, _get(c, d, "intermediate_size", where), L, H,
                 kv, hd, _get(c, d, "rms_norm_eps", where, float), theta, llama3, bool(tie), bias, qkv_bias,
                 mt == "qwen3", max_pos, _window(c, d, mt, L, where))

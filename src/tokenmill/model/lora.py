@@ -28,7 +28,10 @@ adds the adapters to the dequantised base.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -44,14 +47,39 @@ NF4_SCALE_GROUP = 256  # scales per double-quantisation group, at most (torchao'
 _NF4_KEYS = ("weight_nf4_scales", "weight_nf4_factors", "weight_nf4_mean")  # with ``weight``: the codes
 
 
+@contextlib.contextmanager
+def torchao_quietly():
+    """Import torchao (and its modules) without the start-up lines a user cannot act on: "Failed to load
+    ....so" for the optional CUDA kernels this build of torchao has for another Python or GPU (the paths
+    tokenmill uses do not need them; torchao logs them at WARNING) and torch's deprecation note about the
+    enums torchao registers. Logger levels and warnings filters for the duration only; errors still raise,
+    and every other warning still shows. torchao is imported through this one helper."""
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            for category in (DeprecationWarning, FutureWarning):
+                warnings.filterwarnings("ignore", category=category)
+            import torchao  # noqa: F401  (its import is where the noise comes from)
+
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
 def _torchao_to_nf4():
     """torchao's ``to_nf4`` (its current home, then the older ``torchao.dtypes``), or a one-line error."""
     try:
-        from torchao.quantization import to_nf4 as convert
+        with torchao_quietly():
+            from torchao.quantization import to_nf4 as convert
     except ImportError as e:
         first = e
         try:
-            from torchao.dtypes.nf4tensor import to_nf4 as convert
+            with torchao_quietly():
+                from torchao.dtypes.nf4tensor import to_nf4 as convert
         except ImportError:
             raise ConfigError(f"lora.quantize_base='nf4' needs torchao's NF4 tensor, which could not be imported "
                               f"({first}): `pip install torchao`, or use --lora.quantize_base none (plain LoRA).") \

@@ -173,8 +173,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
 
 def build_adamw_8bit(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    from tokenmill.model.lora import torchao_quietly
+
     try:
-        from torchao.optim import AdamW8bit
+        with torchao_quietly():
+            from torchao.optim import AdamW8bit
     except ImportError as e:
         raise MemoryOptionError(
             f"memory.optimizer_8bit needs torchao's AdamW8bit, which could not be imported ({e}): "

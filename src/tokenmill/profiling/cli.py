@@ -115,12 +115,13 @@ def memory_estimate(run_dir: str, verdict: dict) -> str | None:
         return None
     from tokenmill import config as C
     from tokenmill.estimate import memory_advice
+    from tokenmill.profiling.run_files import read_summary
 
     summary_path = Path(run_dir) / "summary.json"
     try:
         cfg = C.from_dict(C.load_toml(Path(run_dir) / "config.toml"))
-        summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    except (C.ConfigError, ValueError, OSError):
+    except C.ConfigError:  # a config of another version: no estimate (the findings stand)
         return None
+    summary = read_summary(summary_path) if summary_path.is_file() else {}  # a damaged one: one line naming it
     return memory_advice(cfg, summary.get("gpu_name") or "h100-sxm", int(summary.get("world_size") or 1),
                          capacity_mb=verdict["figures"]["memory_total_mb"])

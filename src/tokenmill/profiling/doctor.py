@@ -11,7 +11,6 @@ the wall-clock time outside the steady state (:func:`wall_facts`). ``--try`` is 
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from pathlib import Path
@@ -21,9 +20,10 @@ from tokenmill import config as C
 from tokenmill.errors import DoctorError
 from tokenmill.profiling import confidence, rules
 from tokenmill.profiling.layer_ops import is_matmul, layer_form_ops
+from tokenmill.profiling.run_files import read_profile, read_summary
 from tokenmill.profiling.trace import OUTSIDE
 from tokenmill.profiling.wall import wall_facts
-from tokenmill.train.metrics import steady_figures
+from tokenmill.train.metrics import read_metrics, steady_figures
 from tokenmill.train.timing import PHASES
 
 HOW_TO_MAKE_A_RUN = ("make one with `tokenmill train ... --run-dir DIR` or `tokenmill profile ... --run-dir DIR`, "
@@ -55,18 +55,10 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
         if len(out["metrics"]) < len(rows):
             out["warnings"].append(f"metrics.jsonl holds several runs; reading the last one only "
                                    f"({len(out['metrics'])} of {len(rows)} rows)")
-    if (d / "summary.json").is_file():
-        try:
-            out["summary"] = json.loads((d / "summary.json").read_text())
-        except ValueError:
-            out["warnings"].append("summary.json is not valid JSON (a run killed while writing it?); ignored")
+    if (d / "summary.json").is_file():  # written atomically: a damaged one is refused, naming the field
+        out["summary"] = read_summary(d / "summary.json")
     if (d / "profile.json").is_file():
-        try:
-            out["profile"] = json.loads((d / "profile.json").read_text())
-        except ValueError as e:
-            raise DoctorError(f"'{d / 'profile.json'}' is not valid JSON ({e}); {RERUN_PROFILE}.") from None
-        if not isinstance(out["profile"], dict):
-            raise DoctorError(f"'{d / 'profile.json'}' is not a tokenmill profile; {RERUN_PROFILE}.")
+        out["profile"] = read_profile(d / "profile.json", f" Fix: {RERUN_PROFILE}.")
     if not out["profile"] and not out["metrics"] and out["warnings"]:  # nothing readable: not "train longer"
         raise DoctorError(f"'{d / 'metrics.jsonl'}' is unreadable ({'; '.join(out['warnings'])}).")
     if not out["profile"] and not any("step_ms" in r for r in out["metrics"]):
@@ -80,7 +72,8 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
 def _read_config(path: Path) -> tuple[dict[str, Any], Optional[str]]:
     """(the run's flat config, why it does not load or None); this version's defaults when there is none.
     A config that does not load (written by another version, or holding a value this version refuses, e.g.
-    an absurd recorded shape) is taken key by key, as it is."""
+    an absurd recorded shape) is taken key by key, as it is; a value of the wrong type for a field this version
+    knows (a string where a number belongs) is left out (the field's default is read) and named in the reason."""
     if not path.is_file():
         return C.flatten(C.Config().to_dict()), None
     try:
@@ -91,27 +84,35 @@ def _read_config(path: Path) -> tuple[dict[str, Any], Optional[str]]:
         tree = C.load_toml(path)
     except C.ConfigError as e:
         raise DoctorError(str(e)) from None
-    return {f"{s}.{k}": v for s, body in tree.items() if isinstance(body, dict) for k, v in body.items()}, error
+    from tokenmill.config.resolve import check_ranges
+
+    flat, specs, dropped = {}, C.field_specs(), []
+    for s, body in tree.items():
+        for k, v in body.items() if isinstance(body, dict) else ():
+            key = f"{s}.{k}"
+            try:  # this field's own type, choices and range (no cross-field rule): what the rules compute with
+                if key in specs:
+                    one = C.apply_overrides(C.Config(), {key: v})
+                    check_ranges(one)
+                    v = getattr(getattr(one, s), k)
+                flat[key] = v
+            except C.ConfigError:
+                dropped.append(key)
+    if dropped:
+        error += f" Left out, read as this version's default: {', '.join(dropped)}."
+    return flat, error
 
 
 def _read_jsonl(path: Path, warnings: list[str]) -> list[dict[str, Any]]:
-    """The rows of a JSON-lines file; lines that are not a JSON object (a run killed mid-write) are
-    skipped with a warning."""
-    rows, bad = [], []
-    for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError:
-            row = None
-        if isinstance(row, dict) and isinstance(row.get("step", 0), (int, float)):
-            rows.append(row)
-        else:
-            bad.append(i)
-    if bad:
-        warnings.append(f"{path.name}: skipped {len(bad)} unreadable line(s) ({', '.join(map(str, bad[:5]))}"
-                        f"{', ...' if len(bad) > 5 else ''}; a run killed while writing?)")
+    """The rows of ``metrics.jsonl`` (:func:`tokenmill.train.metrics.read_metrics`: each checked); lines that
+    are not a metric record (a run killed mid-write, a damaged line) are skipped with a warning that counts
+    them, names their line numbers and quotes the first one's problem."""
+    skipped: list[tuple[int, str]] = []
+    rows = read_metrics(path.parent, skipped)
+    if skipped:
+        lines = [str(i) for i, _ in skipped]
+        warnings.append(f"{path.name}: skipped {len(skipped)} unreadable line(s) ({', '.join(lines[:5])}"
+                        f"{', ...' if len(lines) > 5 else ''}; a run killed while writing?); the first: {skipped[0][1]}")
     return rows
 
 

@@ -17,7 +17,6 @@ and *not confirmed* otherwise.
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import shutil
@@ -31,6 +30,7 @@ from typing import Any, Optional
 
 from tokenmill import atomic
 from tokenmill.errors import DoctorError
+from tokenmill.profiling.run_files import read_summary
 
 # figure -> (key in a run's result, True when higher is better)
 FIGURES = {"speed": ("tokens_per_sec", True), "wall": ("wall_tokens_per_sec", True), "memory": ("peak_mb", False)}
@@ -130,7 +130,7 @@ def run_one(config: Path, run_dir: Path, steps: int, t: Optional[dict[str, Any]]
     if proc.returncode != 0 or not summary_path.is_file():
         reason = "timed out" if rss_kb is None else failure_reason((run_dir / "stderr.log").read_text(), proc.returncode)
         return {**out, "reason": reason}
-    s = json.loads(summary_path.read_text())
+    s = read_summary(summary_path)  # checked: a damaged summary is one error naming the file and field
     train_s = s.get("wall_s") or (summary_path.stat().st_mtime - (run_dir / "config.toml").stat().st_mtime)
     tokens = (s.get("tokens_per_step") or 0) * ((s.get("steps") or 0) - (s.get("start_step") or 0))
     peak = s.get("peak_alloc_mb") if s.get("device") == "cuda" else (rss_kb / 1024 if rss_kb else None)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,7 +181,7 @@ def _same_tokens(a: Optional[Path], b: Path, strict: bool = False) -> bool:
             return t["model"]["vocab"], sorted((x["id"], x["content"]) for x in t.get("added_tokens") or [])
 
         return tokens(ta) == tokens(tb)
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):  # nested too deep: not comparable either
         return not strict
 
 
@@ -237,6 +238,11 @@ def prepare_init_from(cfg: C.Config, has_checkpoints: bool, quiet: bool = False
     ``train.init_from`` or the run directory already holds checkpoints (they win). Checks a prepared
     data folder's vocabulary early (``data.path``), before the datasets are opened."""
     if not cfg.train.init_from or has_checkpoints:
+        if cfg.lora.rank and not has_checkpoints and not quiet:
+            print(f"tokenmill: warning: lora.rank {cfg.lora.rank} without train.init_from: LoRA freezes the base "
+                  "model and trains only the adapters, and this base is randomly initialised, so the run learns "
+                  "low-rank corrections to random weights. To fine-tune a trained model add --train.init_from "
+                  "RUN_DIR or HF_FOLDER; to train every weight, --lora.rank 0.", file=sys.stderr, flush=True)
         return cfg, None
     src = find_source(cfg.train.init_from)
     cfg = adopt_shape(cfg, src)
@@ -245,12 +251,37 @@ def prepare_init_from(cfg: C.Config, has_checkpoints: bool, quiet: bool = False
         from tokenmill.data.meta import read_meta
 
         src.check_data(int(read_meta(cfg.data.path)["vocab_size"]), Path(cfg.data.path))
+    elif cfg.data.source == "tokens" and not cfg.data.mixture:
+        _check_embedded_corpus(src, cfg.data)
     if not quiet:
         lora = cfg.lora
         how = (f"LoRA adapters of rank {lora.rank} on {','.join(C.lora_roles(lora.targets, cfg.model.mlp))}, its "
                "weights frozen" if lora.rank else "its weights")
         print(f"tokenmill: fine-tuning from {src.describe()}: {how}, a fresh optimizer and schedule from step 0")
     return cfg, src
+
+
+_EMBEDDED_VOCAB = {"bytes": 256, "gpt2": 50257}  # data.tokenizer -> its ids ('bpe': data.bpe_vocab_size)
+
+
+def _check_embedded_corpus(src: InitSource, data: C.DataConfig) -> None:
+    """Without data.path (or data.mixture) the run would train on the embedded corpus, tokenized by
+    ``data.tokenizer``: refused before it is prepared, unless that tokenizer has the source's vocabulary, with
+    the one command that prepares text with the source's own tokenizer."""
+    vocab, theirs = _EMBEDDED_VOCAB.get(data.tokenizer, data.bpe_vocab_size), src.fields["vocab_size"]
+    if vocab == theirs:
+        return  # e.g. a run that trained on the embedded corpus: check_data compares the tokenizers later
+    p = src.path
+    has_tok = src.kind == "run" or (p / "tokenizer.json").is_file() or (
+        (p / "vocab.json").is_file() and (p / "merges.txt").is_file())
+    missing = "" if has_tok else (f" ({p} holds no tokenizer.json: point --tokenizer-from at the tokenizer.json the "
+                                  "model was released with)")
+    raise DataError(
+        f"train.init_from {src.describe()}: no --data.path was given, so the run would train on tokenmill's embedded "
+        f"corpus tokenized by its own '{data.tokenizer}' tokenizer ({vocab} ids), but the model's embeddings are "
+        f"indexed by its tokenizer's {theirs} ids. Tokenize your text with the model's tokenizer: `tokenmill "
+        f"prepare TEXT --out DIR --tokenizer-from {p}`{missing}, then train with --data.path DIR."
+    )
 
 
 def check_weights(weights: dict[str, torch.Tensor], where: str) -> None:

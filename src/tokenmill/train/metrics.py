@@ -9,7 +9,6 @@ allocator warm-up) and time spent in evaluation/checkpointing are excluded.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import statistics
 import sys
@@ -62,21 +61,42 @@ def plain(value: Any) -> Any:
     return value
 
 
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The records of ``metrics.jsonl``; a line that does not parse (torn by a killed process, or damaged)
-    is skipped."""
+def read_metrics(run_dir: str | Path, skipped: Optional[list[tuple[int, str]]] = None) -> list[dict[str, Any]]:
+    """The records of ``metrics.jsonl``, each checked (:func:`check_metrics_row`); a line that is not one
+    (torn by a killed process, damaged: not UTF-8, not JSON, nested too deep, not an object, a wrong value)
+    is skipped, and (its line number, why: one line naming the file, the line and the field) appended to
+    ``skipped``."""
+    from tokenmill.errors import DataError
+    from tokenmill.filecheck import parse_json
+
     path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
+    if not path.is_file():
         return []
     rows = []
-    for line in path.read_text(errors="replace").splitlines():
+    for i, line in enumerate(path.read_bytes().splitlines(), 1):
+        where = f"'{path}' line {i}"
         try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
+            if line.strip():
+                rows.append(check_metrics_row(parse_json(line.decode("utf-8"), where), where))
+        except (UnicodeDecodeError, DataError) as e:
+            if skipped is not None:
+                skipped.append((i, str(e) if isinstance(e, DataError) else f"{where} is not UTF-8 text."))
     return rows
+
+
+def check_metrics_row(row: Any, where: str) -> dict[str, Any]:
+    """A metrics.jsonl record as the trainer writes it: an object whose ``step`` is an integer >= 0,
+    ``event`` a string and every other value a finite number or null; else a DataError naming ``where``."""
+    from tokenmill.errors import DataError
+    from tokenmill.filecheck import Number, get, shown
+
+    if not isinstance(row, dict):
+        raise DataError(f"{where} must hold an object (a metric record), got {shown(row)}.")
+    if "step" in row:
+        get(row, "step", int, where, lo=0)  # never null
+    for key in row:
+        get(row, key, str if key == "event" else float, where, nullable=True)
+    return {k: float(v) if isinstance(v, Number) else v for k, v in row.items()}  # plain floats, as written
 
 
 def format_duration(seconds: float) -> str:
@@ -195,10 +215,16 @@ class StepMetrics:
     """
 
     def __init__(self, device: torch.device, tokens_per_step: int, warmup_steps: int, start_step: int,
-                 flops_per_token: float, peak_flops: float | None):
+                 flops_per_token: float, peak_flops: float | None, compiled: bool = False):
         self.meter = ThroughputMeter(tokens_per_step, warmup_steps, start_step)
+        # torch's counter is per process: the run's share is the difference (not read uncompiled: an import)
+        self.compile0 = compile_seconds() if compiled else None
+        self.run_peaks: dict[str, float] = {}  # the peaks before the counters' reset at the first timed step
         self.timer = PhaseTimer(device)
         self.pending: list[torch.Tensor] = []
+        self.learned: list[torch.Tensor] = []  # a loss mask: each step's learned tokens (global), not yet read back
+        self.learned_windows: list[float] = []  # learned tokens/s of each throughput window
+        self.masked = False  # a step reported its learned tokens
         self.tokens_per_step = tokens_per_step
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
@@ -228,8 +254,12 @@ class StepMetrics:
     def add_host(self, phase: str, seconds: float) -> None:
         self.timer.add_host(phase, seconds)
 
-    def step_done(self, loss: torch.Tensor) -> None:
+    def step_done(self, loss: torch.Tensor, learned: Optional[torch.Tensor] = None) -> None:
+        """``learned``: the step's learned-token count with a loss mask (``data.loss_mask``), else None."""
         self.pending.append(loss)
+        if learned is not None:
+            self.learned.append(learned)
+            self.masked = True
         self.meter.step_done()
         self.timer.step_done()
 
@@ -244,6 +274,12 @@ class StepMetrics:
             self.warmup_s = time.perf_counter() - self.started
         self.meter.mark(completed_steps)
         self.timer.reset()
+
+    def note_peaks(self, memory: dict[str, float]) -> None:
+        """Call with the device's peaks (``memory_stats``) just before its peak counters are reset: the
+        whole run's peaks (``peak_*_run`` in the summary) keep them."""
+        for key, value in memory.items():
+            self.run_peaks[key] = max(self.run_peaks.get(key, 0.0), value)
 
     def mfu(self, tokens_per_sec: float | None) -> float | None:
         if not tokens_per_sec or not self.peak_flops:
@@ -274,13 +310,36 @@ class StepMetrics:
             # phases are timed inside the step-time window: only clock noise makes ``other`` negative,
             # so up to 1% of the step is rounded to 0; more stays visible
             rec["other_ms"] = 0.0 if -0.01 * step_ms < other < 0.0 else other
-        return rec
+        return rec | self._learned_share(tps)
 
-    def summary(self) -> dict[str, Any]:
+    def _learned_share(self, tps: float | None) -> dict[str, Any]:
+        """With a loss mask: the logged step's ``learned_tokens`` and ``learned_frac`` (of the step's tokens), and
+        the window's learned tokens/s noted for the summary (the window's steps are the last of these)."""
+        if not self.learned:
+            return {}
+        counts, self.learned = torch.stack(self.learned).tolist(), []
+        steps = self.meter.window_steps
+        if tps and 0 < steps <= len(counts):
+            self.learned_windows.append(tps * sum(counts[-steps:]) / (steps * self.tokens_per_step))
+        return {"learned_tokens": counts[-1], "learned_frac": counts[-1] / self.tokens_per_step}
+
+    def summary(self, memory: Optional[dict[str, float]] = None) -> dict[str, Any]:
         """Steady-state throughput and MFU, and where the rest of the wall time went: ``wall_s`` (since
-        set-up), ``warmup_s`` (until the first timed step), ``eval_s``/``evals``, ``checkpoint_s``/
-        ``checkpoints``, ``log_s``/``logs``."""
+        set-up), ``warmup_s`` (until the first timed step), ``compile_s`` (torch.compile's own time, see
+        :func:`compile_seconds`; None when the model is not compiled), ``eval_s``/``evals``,
+        ``checkpoint_s``/``checkpoints``, ``log_s``/``logs``; and ``peak_alloc_mb_run`` /
+        ``peak_reserved_mb_run``: the whole run's peaks, warm-up and compilation included, from
+        ``memory`` (the device's peaks now, since the last reset) and those noted before the reset
+        (None off CUDA, where ``memory`` is empty); with a loss mask ``learned_tokens_per_sec`` (the median
+        window's)."""
         out = self.meter.summary()
+        now = compile_seconds() if self.compile0 is not None else None
+        out["compile_s"] = now - self.compile0 if now is not None and self.compile0 is not None else None
+        for key in ("peak_alloc_mb", "peak_reserved_mb"):
+            seen = [v for v in ((memory or {}).get(key), self.run_peaks.get(key)) if v is not None]
+            out[f"{key}_run"] = max(seen) if seen else None
+        if self.masked:  # a loss mask: the median window's learned tokens/s
+            out["learned_tokens_per_sec"] = statistics.median(self.learned_windows) if self.learned_windows else None
         out["timing_from_step"] = self.timing_from  # the windows: every log window after this step
         out["mfu"] = self.mfu(out["tokens_per_sec"])
         out["wall_s"] = time.perf_counter() - self.started
@@ -288,6 +347,20 @@ class StepMetrics:
         for name, plural in (("eval", "evals"), ("checkpoint", "checkpoints"), ("log", "logs")):
             out[f"{name}_s"], out[plural] = self.outside_s[name], self.outside_n[name]
         return out
+
+
+def compile_seconds() -> float | None:
+    """Seconds this process has spent in torch.compile so far: TorchDynamo's own cumulative timers
+    (``torch._dynamo.utils.calculate_time_spent``), ``entire_frame_compile`` (Dynamo, AOTAutograd and
+    Inductor for each frame, the forward and the joint graph) plus ``entire_backward_compile`` (a backward
+    graph compiled lazily at the first backward). None when this torch does not keep them (a private API)."""
+    try:
+        from torch._dynamo.utils import calculate_time_spent
+
+        spent = calculate_time_spent()
+    except Exception:  # noqa: BLE001 - a private API: any failure means "not known"
+        return None
+    return float(spent.get("entire_frame_compile", 0.0) + spent.get("entire_backward_compile", 0.0))
 
 
 def as_float(x: Any) -> float | None:

@@ -6,6 +6,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import shlex
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -141,6 +144,12 @@ def resume_decision(run_dir: Path, resume_run: bool, rank0: bool) -> tuple[bool,
             f"run directory {run_dir} already holds checkpoints; pass --resume to continue that run, "
             "or choose another --run-dir."
         )
+    if resume_run and not has_checkpoints and (aside := set_aside_checkpoints(run_dir)):
+        if rank0:  # what the non-finite stop's message advises: --resume after changing a setting
+            print(f"tokenmill: note: --resume: {run_dir} has no good checkpoint: {', '.join(map(str, aside))} "
+                  "produced a non-finite loss and was set aside (kept, never loaded); training starts again from "
+                  "step 0 with this config.", flush=True)
+        return True, False  # resume() finds no checkpoint: step 0, the old metric lines dropped
     if resume_run and not has_checkpoints:
         if (run_dir / "config.toml").is_file():  # a run stopped (Ctrl-C, a crash) before its first save
             raise TrainingError(
@@ -152,13 +161,43 @@ def resume_decision(run_dir: Path, resume_run: bool, rank0: bool) -> tuple[bool,
     return resume_run or is_elastic_restart(), has_checkpoints  # a restarted worker: from the newest checkpoint
 
 
+def resume_hint(run_dir: Path, world_size: int = 1) -> str:
+    """What a stopped run says last: its run directory and the command that continues it (``--resume`` from
+    its newest checkpoint; before its first save, the run again from its recorded config), launched as this
+    run was (torchrun with this node's process count)."""
+    launch, nodes = "tokenmill", ""
+    if world_size > 1:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        launch = f"torchrun --nproc-per-node {local} -m tokenmill"
+        if local != world_size:
+            nodes = f" (on each of the {world_size // local} nodes, with the job's rendezvous options)"
+    q = shlex.quote(str(run_dir))
+    found = checkpoint.list_checkpoints(run_dir)
+    if found:
+        return (f"run dir {run_dir} (newest checkpoint: step {found[-1][0]}); resume with: {launch} train --resume "
+                f"--run-dir {q}{nodes}")
+    return (f"run dir {run_dir} has no checkpoint (stopped before its first save); start it again with: {launch} "
+            f"train --config {shlex.quote(str(run_dir / 'config.toml'))} --run-dir {q}{nodes}")
+
+
+def set_aside_checkpoints(run_dir: Path) -> list[Path]:
+    """The checkpoints of ``run_dir`` set aside because their weights produced a non-finite loss
+    (``checkpoint.SET_ASIDE``), oldest first."""
+    folder = checkpoint.checkpoint_dir(run_dir)
+    return sorted(folder.glob(f"*{checkpoint.SET_ASIDE}")) if folder.is_dir() else []
+
+
 def clean_metrics(run_dir: Path, upto_step: int) -> None:
     """On resume, drop metric lines of steps after the checkpoint (they will be trained again) and
-    lines torn by a killed process."""
+    lines torn by a killed process or damaged (counted in a note naming the first)."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return
-    rows = [r for r in read_metrics(run_dir) if r.get("step", 0) <= upto_step]
+    skipped: list[tuple[int, str]] = []
+    rows = [r for r in read_metrics(run_dir, skipped) if (r.get("step") or 0) <= upto_step]
+    if skipped:
+        print(f"tokenmill: note: dropped {len(skipped)} line(s) of metrics.jsonl that are not metric records (a "
+              f"run killed while writing?); the first: {skipped[0][1]}", file=sys.stderr)
     atomic.write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 
 import torch
@@ -51,7 +52,29 @@ def load_run(run_dir: str | Path, device: str = "cpu", checkpoint_path: str | Pa
     config and the folder its tokenizer loads from (the run's own copy when it has one)."""
     from tokenmill.checkpoint import tokenizer_dir
 
+    if checkpoint_path is None:
+        check_has_checkpoint(Path(run_dir))
     model, cfg, _ = checkpoint.load_model(run_dir, checkpoint_path)
     if cfg.data.source == "synthetic":
         raise SampleError(f"{run_dir} was trained on synthetic tokens: there is no tokenizer to sample text with.")
     return model.to(device), cfg, tokenizer_dir(Path(run_dir), cfg)
+
+
+def check_has_checkpoint(run_dir: Path) -> None:
+    """Say what is true when ``run_dir`` has no checkpoint to sample from: the folder does not exist (with the
+    closest existing name), or its only checkpoints produced a non-finite loss and were set aside."""
+    from tokenmill.train.resume import set_aside_checkpoints
+
+    if not run_dir.is_dir():
+        names = [p.name for p in run_dir.parent.iterdir() if p.is_dir()] if run_dir.parent.is_dir() else []
+        close = difflib.get_close_matches(run_dir.name, names, n=1, cutoff=0.6)
+        hint = f" Did you mean {run_dir.parent / close[0]}?" if close else ""
+        raise SampleError(f"there is no run directory {run_dir}.{hint} Check --run-dir.")
+    if checkpoint.list_checkpoints(run_dir) or not (aside := set_aside_checkpoints(run_dir)):
+        return
+    what = "its only checkpoint ({}) holds weights that" if len(aside) == 1 else "its checkpoints ({}) hold weights that"
+    raise SampleError(
+        f"{run_dir} has no good checkpoint: {what.format(', '.join(map(str, aside)))} produced a non-finite loss "
+        f"and {'was' if len(aside) == 1 else 'were'} set aside, so there are no finite weights to sample from. Train again "
+        f"after changing a setting, e.g. a lower learning rate: tokenmill train --resume --run-dir {run_dir} "
+        "--optim.lr LR (it starts from step 0).")

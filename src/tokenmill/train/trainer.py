@@ -39,7 +39,7 @@ from tokenmill.parallel.world import global_mean, rank0_first
 from tokenmill.train.advice import check_fits, nan_stop, oom_message
 from tokenmill.train.device import (
     apply_allocator_settings,
-    cpu_contention,
+    contention_note,
     device_info,
     memory_stats,
     offload_activations,
@@ -48,11 +48,13 @@ from tokenmill.train.device import (
     thread_settings,
 )
 from tokenmill.train.init_from import prepare_init_from
+from tokenmill.train.loss_mask import StepBatches, eval_mean, eval_terms
 from tokenmill.train.metrics import MetricsWriter, Progress, StepMetrics, format_record
 from tokenmill.train.parallelize import build_model, count_params, seed_dropout
 from tokenmill.train.precision import apply_tf32, autocast, bf16_supported, check_supported, grad_scaler
 from tokenmill.train.resume import resume, resume_decision
 from tokenmill.train.run_dir import in_use_message, locked, open_run_dir, recorded_config, save_tokenizer
+from tokenmill.train.stop import SignalStop
 
 
 @dataclass
@@ -151,6 +153,7 @@ class Trainer:
         self.prefetched = cfg.data.cuda_prefetch and device.type == "cuda"  # batches arrive on the device
         self.batches = (DevicePrefetcher(loader, device, cfg.data.non_blocking) if self.prefetched
                         else start_batches(loader))  # may draw from the global RNG (worker seeds): restore the RNG after
+        self.batches = StepBatches(self.batches, t.grad_accum_steps, world, self.data.loss_mask)  # data.loss_mask
         if rng is not None:
             checkpoint.set_rng_state(rng, device)
         seed_dropout(t.seed, world.dp_rank, self.start_step)
@@ -158,13 +161,15 @@ class Trainer:
         self.writer = MetricsWriter.for_run(run_dir, cfg, enabled=rank0)
         self.progress = Progress(cfg.log.progress, t.max_steps, self.start_step, enabled=not quiet and rank0)
         self.metrics = StepMetrics(device, self.tokens_per_step, cfg.log.timing_warmup_steps, self.start_step,
-                                   self.fpt, self.peak)
+                                   self.fpt, self.peak, compiled=cfg.compile.enabled)
         self.last: dict[str, Optional[float]] = {"loss": None, "val_loss": None}
+        self.saved_step: Optional[int] = None  # the last step saved, and how long that took (synchronous saves)
+        self.save_s: Optional[float] = None
 
     # ------------------------------------------------------------------------------------------
     def train_step(self, want_norm: bool) -> tuple[torch.Tensor, Optional[torch.Tensor], float]:
-        """One optimizer step over ``train.grad_accum_steps`` micro-batches; returns (mean loss on the
-        device, gradient norm or None, the learning rate used)."""
+        """One optimizer step over ``train.grad_accum_steps`` micro-batches; returns (mean loss on the device, gradient
+        norm or None, the learning rate used). A loss mask's weight: ``train/loss_mask.py``."""
         t, device, m = self.cfg.train, self.world.device, self.metrics
         loss_sum = torch.zeros((), device=device)
         for micro in range(t.grad_accum_steps):
@@ -181,35 +186,35 @@ class Trainer:
                         loss_sum += self.pipeline.train_step(x, y)
                     continue
                 with m.phase("forward"), autocast(t, device), offload_activations(self.cfg.memory, device):
-                    loss = self.model(x, y)[1]  # the logits go at once: backward does not need them
+                    loss = self.model(x, y, **self.batches.loss_kw)[1]  # the logits go at once: backward does not need them
                 if micro == 0 and self.cfg.optim.zero_grad == "after_forward":  # minGPT's placement
                     self.optimizer.zero_grad(set_to_none=True)
                 loss_sum += loss.detach().float()
                 with m.phase("backward"):
-                    scaled = loss / t.grad_accum_steps
+                    scaled = loss / t.grad_accum_steps if self.batches.weight is None else loss * self.batches.weight
                     (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
         with m.phase("optimizer"):
             grad_norm = optimizer_step(self.optimizer, self.scaler, self.params, self.cfg.optim.grad_clip,
                                        want_norm, self.world, zero=self.cfg.optim.zero_grad == "after_step")
             lr = self.scheduler.get_last_lr()[0]
             self.scheduler.step()
-        return loss_sum / t.grad_accum_steps, grad_norm, lr
+        weight = self.batches.weight  # a loss mask: dp / the step's learned tokens (train/loss_mask.py); else None
+        return (loss_sum / t.grad_accum_steps if weight is None else loss_sum * weight), grad_norm, lr
 
     def evaluate(self) -> float:
-        """Mean validation loss over the run's validation batches (averaged over data-parallel ranks);
-        under ``torch.inference_mode`` when ``train.eval_inference_mode``, else ``torch.no_grad``."""
+        """Mean validation loss over the run's validation batches and data-parallel ranks (a loss mask: over their
+        learned tokens); under ``torch.inference_mode`` when ``train.eval_inference_mode``, else ``torch.no_grad``."""
         device = self.world.device
         self.model.eval()
-        total, n = torch.zeros((), device=device), 0
+        total = torch.zeros(2, device=device)
         for batch in self.val:
             x, y = to_device(batch, device, self.cfg.data.non_blocking)
             with autocast(self.cfg.train, device), torch.inference_mode(self.cfg.train.eval_inference_mode), \
                     torch.no_grad():
-                loss = self.pipeline.eval_loss(x, y) if self.pipeline is not None else self.model(x, y)[1]
-            total += loss.float()
-            n += 1
+                loss = self.pipeline.eval_loss(x, y) if self.pipeline is not None else self.model(x, y, **self.batches.loss_kw)[1]
+            total += eval_terms(loss, y, self.data.loss_mask)
         self.model.train()
-        return global_mean(total / max(n, 1), self.world).item()
+        return eval_mean(total, len(self.val), self.data.loss_mask, self.world)
 
     # ------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
@@ -221,7 +226,7 @@ class Trainer:
             f"{self.world.size} ({self.world.layout()}), {self.tokens_per_step:,} tokens/step, steps "
             f"{self.start_step}->{t.max_steps}, run dir {self.run_dir}"
         )
-        if device.type == "cpu" and (note := cpu_contention(thread_settings())):
+        if device.type == "cpu" and (note := contention_note()):  # once per process tree (a ladder's rungs: never)
             self.progress.log(note)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -229,12 +234,13 @@ class Trainer:
             self.cb.on_train_start(self)
         m.restart_window(self.start_step)
         self.model.train()
+        stop = SignalStop(self)  # Ctrl-C / SIGTERM: save the last completed step, say how to resume
         try:
             for step in range(self.start_step, t.max_steps):
                 done = step + 1
                 is_log = done % every_log == 0 or done == t.max_steps
                 loss, grad_norm, lr = self.train_step(want_norm=is_log)
-                m.step_done(loss)
+                m.step_done(loss, self.batches.learned)
                 self.progress.update()
                 if self.cb.on_step_end:
                     self.cb.on_step_end(done)
@@ -259,11 +265,14 @@ class Trainer:
                     if done == m.timing_from:
                         sync(device)
                         if device.type == "cuda":  # steady-state peaks: no compile/autotune workspaces
+                            m.note_peaks(memory_stats(device))  # the whole run's peaks keep them
                             torch.cuda.reset_peak_memory_stats(device)
                     m.restart_window(done)  # phases cover the window: no warm-up, eval or checkpoint steps
+                stop.boundary(done)
         except torch.OutOfMemoryError as e:
             raise TrainingError(oom_message(cfg, device, e)) from None
         finally:
+            stop.close()
             self.progress.close()
 
         if self.start_step < t.max_steps or self.init is not None:  # init_from + 0 steps: saves the loaded model
@@ -276,9 +285,13 @@ class Trainer:
 
     def _save(self, done: int) -> None:
         samples = self.start_sample + (done - self.start_step) * self.global_batch
+        t0 = time.perf_counter()
         with self.metrics.outside("checkpoint"):
             checkpoint.save_checkpoint(self.run_dir, done, self.model, self.optimizer, self.scheduler,
                                        self.scaler, self.cfg, self.world, samples)
+        if not self.cfg.checkpoint.async_save:  # a background save's write is not timed here
+            self.save_s = time.perf_counter() - t0
+        self.saved_step = done
 
     def _check_losses(self, done: int) -> list[float]:
         """The per-step losses of the whole global batch since the last call (one all-reduce, one sync);
@@ -312,7 +325,7 @@ class Trainer:
             "params": self.n_params,
             "flops_per_token": self.fpt,
             "tokens_per_step": self.tokens_per_step,
-            **self.metrics.summary(),
+            **self.metrics.summary(memory_stats(device)),
             **memory_stats(device),
             **self.info,
             "peak_flops": self.peak,
