@@ -108,11 +108,26 @@ def _tokenmill(*args, env=None, **kw):
                           env=env or cpu_env(), timeout=600, **kw)
 
 
+class _Out(typing.NamedTuple):
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def _run(capsys, *args) -> _Out:
+    """The command through ``cli.main`` in this process (what a user types, without a new interpreter's start-up:
+    the tests that need a real process, its signals or its file descriptors, use :func:`_tokenmill`)."""
+    capsys.readouterr()
+    rc = main([str(a) for a in args])
+    out = capsys.readouterr()
+    return _Out(rc, out.out, out.err)
+
+
 def _bytes_data(tmp_path):
     (tmp_path / "a.txt").write_text("the cat sat on the mat. " * 400)
-    out = _tokenmill("prepare", tmp_path / "a.txt", "--out", tmp_path / "data", "--tokenizer", "bytes",
-                     "--no-progress", "--workers", "1")
-    assert out.returncode == 0, out.stderr
+    rc = main(["prepare", str(tmp_path / "a.txt"), "--out", str(tmp_path / "data"), "--tokenizer", "bytes",
+               "--no-progress", "--workers", "1"])
+    assert rc == 0
     return tmp_path / "data"
 
 
@@ -120,38 +135,38 @@ TINY = ["--preset", "tiny", "--train.device", "cpu", "--log.progress", "plain", 
 
 
 @pytest.mark.slow
-def test_a_run_diverging_at_its_second_step_can_follow_its_advice(tmp_path):
+def test_a_run_diverging_at_its_second_step_can_follow_its_advice(tmp_path, capsys):
     """The only checkpoint produced the NaN and is set aside: the stop advises --resume after changing a
     setting, and sample says so too; following them trains from step 0 and sample then works."""
     run, data = tmp_path / "run", _bytes_data(tmp_path)
-    out = _tokenmill("train", *TINY, "--data.path", data, "--train.max_steps", 3, "--checkpoint.every_steps", 1,
+    out = _run(capsys, "train", *TINY, "--data.path", data, "--train.max_steps", 3, "--checkpoint.every_steps", 1,
                      "--log.every_steps", 1, "--optim.lr", "1e30", "--optim.warmup_steps", 0, "--optim.grad_clip", 0,
                      "--run-dir", run)
     assert out.returncode == 1 and "loss became nan at step 2" in out.stderr, out.stderr
     assert "step_00000001.pt.nonfinite" in out.stderr and "resume with --resume after changing a setting" in out.stderr
-    sample = _tokenmill("sample", "--run-dir", run, "--max-new-tokens", 3)
+    sample = _run(capsys, "sample", "--run-dir", run, "--max-new-tokens", 3)
     aside = run / "checkpoints" / "step_00000001.pt.nonfinite"
     assert sample.returncode == 1 and "train first" not in sample.stderr, sample.stderr
     assert f"its only checkpoint ({aside})" in sample.stderr and "non-finite loss" in sample.stderr
     advice = re.search(r"(tokenmill train --resume \S+ \S+ --optim\.lr LR)", sample.stderr).group(1)
-    resumed = _tokenmill(*advice.replace("LR", "1e-3").split()[1:])
+    resumed = _run(capsys, *advice.replace("LR", "1e-3").split()[1:])
     assert resumed.returncode == 0, resumed.stderr
     assert "no good checkpoint" in resumed.stdout and "steps 0->3" in resumed.stdout, resumed.stdout
-    assert _tokenmill("sample", "--run-dir", run, "--max-new-tokens", 3, "--prompt", "the").returncode == 0
+    assert _run(capsys, "sample", "--run-dir", run, "--max-new-tokens", 3, "--prompt", "the").returncode == 0
 
 
 @pytest.mark.slow
-def test_sample_on_a_misspelt_run_directory_names_the_closest_one(tmp_path):
+def test_sample_on_a_misspelt_run_directory_names_the_closest_one(tmp_path, capsys):
     from tokenmill.train.trainer import train
 
     data = _bytes_data(tmp_path)
     train(tiny_cfg(**{"train.max_steps": 1, "train.eval_batches": 0, "data.source": "tokens", "data.path": str(data),
                       "model.vocab_size": None}), tmp_path / "my-run", quiet=True)
-    out = _tokenmill("sample", "--run-dir", tmp_path / "my-rnu", "--max-new-tokens", 3)
+    out = _run(capsys, "sample", "--run-dir", tmp_path / "my-rnu", "--max-new-tokens", 3)
     assert out.returncode == 1 and "train first" not in out.stderr, out.stderr
     assert f"there is no run directory {tmp_path / 'my-rnu'}" in out.stderr
     suggested = re.search(r"Did you mean (\S+)\?", out.stderr).group(1)
-    assert _tokenmill("sample", "--run-dir", suggested, "--max-new-tokens", 3).returncode == 0
+    assert _run(capsys, "sample", "--run-dir", suggested, "--max-new-tokens", 3).returncode == 0
 
 
 def _limit_file_size(n_bytes):
@@ -200,19 +215,20 @@ def hf_with_tokenizer(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_fine_tuning_without_data_names_the_prepare_command_that_then_works(hf_with_tokenizer, tmp_path):
-    env = dict(cpu_env(), TOKENMILL_CACHE=str(tmp_path / "cache"))
+def test_fine_tuning_without_data_names_the_prepare_command_that_then_works(hf_with_tokenizer, tmp_path, capsys,
+                                                                          monkeypatch):
+    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path / "cache"))
     args = ["train", "--train.init_from", hf_with_tokenizer, "--train.device", "cpu", "--train.max_steps", 1,
             "--train.eval_batches", 0, "--train.batch_size", 2, "--log.tensorboard", "false"]
-    out = _tokenmill(*args, "--run-dir", tmp_path / "a", env=env)
+    out = _run(capsys, *args, "--run-dir", tmp_path / "a")
     assert out.returncode == 1 and "model.vocab_size" not in out.stderr, out.stderr
     assert out.stderr.count("tokenmill: error:") == 1 and not (tmp_path / "cache").exists()  # nothing prepared
     command = re.search(r"`(tokenmill prepare TEXT --out DIR --tokenizer-from \S+)`", out.stderr).group(1)
     data = tmp_path / "data"
     command = command.replace("TEXT", str(hf_with_tokenizer.parent / "text.txt")).replace("DIR", str(data))
-    prepared = _tokenmill(*command.split()[1:], "--no-progress", env=env)
+    prepared = _run(capsys, *command.split()[1:], "--no-progress")
     assert prepared.returncode == 0, prepared.stderr
-    tuned = _tokenmill(*args, "--data.path", data, "--run-dir", tmp_path / "b", env=env)  # "then train with --data.path DIR"
+    tuned = _run(capsys, *args, "--data.path", data, "--run-dir", tmp_path / "b")  # "then train with --data.path DIR"
     assert tuned.returncode == 0 and "fine-tuning from the Hugging Face" in tuned.stdout, tuned.stderr
 
 
