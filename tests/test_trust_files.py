@@ -293,7 +293,7 @@ def test_an_edge_number_is_refused_at_once_on_a_flag_and_in_a_file(tmp_path, cap
                  ["config", "--preset", "tiny", "--config", tmp_path / "c.toml"]):
         t0 = time.perf_counter()
         rc, out = cli(argv, capsys)
-        assert time.perf_counter() - t0 < 2
+        assert time.perf_counter() - t0 < 15  # "at once" on a loaded 2-core machine; the hang this guards ran past 45 s
         line = error_line(out)
         assert rc == 2 and key in line and ("finite" in line or "too small" in line), line
 
@@ -316,7 +316,7 @@ def test_an_edge_mixture_weight_is_refused_at_once(world, tmp_path, capsys, valu
     t0 = time.perf_counter()
     rc, out = cli(["train", "--preset", "tiny", "--data.mixture", f"{world / 'data'}:{value},{world / 'hfds'}:1",
                    "--run-dir", tmp_path / "run", "--train.max_steps", 1, *COMMON], capsys)
-    assert time.perf_counter() - t0 < 2  # Fraction('1e999999999') ran for minutes
+    assert time.perf_counter() - t0 < 15  # on a loaded machine; Fraction('1e999999999') ran for minutes
     line = error_line(out)
     assert rc == 2 and "data.mixture" in line and value.split("/")[-1] in line, line
 
