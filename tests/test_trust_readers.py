@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_cfg
+from test_trust_files import cli, error_line  # the in-process command and its one error line
 from tokenmill import config as C
 from tokenmill.cli import main
 from tokenmill.data import pipeline as pipeline_mod
@@ -69,27 +70,6 @@ PROFILE = {
                "peak_region": "backward", "peak_op": "autograd::engine", "top_live": []},
     "allocator": None, "per_block": None, "files": {"json": "profile.json"}, "notes": [],
 }
-
-
-def cli(argv, capsys) -> tuple[int, str]:
-    """``tokenmill ARGV`` in this process: (exit code, stdout + stderr); a traceback fails the test."""
-    capsys.readouterr()
-    try:
-        rc = main([str(a) for a in argv])
-    except SystemExit as e:
-        rc = e.code
-    except BaseException as e:  # noqa: BLE001 - exactly what must never happen
-        pytest.fail(f"tokenmill {argv} raised {type(e).__name__}: {str(e)[:500]}")
-    out = capsys.readouterr()
-    return rc, out.out + out.err
-
-
-def error_line(out: str) -> str:
-    """The one error line of a refused command (and nothing that looks like a traceback)."""
-    assert "Traceback" not in out, out[-3000:]
-    lines = [x for x in out.splitlines() if x.startswith("tokenmill: ") and "error" in x.split(":")[1]]
-    assert len(lines) == 1, out[-3000:]
-    return lines[0]
 
 
 def warning_lines(out: str) -> list[str]:
