@@ -104,3 +104,32 @@ def pytest_runtest_makereport(item, call):
         rep.outcome = "failed"
         rep.longrepr = (f"{item.nodeid} started a process ({started[0]}): mark this test slow (@pytest.mark.slow); "
                         "the quick tier (-m 'not slow') starts none")
+
+
+# ------------------------------------------------------------------------------------------------
+# The CLI in this process, for tests of what a command says and writes (not of the process itself: signals,
+# exit by the interpreter, torchrun, pipes and locks between runs keep real processes). Importing torch in a
+# new interpreter costs about 5 s on a 2-core CI machine; the suite runs a few hundred commands.
+
+def run_cli(*args, cwd=None) -> subprocess.CompletedProcess:
+    """``tokenmill ARGS`` through ``tokenmill.cli.main`` in this process, as ``subprocess.run(...,
+    capture_output=True, text=True)`` would report it (a traceback becomes stderr and exit code 1, as the
+    interpreter would end the process)."""
+    import contextlib
+    import io
+    import traceback
+
+    from tokenmill.cli import main
+
+    argv = [str(a) for a in args]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+            (contextlib.chdir(cwd) if cwd is not None else contextlib.nullcontext()):
+        try:
+            rc = main(argv)
+        except SystemExit as e:  # argparse: --help, usage errors
+            rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except Exception:  # noqa: BLE001 - reported as the process would report it
+            traceback.print_exc(file=err)
+            rc = 1
+    return subprocess.CompletedProcess(["tokenmill", *argv], rc, out.getvalue(), err.getvalue())

@@ -32,7 +32,7 @@ from tokenmill.cli import build_parser, main
 CPU_ONLY = not torch.cuda.is_available()
 CPU_ENV = {"cuda_available": False, "gpu_count": 0, "gpu_names": [], "torch": torch.__version__, "cuda": None}
 GPU_ENV = {"cuda_available": True, "gpu_count": 1, "gpu_names": ["NVIDIA H100 80GB HBM3"], "torch": "2.x", "cuda": "12.x"}
-SHIPPED = ["best", "book-memory", "book-perf", "llama", "memory", "optimizers", "rasbt", "scale-out"]
+SHIPPED = ["best", "book-memory", "book-perf", "document-mask", "llama", "memory", "optimizers", "rasbt", "scale-out"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -324,6 +324,13 @@ def test_needs_typo_fails_and_a_future_field_is_skipped_with_a_hint(tmp_path):
     assert "train.batch_sizes_2 (not a tokenmill config field yet)" in reason and "Did you mean 'train.batch_size'" in reason
 
 
+def test_rungs_names_are_checked_against_the_ladder(tmp_path, capsys):
+    assert main(["bench", "ladder", "llama", "--smoke", "--rungs", "baseline,sdpaa", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "ladder 'llama' has no rung 'sdpaa'" in err and "sdpa" in err.split("no rung 'sdpaa'")[1]
+    assert not (tmp_path / "o").exists()  # refused before anything is written
+
+
 def test_set_rejects_the_step_keys_the_bench_owns(capsys):
     for key in ("train.max_steps", "log.every_steps", "log.timing_warmup_steps"):
         with pytest.raises(C.ConfigError, match="--steps"):
@@ -497,15 +504,21 @@ def test_git_commit_only_from_tokenmills_own_checkout(tmp_path, monkeypatch):
     assert git_facts(installed)["git_commit"] == "abc123"
 
 
+SMOKE_RUNGS = {"rasbt": ["baseline", "native-norm-gelu", "batch-32"],
+               "book-memory": ["baseline", "grad-accum-2", "adamw-for-loop", "fsdp-2gpu"],
+               "llama": ["baseline", "native-rmsnorm", "fused-qkv", "batch-8"]}
+
+
 @pytest.fixture(scope="module")
 def smoke_runs(tmp_path_factory):
-    """rasbt and book-memory --smoke through the real CLI, run side by side."""
+    """rasbt and book-memory --smoke through the real CLI, run side by side, each on a few of its rungs (every
+    rung's config is resolved by test_shipped_ladder_parses_and_every_rung_resolves; here the machinery runs)."""
     root = tmp_path_factory.mktemp("bench-smoke")
     env = dict(cpu_env(), TOKENMILL_CACHE=str(root / "cache"))
     procs = {}
-    for name in ("rasbt", "book-memory"):
+    for name, chosen in SMOKE_RUNGS.items():
         cmd = [sys.executable, "-m", "tokenmill", "bench", "ladder", name, "--smoke", "--quiet", "--out",
-               str(root / name)]
+               str(root / name), "--rungs", ",".join(chosen)]
         procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     results = {}
     for name, p in procs.items():
@@ -523,8 +536,12 @@ def _check_smoke(result, name):
     assert "git_commit" in doc and doc["date"] and doc["host"]
     assert [r["name"] for r in doc["rungs"]] == [r.name for r in ladder.rungs]
     prev = base = None
+    chosen = SMOKE_RUNGS[name]
     for r in doc["rungs"]:
         assert r["status"] in ("measured", "skipped"), (r["name"], r["reason"])
+        if r["name"] not in chosen:  # listed, not run; its config still resolved (where its fields exist)
+            assert r["status"] == "skipped" and r["reason"].startswith("not selected (--rungs)"), r["name"]
+            continue
         if r["status"] == "skipped":
             assert r["reason"] and r["metrics"] is None
             continue
@@ -575,7 +592,7 @@ def test_smoke_llama_through_the_cli(tmp_path):
     run rung by rung on tiny shapes, the CUDA rungs are skipped with the reason, the rest carried."""
     env = dict(cpu_env(), TOKENMILL_CACHE=str(tmp_path / "cache"))
     cmd = [sys.executable, "-m", "tokenmill", "bench", "ladder", "llama", "--smoke", "--quiet", "--out",
-           str(tmp_path / "llama")]
+           str(tmp_path / "llama"), "--rungs", ",".join(SMOKE_RUNGS["llama"])]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     rungs = _check_smoke((p.returncode, p.stdout, p.stderr, tmp_path / "llama"), "llama")
     base = rungs["baseline"]["config"]["model"]

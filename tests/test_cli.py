@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cpu_env
+from conftest import cpu_env, run_cli
 from tokenmill.cli import main
 from tokenmill.train.metrics import read_metrics
 
@@ -19,9 +19,9 @@ TINY = ["--preset", "tiny", "--train.device", "cpu", "--log.progress", "plain"]
 SYNTH = ["--data.source", "synthetic", "--model.vocab_size", "64"]
 
 
-def tm(*args, check=True, **kw):
-    out = subprocess.run([sys.executable, "-m", "tokenmill", *map(str, args)], capture_output=True, text=True,
-                         env=cpu_env(), **kw)
+def tm(*args, check=True):
+    """``tokenmill ARGS`` in this process (conftest.run_cli); the killed-run test keeps a real process."""
+    out = run_cli(*args)
     if check and out.returncode != 0:
         raise AssertionError(f"tokenmill {args} failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
     return out

@@ -1,8 +1,7 @@
-import subprocess
-import sys
 
 import pytest
 
+from conftest import run_cli
 from tokenmill import config as C
 from tokenmill.cli import main
 
@@ -56,9 +55,8 @@ def test_presets_resolve(name):
     assert cfg.model.n_embd % cfg.model.n_head == 0
 
 
-@pytest.mark.slow
 def test_cli_help_lists_every_field():
-    out = subprocess.run([sys.executable, "-m", "tokenmill", "train", "--help"], capture_output=True, text=True)
+    out = run_cli("train", "--help")
     assert out.returncode == 0
     for key in C.field_specs():
         assert f"--{key}" in out.stdout

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import cpu_env, tiny_cfg
+from conftest import cpu_env, run_cli, tiny_cfg
 from tokenmill import checkpoint
 from tokenmill.cli import main
 from tokenmill.errors import CheckpointError, ConfigError
@@ -376,8 +376,7 @@ def test_sample_options(tmp_path, capsys):
                      (["--checkpoint", str(tmp_path / "none.pt")], "does not exist")):
         assert main(["sample", "--run-dir", run, *bad]) == 1
         assert msg in capsys.readouterr().err
-    helptext = subprocess.run([sys.executable, "-m", "tokenmill", "sample", "--help"], capture_output=True, text=True,
-                              env=cpu_env()).stdout
+    helptext = run_cli("sample", "--help").stdout
     for opt in ("--prompt", "--max-new-tokens", "--temperature", "--top-k", "--top-p", "--num-samples", "--seed",
                 "--device", "--checkpoint", "--no-kv-cache"):
         entry = re.search(rf"\n  {opt}\b(.*?)(?=\n  -|\Z)", helptext, re.S)

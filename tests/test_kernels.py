@@ -7,14 +7,11 @@ PyTorch sum in a different order).
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn as nn
 
-from conftest import cpu_env
+from conftest import run_cli
 from test_model import assert_same_math, batch, build
 from tokenmill.errors import ConfigError
 from tokenmill.model.kernels import layernorm as K
@@ -156,15 +153,11 @@ def test_too_wide_is_a_config_error():
 
 @needs_triton
 @pytest.mark.slow
-def test_cli_reports_the_error_without_a_traceback(tmp_path):
-    env = cpu_env()
-    env.pop("TRITON_INTERPRET", None)
-    r = subprocess.run(
-        [sys.executable, "-m", "tokenmill", "train", "--preset", "tiny", "--data.source", "synthetic",
-         "--model.vocab_size", "64", "--train.device", "cpu", "--train.max_steps", "1", "--model.norm", "triton",
-         "--run-dir", str(tmp_path / "run"), "--log.progress", "plain"],
-        capture_output=True, text=True, env=env, timeout=300,
-    )
+def test_cli_reports_the_error_without_a_traceback(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    r = run_cli("train", "--preset", "tiny", "--data.source", "synthetic", "--model.vocab_size", "64",
+                "--train.device", "cpu", "--train.max_steps", "1", "--model.norm", "triton",
+                "--run-dir", tmp_path / "run", "--log.progress", "plain")
     assert r.returncode == 2, r.stderr
     assert "tokenmill: config error: model.norm='triton'" in r.stderr and "Traceback" not in r.stderr
 

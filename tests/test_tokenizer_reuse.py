@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from conftest import cpu_env
+from conftest import run_cli
 from tokenmill import config as C
 from tokenmill.cli import main
 from tokenmill.data import load_tokenizer_for_data, prepare
@@ -47,9 +45,8 @@ def check_same_tokenizer(tmp_path, out):
 @pytest.mark.slow
 def test_from_data_folder_through_the_cli(base):
     out = base / "ft"
-    r = subprocess.run([sys.executable, "-m", "tokenmill", "prepare", str(base / "new.txt"), "--out", str(out),
-                        "--tokenizer-from", str(base / "base"), "--no-progress", "--workers", "1"],
-                       capture_output=True, text=True, env=cpu_env(), timeout=120)
+    r = run_cli("prepare", base / "new.txt", "--out", out, "--tokenizer-from", base / "base", "--no-progress",
+                "--workers", "1")
     assert r.returncode == 0, r.stderr
     assert f"tokenizer from: {base / 'base'}" in r.stdout and "tokenizer bpe (" in r.stdout
     check_same_tokenizer(base, out)

@@ -2,13 +2,11 @@
 is set aside, kept but never loaded, so --resume goes on from a good one), and imported weights that are
 integers, quantised or non-finite are refused naming the tensor."""
 
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import cpu_env, tiny_cfg
+from conftest import run_cli, tiny_cfg
 from tokenmill import checkpoint as ckpt
 from tokenmill.errors import TrainingError
 from tokenmill.train.trainer import Callbacks, train
@@ -41,8 +39,7 @@ def test_nan_weights_saved_in_a_checkpoint_are_set_aside_and_resume_starts_befor
 
 
 def _tokenmill(*args):
-    return subprocess.run([sys.executable, "-m", "tokenmill", *args], capture_output=True, text=True,
-                          env=cpu_env(), timeout=300)
+    return run_cli(*args)
 
 
 @pytest.fixture(scope="module")

@@ -2,13 +2,11 @@
 prepared data folder that it reads, whatever the flags; --overwrite replaces only an earlier output."""
 
 import hashlib
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import cpu_env
+from conftest import run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -19,8 +17,7 @@ def tree(root: Path) -> dict[str, str]:
 
 
 def tokenmill(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "tokenmill", *map(str, args)], capture_output=True, text=True,
-                          env=cpu_env(), timeout=300, cwd=cwd)
+    return run_cli(*args, cwd=cwd)
 
 
 @pytest.fixture(scope="module")

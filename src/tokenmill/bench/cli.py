@@ -43,6 +43,9 @@ def register(subparsers) -> None:
                      help="config override applied to the base of every rung (repeatable)")
     lad.add_argument("--timeout", type=number(float, gt=0), help="per-rung time limit in seconds (default from the ladder)")
     lad.add_argument("--quiet", action="store_true", help="do not echo the training output of each rung")
+    lad.add_argument("--rungs", metavar="NAME,...",
+                     help="run only these rungs (the others are listed as not selected; the switches of those that "
+                          "would have run are still carried, so each chosen rung trains its whole-ladder config)")
     lad.add_argument("--estimate", action="store_true",
                      help="predict every rung with `tokenmill estimate` instead of running it (no GPU needed)")
     lad.add_argument("--gpu", help="with --estimate: the GPU to predict for (default: the ladder's reference "
@@ -101,6 +104,21 @@ def parse_sets(items: list[str]) -> dict[str, str]:
     return out
 
 
+def chosen_rungs(ladder, names: Optional[str]) -> Optional[set[str]]:
+    """``--rungs a,b``: the set of rung names, each checked against the ladder (None: every rung)."""
+    if names is None:
+        return None
+    chosen = {n.strip() for n in names.split(",") if n.strip()}
+    known = [r.name for r in ladder.rungs]
+    for name in sorted(chosen):
+        if name not in known:
+            raise C.ConfigError(f"--rungs: ladder '{ladder.name}' has no rung '{name}'.{C._closest(name, known)} "
+                                f"Its rungs: {', '.join(known)}.")
+    if not chosen:
+        raise C.ConfigError("--rungs: give at least one rung name (e.g. --rungs baseline,compile).")
+    return chosen
+
+
 def list_ladders() -> str:
     from tokenmill.bench.load import load_ladder
     from tokenmill.bench.schema import shipped_ladders
@@ -131,7 +149,7 @@ def cmd_ladder(args: argparse.Namespace) -> int:
         raise C.ConfigError("--gpu goes with --estimate (a real run uses the GPU it runs on).")
     out = Path(check_text(args.out, "--out")) if args.out else Path("runs") / f"bench-{ladder.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     doc = run_ladder(ladder, out, smoke=args.smoke, timed_steps=args.steps, cli_set=cli_set,
-                     timeout_s=args.timeout, echo_runs=not args.quiet)
+                     timeout_s=args.timeout, echo_runs=not args.quiet, only=chosen_rungs(ladder, args.rungs))
     failed = [r["name"] for r in doc["rungs"] if r["status"] == "failed"]
     if failed:
         print(f"tokenmill bench: {len(failed)} rung(s) failed: {', '.join(failed)} (reasons in the table)")

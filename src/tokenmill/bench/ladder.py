@@ -69,8 +69,10 @@ def run_ladder(
     env: Optional[dict[str, Any]] = None,
     log: Callable[[str], None] = print,
     echo_runs: bool = True,
+    only: Optional[set[str]] = None,
 ) -> dict[str, Any]:
-    """Run every rung and write ``ladder.json`` (after each rung), ``ladder.md`` and ``ladder.png``."""
+    """Run every rung (or those named in ``only``) and write ``ladder.json`` (after each rung), ``ladder.md`` and
+    ``ladder.png``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     env = env if env is not None else probe_environment()
@@ -88,7 +90,10 @@ def run_ladder(
         rec = _record(ladder, i, rung, carried)
         doc["rungs"].append(rec)
         log(f"[{i + 1:>2}/{len(ladder.rungs)}] {rung.name}: {rung.explain}")
-        status, reason = _run_rung(ladder, i, rec, carried, out, cli_set, smoke, timed_steps, env, limit, echo)
+        if only is not None and rung.name not in only:
+            status, reason = _not_selected(ladder, i, rec, carried, cli_set, smoke, timed_steps, env)
+        else:
+            status, reason = _run_rung(ladder, i, rec, carried, out, cli_set, smoke, timed_steps, env, limit, echo)
         rec["status"], rec["reason"] = status, reason
         if status == "measured":
             carried.append(i)
@@ -101,6 +106,24 @@ def run_ladder(
     _write_json(out, doc)
     report.write_outputs(doc, out, log)
     return doc
+
+
+def _not_selected(ladder: Ladder, i: int, rec: dict[str, Any], carried: list[int], cli_set: Optional[dict[str, str]],
+                  smoke: bool, timed_steps: Optional[int], env: dict[str, Any]) -> tuple[str, str]:
+    """A rung left out by ``--rungs``: not run, but where it would have run its switches are carried, so each
+    selected rung trains the config it has in the whole ladder."""
+    rung = ladder.rungs[i]
+    if rung.missing_fields():
+        return "skipped", "not selected (--rungs)"
+    try:
+        rc = rung_config(ladder, i, carried, cli_set, smoke, timed_steps)
+    except LadderError as e:
+        return "failed", f"config: {e}"
+    rec["config"] = rc.config.to_dict()
+    if why := skip_reason(ladder, rung, rc.config, env, smoke):
+        return "skipped", f"not selected (--rungs); it would be skipped here: {why}"
+    carried.append(i)
+    return "skipped", "not selected (--rungs); its switches are carried into the later rungs"
 
 
 def _run_rung(ladder: Ladder, i: int, rec: dict[str, Any], carried: list[int], out: Path,
