@@ -55,6 +55,19 @@ def test_shipped_ladder_parses_and_every_rung_resolves(name):
             assert cfg.log.progress == "plain" and cfg.checkpoint.save_final is False
 
 
+def test_no_shipped_rung_carries_a_switch_that_does_nothing():
+    """A rung that turns off what a setting acts under restates the setting (no inert-switch warning in a ladder)."""
+    from tokenmill.config.inert import inert_warnings
+
+    found = []
+    for name in shipped_ladders():
+        ladder = load_ladder(name)
+        base = C.resolve(ladder.base_preset, overrides={}, overrides_from_string=False)
+        for i, rung in enumerate(ladder.rungs):
+            found += [f"{name}/{rung.name}: {w}" for w in inert_warnings(rung_config(ladder, i).config, base)]
+    assert not found, "\n".join(found)
+
+
 def test_rasbt_ladder_is_faithful():
     ladder = load_ladder("rasbt")
     assert [r.name for r in ladder.rungs] == [
