@@ -170,6 +170,8 @@ BASES = {
                        _file("meta.json"), positional={"input": 0}),
     ("sample",): Base(("--run-dir", "@RUN", "--max-new-tokens", "4", "--device", "cpu"), _printed),
     ("export",): Base(("--run-dir", "@RUN", "--out", "@OUT"), _file("config.json")),
+    # a run of plain text has no chat template: chat refuses it in one line (the options are checked first)
+    ("chat",): Base(("@RUN", "--device", "cpu", "--max-new-tokens", "2"), _printed, positional={"path": 0}),
     ("eval",): Base(("--run-dir", "@RUN", "--batches", "1", "--device", "cpu"), lambda out, s: "loss" in s),
     ("doctor",): Base(("@RUN",), _printed, positional={"run_dir": 0}),
     ("bench", "ladder"): Base(("memory", "--estimate", "--out", "@OUT"), _file("ladder.json"), slow=True,

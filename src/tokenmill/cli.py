@@ -90,6 +90,43 @@ def cmd_sample(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_chat(args: argparse.Namespace) -> int:
+    from tokenmill.train.chat import ChatOptions, chat_loop, load_chat_model
+    from tokenmill.train.device import resolve_device
+
+    if args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0 or (args.context is not None and args.context < 2):
+        raise SampleError("--max-new-tokens must be >= 1, --temperature and --top-k >= 0 and --context >= 2 (got "
+                          f"{args.max_new_tokens}, {args.temperature}, {args.top_k}, {args.context}).")
+    if not 0.0 < args.top_p <= 1.0:
+        raise SampleError(f"--top-p must be in (0, 1] (1 = no nucleus filtering), got {args.top_p}.")
+    device = resolve_device(args.device, "--device")
+    cm = load_chat_model(args.path, args.chat_template, args.checkpoint, device, args.context)
+    opts = ChatOptions(args.temperature, args.top_k or None, args.top_p if args.top_p < 1.0 else None,
+                       args.max_new_tokens, args.seed)
+    return chat_loop(cm, opts)
+
+
+def _add_chat(sub) -> None:
+    """The ``chat`` command's arguments."""
+    p = sub.add_parser("chat", help="talk to a run's model or a Hugging Face folder through its chat template",
+                       allow_abbrev=False)
+    p.add_argument("path", help="a run directory or a Hugging Face model folder (Llama, Qwen2, Qwen3, Mistral, GPT-2)")
+    p.add_argument("--chat-template", metavar="FILE",
+                   help="a Jinja chat template, for a model folder or run that has none (default: the model's own)")
+    p.add_argument("--temperature", type=number(float), default=0.7, help="softmax temperature; 0 = greedy (default: 0.7)")
+    p.add_argument("--top-p", type=number(float), default=1.0,
+                   help="nucleus sampling: keep the most likely tokens up to this probability mass; 1 = off (default: 1.0)")
+    p.add_argument("--top-k", type=number(int), default=0, help="keep the k most likely tokens; 0 = off (default: 0)")
+    p.add_argument("--max-new-tokens", type=number(int), default=512, help="tokens per reply at most (default: 512)")
+    p.add_argument("--seed", type=number(int, ge=0), default=0, help="random seed of the draws (default: 0)")
+    p.add_argument("--context", type=number(int), default=None,
+                   help="tokens of conversation the model sees at most (default: the run's block_size; a model "
+                        "folder's context, at most 4096)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, mps or auto (default: auto)")
+    p.add_argument("--checkpoint", help="a checkpoint file or folder of the run (default: the newest good one)")
+    p.set_defaults(func=cmd_chat)
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from tokenmill.checkpoint.export import export_hf
 
@@ -97,6 +134,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     print(f"exported {r.checkpoint} to {r.out_dir}: {', '.join(r.files)}")
     if r.tokenizer_skipped:
         print(f"tokenmill: note: no tokenizer files: {r.tokenizer_skipped}", file=sys.stderr)
+    if r.chat_template:
+        print(f"chat template from {r.chat_template} (chat_template.jinja, tokenizer_config.json)")
+    elif r.chat_skipped:
+        print(f"tokenmill: warning: no chat template written: {r.chat_skipped}. Copy the template into "
+              f"{r.out_dir / 'chat_template.jinja'} yourself.", file=sys.stderr)
     print(f"load it with: transformers.{r.architecture}.from_pretrained({str(r.out_dir)!r})")
     return 0
 
@@ -107,8 +149,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from tokenmill.train.device import resolve_device
     from tokenmill.train.evaluate import evaluate_run, format_result
 
+    if args.tasks is not None:  # lm-eval's tasks on runs and Hugging Face folders (train/tasks.py)
+        from tokenmill.train.tasks import run_cli
+
+        return run_cli(args)
+    if len(args.paths) + bool(args.run_dir) != 1:
+        raise ConfigError("tokenmill eval gives the validation loss of one run: tokenmill eval RUN (or --run-dir "
+                          "RUN); task scores of several runs or Hugging Face folders side by side need --tasks.")
     device = resolve_device(args.device, "--device")
-    r = evaluate_run(args.run_dir, args.data_path, args.batches, args.batch_size, args.checkpoint, device,
+    r = evaluate_run(args.run_dir or args.paths[0], args.data_path, args.batches, args.batch_size, args.checkpoint, device,
                      progress=not args.json)
     print(json.dumps(r, indent=2) if args.json else format_result(r))
     return 0
@@ -160,6 +209,18 @@ def _add_sample(sub) -> None:
     p.set_defaults(func=cmd_sample)
 
 
+def _add_task_args(p) -> None:
+    """``tokenmill eval --tasks``'s arguments (lm-eval; train/tasks.py)."""
+    p.add_argument("--tasks", help="lm-eval tasks, comma-separated (e.g. hellaswag,arc_easy): task scores instead of "
+                   "the validation loss; results to RUN/tasks-TIME.json (pip install 'tokenmill[eval]')")
+    p.add_argument("--num-fewshot", type=number(int, ge=0), help="few-shot examples per document (default: each task's own)")
+    p.add_argument("--limit", type=number(float, gt=0), help="documents per task (a fraction below 1: of each task)")
+    p.add_argument("--include-path", metavar="DIR", help="a folder of your own task YAML files (lm-eval's --include-path)")
+    p.add_argument("--apply-chat-template", action="store_true", help="prompts through the model's chat template")
+    p.add_argument("--log-samples", action="store_true", help="keep every document's requests and responses in the JSON")
+    p.add_argument("--out", metavar="FILE", help="write the results JSON here (a Hugging Face folder is never written to)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokenmill", description="Train GPT-style language models close to the hardware limit, and see what "
@@ -179,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_prepare)
 
     _add_sample(sub)
+    _add_chat(sub)
 
     p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face folder (GPT-2, Llama, Qwen2, Qwen3, Mistral)", allow_abbrev=False)
     p.add_argument("--run-dir", required=True, help="the run directory")
@@ -188,9 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replace a non-empty --out, only once the new folder is complete (default: a non-empty --out is an error)")
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("eval", help="validation loss, perplexity and bits per byte of a run's checkpoint",
-                       allow_abbrev=False)
-    p.add_argument("--run-dir", required=True, help="the run directory (the result goes to RUN/eval.json)")
+    p = sub.add_parser("eval", help="validation loss, perplexity and bits per byte of a run's checkpoint; with --tasks, "
+                       "lm-eval task scores of runs and Hugging Face folders (docs/evaluation.md)", allow_abbrev=False)
+    p.add_argument("paths", nargs="*", metavar="PATH", help="run directories or (with --tasks) Hugging Face folders")
+    p.add_argument("--run-dir", help="the run directory (the result goes to RUN/eval.json)")
     p.add_argument("--data.path", dest="data_path", metavar="DATA",
                    help="a prepared folder with the run's tokenizer (default: the run's data)")
     p.add_argument("--batches", type=number(int, ge=1),
@@ -200,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", help="a checkpoint file or folder of the run (default: the newest good one)")
     p.add_argument("--device", default="auto", help="cpu, cuda, mps or auto (default: auto)")
     p.add_argument("--json", action="store_true", help="print the result as JSON (default: two lines of text)")
+    _add_task_args(p)
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("config", help="print a resolved config as TOML, or the field reference", allow_abbrev=False)

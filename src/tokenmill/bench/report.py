@@ -5,7 +5,9 @@ min/max), step time, MFU (against the peak of the rung's math mode, and ``mfu_bf
 bf16 dense peak), peak allocated/reserved memory (CUDA), final loss and its change from the
 baseline's (``loss_flag`` past ``[ladder.measure] loss_tolerance``), speedup over the previous
 *measured* rung and over the baseline (the first measured rung), and with ``[ladder] samples`` the
-time for that many samples = samples * block_size / tokens_per_sec.
+time for that many samples = samples * block_size / tokens_per_sec. In a ``--smoke`` run, a rung whose switch
+the tiny shapes undid (``flattened``: a batch of 4 or 8 becomes 1, as the previous rung's) reports no change
+over the previous rung: "flattened by --smoke" instead.
 
 Reference figures from the seeds are compared by direction, for rungs measured on a CUDA GPU outside
 --smoke only: the headline metric's change from the previous measured rung, in the seed and here,
@@ -164,18 +166,32 @@ def derive(doc: dict[str, Any]) -> None:
         base = base or r
         base_tps = m["tokens_per_sec"] if base is r else base["metrics"]["tokens_per_sec"]
         m["vs_rung"] = prev["name"] if prev else None
-        m["speedup_vs_prev"] = _ratio(m["tokens_per_sec"], prev["metrics"]["tokens_per_sec"]) if prev else None
+        m["flattened"] = flattened(r, prev) if doc["smoke"] else []
+        whole = bool(m["flattened"]) and len(m["flattened"]) == len(r["set"])  # the rung's switch ran as before
+        m["speedup_vs_prev"] = _ratio(m["tokens_per_sec"], prev["metrics"]["tokens_per_sec"]) if prev and not whole else None
         m["speedup_vs_baseline"] = _ratio(m["tokens_per_sec"], base_tps)
         for key in ("peak_alloc_mb", "time_for_samples_s"):
             old = prev["metrics"].get(key) if prev else None
             q = _ratio(m.get(key), old)
-            m[f"{key}_change_vs_prev"] = q - 1 if q is not None else None
+            m[f"{key}_change_vs_prev"] = q - 1 if q is not None and not whole else None
         _loss_check(m, m if base is r else base["metrics"], tolerance)
         r["metrics"] = m
         if not doc["smoke"] and on_gpu(r):  # smoke (tiny shapes) or CPU figures: nothing to compare
             r["reference_check"] = _reference_check(r, prev, headline)
         prev = r
     doc["baseline_rung"] = base["name"] if base else None
+
+
+def flattened(r: dict[str, Any], prev: Optional[dict[str, Any]]) -> list[str]:
+    """The keys of rung ``r``'s switch whose value in its resolved config is the previous measured rung's: a
+    ``--smoke`` run's shrinking flattened them (a batch of 4 or 8 becomes 1, as the baseline's). All of them: the
+    rung measured nothing its switch buys, and no speedup over the previous rung is reported."""
+    if prev is None or not r.get("config") or not prev.get("config"):
+        return []
+    def value(rec: dict[str, Any], key: str) -> Any:
+        section, _, name = key.partition(".")
+        return (rec["config"].get(section) or {}).get(name, object())
+    return [k for k in r["set"] if value(r, k) == value(prev, k)]
 
 
 def _loss_check(m: dict[str, Any], base: dict[str, Any], tolerance: float) -> None:
@@ -233,6 +249,8 @@ def one_line(r: dict[str, Any]) -> str:
     parts = [f"{_num(m.get('tokens_per_sec'))} tok/s"]
     if m.get("speedup_vs_prev"):
         parts.append(f"{_x(m['speedup_vs_prev'])} vs prev")
+    if m.get("flattened"):
+        parts.append(_flat(r))
     if m.get("time_for_samples_s") is not None:
         parts.append(f"{m['time_for_samples_s']:.2f} s for the samples")
     if m.get("peak_alloc_mb") is not None:
@@ -284,7 +302,7 @@ def _columns(doc: dict[str, Any]) -> list[tuple[str, Callable[[dict[str, Any]], 
     if headline == "peak_alloc_mb":
         cols += [("peak alloc GB", met("peak_alloc_mb", _gb)), ("Δ mem", met("peak_alloc_mb_change_vs_prev", _pct))]
         cols += ref_cols("peak_alloc_mb")
-    cols += [("tok/s (min–max)", tps), ("vs prev", met("speedup_vs_prev", _x)),
+    cols += [("tok/s (min–max)", tps), ("vs prev", lambda r: _flat(r) or met("speedup_vs_prev", _x)(r)),
              ("vs base", met("speedup_vs_baseline", _x))]
     cols += ref_cols("tokens_per_sec")
     pct = lambda v: _num(v and 100 * v, "{:.1f}%")  # noqa: E731
@@ -305,6 +323,16 @@ def _columns(doc: dict[str, Any]) -> list[tuple[str, Callable[[dict[str, Any]], 
         cols += [(time_head, time_s)] + ref_cols("time_for_samples_s")
     cols += [("final loss", _loss), ("status", _status)]
     return cols
+
+
+def _flat(r: dict[str, Any]) -> str:
+    """"flattened by --smoke" where the smoke shapes undid the rung's switch (all of it), naming the keys where
+    only some of it; empty otherwise."""
+    keys = (r.get("metrics") or {}).get("flattened") or []
+    if not keys:
+        return ""
+    whole = len(keys) == len(r["set"])
+    return "flattened by --smoke" + ("" if whole else f" ({', '.join(keys)})")
 
 
 def _loss(r: dict[str, Any]) -> str:

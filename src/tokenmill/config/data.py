@@ -84,7 +84,9 @@ class DataConfig:
         "data, loader and data parallelism are unchanged. model.document_attention: FlexAttention (CUDA's default) or "
         "an explicit (batch, 1, T, T) mask, which costs the flash kernel. The loss still counts every "
         "position. Needs an end-of-text id (not the 'bytes' tokenizer, not synthetic data); not with "
-        "parallel.pp > 1 or model.sdpa_backend='flash'; generation with the KV cache does not use it.",
+        "parallel.pp > 1, nor model.sdpa_backend='flash' on the explicit path (FlexAttention bypasses SDPA's kernels, "
+        "so 'flash' is allowed with it); generation with the KV cache does not use it. A chat folder's conversations "
+        "are kept apart by data.chat_packing='pack' instead (from its start bits: chat templates emit no end-of-text).",
     )
     document_positions: bool = F(
         False,
@@ -95,3 +97,22 @@ class DataConfig:
         "other targets -100), the loss a mean over the global batch's learned tokens (any accumulation or process "
         "layout alike). None (auto): when the folder has one; true: required; false: every token. Not with "
         "parallel.pp > 1 or data.mixture.")
+    chat_packing: Literal["pad", "pack"] = F(
+        "pad",
+        "How a chat folder's conversations (data.loss_mask on) fill the model.block_size windows. 'pad' = one "
+        "conversation per window, padded (pad targets ignored): the default, as in TRL (SFTConfig packing=False), "
+        "Axolotl (sample_packing: false) and litgpt, so a step's samples are conversations and nothing is shared "
+        "between them. 'pack' = as many whole conversations as fit in each window (next fit in file order), the "
+        "boundaries taken from the folder's sequence-start bits: attention kept within each conversation and "
+        "positions restarting at 0 in each, so the loss equals the same conversations trained one by one, with "
+        "far less padding when conversations are short (model.document_attention picks FlexAttention or the "
+        "explicit mask). Either way a window starts at a conversation's start, a conversation longer than the "
+        "window is cut to it (prepare with --block-size to split it at turn boundaries instead), and the shares "
+        "of padding and of learned tokens are logged (padding_frac, learned_frac). Each sample is a pure "
+        "function of (train.seed, its index): resume and any layout give the same stream.",
+    )
+
+
+# data.chat_packing='pack': the input id of each conversation's first token carries this bit, which the model
+# strips to find the boundaries (model/gpt.py); every token id is below it.
+SEQUENCE_START_FLAG = 1 << 30

@@ -51,7 +51,7 @@ INERT: tuple[Needs, ...] = (
           lambda c: c.train.grad_accum_steps > 1),
     Needs(("lora.alpha", "lora.dropout", "lora.targets"), "--lora.rank > 0", lambda c: c.lora.rank > 0),
     Needs(("data.document_positions", "model.document_attention"), "--data.document_mask true",
-          lambda c: c.data.document_mask),
+          lambda c: c.data.document_mask or c.data.chat_packing == "pack"),  # pack: chat data's sequences
     Needs(("data.prefetch_factor", "data.persistent_workers"), "--data.num_workers > 0",
           lambda c: c.data.num_workers > 0),
     Needs(("data.cuda_prefetch",), "a CUDA device (--train.device cuda or auto on a GPU)",
@@ -76,6 +76,8 @@ INERT: tuple[Needs, ...] = (
           lambda c: c.train.sample_at_end),
     Needs(("train.eval_every_steps",), "--train.eval_batches > 0", lambda c: c.train.eval_batches > 0),
     Needs(("log.wandb_project", "log.wandb_name", "log.wandb_mode"), "--log.wandb true", lambda c: c.log.wandb),
+    Needs(("eval.tasks_limit", "eval.tasks_every_steps", "eval.include_path"), "--eval.tasks NAME[,NAME...]",
+          lambda c: bool(c.eval.tasks)),
 )
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["MemorySwitch", "flags", "getter", "memory_switches"]
+__all__ = ["FINETUNE_RECIPE", "MemorySwitch", "finetune_recipe", "flags", "getter", "memory_switches"]
 
 Get = Callable[[str], Any]
 
@@ -131,3 +131,14 @@ def memory_switches(get: Get, searched_only: bool = False) -> list[MemorySwitch]
     ``searched_only``: only those the estimator evaluates (no optional package, same numerics, one GPU)."""
     out = _activation_switches(get) + _state_switches(get)
     return out if searched_only else out + _optimizer_alternatives(get)
+
+
+# The recipe fine-tuners run (torchtune's single-GPU LoRA configs, for one: bf16 weights, activation
+# checkpointing, a chunked cross-entropy): `tokenmill estimate --finetune` starts from it.
+FINETUNE_RECIPE = {"train.precision": "bf16", "memory.activation_checkpointing": 1, "model.loss_impl": "chunked"}
+
+
+def finetune_recipe(get: Get) -> list[MemorySwitch]:
+    """The switches of :data:`FINETUNE_RECIPE` that the config read by ``get`` does not use yet, as the list
+    above has them."""
+    return [s for s in memory_switches(get) if s.overrides.items() <= FINETUNE_RECIPE.items()]

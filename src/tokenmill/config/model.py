@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 from tokenmill.config.field import F
+from tokenmill.errors import ConfigError
 
 
 @dataclass
@@ -138,6 +139,77 @@ class ModelConfig:
         False, "RMSNorm over each head of q and k before RoPE (Qwen3), with its own weight of head_dim.",
         shape="arch",
     )
+    # --- mixture of experts (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE, DeepSeek-style shared experts): model/moe.py
+    moe_experts: int = F(
+        0,
+        "Routed experts in each sparse layer (0 = a dense model: every layer's MLP is model.mlp). A sparse "
+        "layer's MLP is a router (Linear(C, experts), no bias) and that many SwiGLU experts without biases; "
+        "each token goes through its model.moe_top_k experts, weighted by its router scores. Dropless: every "
+        "token reaches all its experts (no capacity factor, nothing is dropped).",
+        ge=0, shape="arch",
+    )
+    moe_top_k: int = F(
+        2, "Experts each token is routed to (num_experts_per_tok: Mixtral 2, Qwen3-MoE and OLMoE 8); at most "
+        "model.moe_experts.", ge=1, shape="arch")
+    moe_intermediate_size: Optional[int] = F(
+        None, "Hidden width of one routed expert. None: model.intermediate_size (Mixtral); Qwen3-MoE and OLMoE "
+        "declare their own (moe_intermediate_size).", ge=1, shape="arch")
+    moe_shared_experts: int = F(
+        0, "Shared experts every token goes through besides its routed ones, run as one SwiGLU MLP of "
+        "model.moe_shared_experts x model.moe_shared_intermediate_size hidden units (Qwen2-MoE 1, DeepSeek 1-2; "
+        "0 = none).", ge=0, shape="arch")
+    moe_shared_intermediate_size: Optional[int] = F(
+        None, "Hidden width of one shared expert. None: the routed experts' width.", ge=1, shape="arch")
+    moe_shared_gate: bool = F(
+        False, "Scale the shared experts' output per token by sigmoid(Linear(C, 1)(x)) (Qwen2-MoE's "
+        "shared_expert_gate); false: added as it is (DeepSeek).", shape="arch")
+    moe_every: int = F(
+        1, "Which layers are sparse: layer i (from 0) when (i + 1) % moe_every == 0 (Qwen's decoder_sparse_step; "
+        "1 = every layer) and i is not in model.moe_dense_layers; the others keep the dense model.mlp of "
+        "model.intermediate_size.", ge=1, shape="arch")
+    moe_dense_layers: str = F(
+        "", "Comma-separated layer indices (from 0) that stay dense whatever model.moe_every says (Qwen's "
+        "mlp_only_layers; DeepSeek's first dense layers: '0,1,2'). Empty: none.", shape="arch")
+    moe_router: Literal["softmax-topk", "softmax-topk-renorm", "topk-softmax"] = F(
+        "softmax-topk-renorm",
+        "How router logits become expert weights: 'softmax-topk' = softmax over all experts, the k largest "
+        "probabilities as they are (Qwen3-MoE/Qwen2-MoE with norm_topk_prob false, OLMoE); "
+        "'softmax-topk-renorm' = the same k probabilities divided by their sum (Mixtral, Qwen3-MoE with "
+        "norm_topk_prob true); 'topk-softmax' = the k largest logits, then a softmax over them only (Mistral's "
+        "reference code: the same weights as 'softmax-topk-renorm' up to rounding).",
+        shape="arch",
+    )
+    moe_aux_loss_coef: float = F(
+        0.01,
+        "Load-balancing loss coefficient (Switch Transformer / Mixtral, computed as transformers' "
+        "load_balancing_loss_func over all sparse layers together: experts x sum over experts of (share of "
+        "routed slots) x (mean router probability)). The model adds coef x this loss to the training loss "
+        "(training mode with targets; validation losses stay pure cross-entropy). 0 = off. Mixtral and "
+        "Qwen3-MoE declare 0.001 (router_aux_loss_coef), OLMoE 0.01.",
+        ge=0,
+    )
+    moe_z_loss_coef: float = F(
+        0.0,
+        "Router z-loss coefficient (ST-MoE): coef x the mean over sparse layers and tokens of "
+        "logsumexp(router logits)^2 is added to the training loss, keeping router logits small. 0 = off "
+        "(OLMoE trained with 0.001).",
+        ge=0,
+    )
+    moe_impl: Literal["auto", "grouped", "loop"] = F(
+        "auto",
+        "How the routed experts run: 'grouped' = tokens sorted by expert and all experts as one grouped "
+        "matrix product per projection (torch._grouped_mm: no Python loop, no host sync, compile-friendly; "
+        "CUDA needs sm90+ and bf16 there); 'loop' = one matmul per expert that has tokens (the reference; "
+        "syncs with the host); 'auto' = 'grouped' where torch._grouped_mm runs for the device and dtype, "
+        "else 'loop'.",
+    )
+    qk_norm_width: Literal["head", "all"] = F(
+        "head",
+        "With model.qk_norm: 'head' = one RMSNorm over each head of q and of k, weights of head_dim (Qwen3); "
+        "'all' = one RMSNorm over all of q's features (n_head x head_dim) and one over all of k's, before they "
+        "are split into heads (OLMoE, OLMo 2). Not with parallel.tp.",
+        shape="arch",
+    )
     loss_over_padded_vocab: bool = F(
         False,
         "With vocabulary padding: compute the cross-entropy over all padded_vocab columns, as the "
@@ -161,3 +233,56 @@ class ModelConfig:
     def mlp_width(self) -> int:
         """Hidden width of the MLP: model.intermediate_size, else 4 * n_embd."""
         return self.intermediate_size or 4 * self.n_embd
+
+    @property
+    def expert_width(self) -> int:
+        """Hidden width of one routed expert: model.moe_intermediate_size, else the MLP width."""
+        return self.moe_intermediate_size or self.mlp_width
+
+    @property
+    def shared_width(self) -> int:
+        """Hidden width of the shared experts together (0 without shared experts)."""
+        return self.moe_shared_experts * (self.moe_shared_intermediate_size or self.expert_width)
+
+    def sparse_layers(self) -> list[int]:
+        """The layers whose MLP is the mixture of experts (none when model.moe_experts is 0)."""
+        if not self.moe_experts:
+            return []
+        dense = set(_layer_list(self.moe_dense_layers, None))  # checked against n_layer by check_moe
+        return [i for i in range(self.n_layer) if (i + 1) % self.moe_every == 0 and i not in dense]
+
+
+def _layer_list(text: str, n_layer: int | None) -> list[int]:
+    """The layer indices of model.moe_dense_layers, each checked (an integer, listed once, and with ``n_layer``
+    in 0 .. n_layer - 1; without it, a model cut to fewer layers, e.g. one block counted on meta, ignores the
+    indices beyond its depth)."""
+    out: list[int] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        try:
+            i = int(part)
+        except ValueError:
+            raise ConfigError(f"model.moe_dense_layers: {part!r} is not a layer index (comma-separated integers, "
+                              f"e.g. '0,1').") from None
+        if i < 0 or i in out or (n_layer is not None and i >= n_layer):
+            why = "listed twice" if i in out else f"outside 0 .. {(n_layer or 1) - 1} (model.n_layer is {n_layer})"
+            raise ConfigError(f"model.moe_dense_layers: layer {i} is {why}.")
+        out.append(i)
+    return out
+
+
+def check_moe(m: ModelConfig) -> None:
+    """The mixture-of-experts fields that only make sense together (one line naming the field)."""
+    if not m.moe_experts:
+        return
+    _layer_list(m.moe_dense_layers, m.n_layer)
+    if m.moe_top_k > m.moe_experts:
+        raise ConfigError(f"model.moe_top_k ({m.moe_top_k}) must be at most model.moe_experts ({m.moe_experts}): "
+                          "a token cannot go to more experts than there are.")
+    if m.mlp != "swiglu":
+        raise ConfigError(f"model.moe_experts > 0 needs --model.mlp swiglu: the experts are SwiGLU MLPs "
+                          f"(model.mlp={m.mlp!r} would leave the dense layers a different MLP).")
+    if not m.sparse_layers():
+        raise ConfigError(f"model.moe_every ({m.moe_every}) and model.moe_dense_layers ({m.moe_dense_layers!r}) "
+                          f"leave no sparse layer among the {m.n_layer}: set --model.moe_experts 0 for a dense model.")

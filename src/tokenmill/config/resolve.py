@@ -22,6 +22,7 @@ else:  # pragma: no cover
 from tokenmill import atomic
 from tokenmill.config.inert import warn_inert
 from tokenmill.config.lora import LORA_ROLES
+from tokenmill.config.model import check_moe
 from tokenmill.config.schema import Config, describe_range, field_ranges, field_specs, sections
 from tokenmill.config.size import check_size
 from tokenmill.config.suggest import suggest
@@ -245,6 +246,9 @@ def validate(cfg: Config) -> Config:
 def check_lora_targets(cfg: Config) -> None:
     """``lora.targets`` names only projections the model has: no 'gate' in a GELU MLP."""
     names = [t.strip() for t in cfg.lora.targets.split(",")]
+    if cfg.lora.rank and cfg.model.moe_experts and {"all", "gate", "up", "down"} & set(names):
+        raise ConfigError(f"lora.targets={cfg.lora.targets!r}: with a mixture of experts (model.moe_experts) the "
+                          "adapters go on attention only for now: --lora.targets q,k,v,o.")
     if "gate" in names and cfg.model.mlp != "swiglu":
         raise ConfigError("lora.targets names 'gate', but a GELU MLP (model.mlp='gelu') has no gate projection; "
                           "its projections are up (c_fc) and down (c_proj).")
@@ -292,6 +296,7 @@ def _validate_architecture(m) -> None:
     if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
         raise ConfigError(f"model.rope_high_freq_factor ({m.rope_high_freq_factor}) must be greater than "
                           f"model.rope_low_freq_factor ({m.rope_low_freq_factor}).")
+    check_moe(m)  # mixture of experts: top-k, layer list
 
 
 def _validate_memory_and_parallel(cfg: Config) -> None:
@@ -331,6 +336,12 @@ def _validate_memory_and_parallel(cfg: Config) -> None:
 def _validate_model_parallel(cfg: Config) -> None:
     """Tensor and pipeline parallelism: shapes that split evenly, and switches that compose."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
+    if p.tp > 1 and m.qk_norm and m.qk_norm_width == "all":
+        raise ConfigError("model.qk_norm_width='all' normalises q and k over all heads together, which "
+                          "parallel.tp (heads split over ranks) cannot compute; use parallel.dp_shard instead.")
+    if m.moe_experts and (p.tp > 1 or p.pp > 1 or getattr(t, "fp8", "off") != "off"):
+        raise ConfigError("model.moe_experts > 0 (a mixture of experts) works with one process, DDP and FSDP "
+                          "(parallel.dp_replicate / dp_shard), not yet with parallel.tp, parallel.pp or train.fp8.")
     if p.tp > 1:
         if m.fused_qkv:
             raise ConfigError(

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from tokenmill.config.data import DataConfig
+from tokenmill.config.evaluation import EvalConfig
 from tokenmill.config.field import F
 from tokenmill.config.lora import LoraConfig
 from tokenmill.config.model import ModelConfig
@@ -336,6 +337,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {s.name: dataclasses.asdict(getattr(self, s.name)) for s in dataclasses.fields(self)}

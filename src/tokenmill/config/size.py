@@ -48,17 +48,25 @@ def block_params(m: ModelConfig) -> int:
     C, hd, inner = m.n_embd, m.head_width, m.mlp_width
     q, kv = m.n_head * hd, m.kv_heads * hd
     attn = C * (q + 2 * kv) + (q + 2 * kv if m.qkv_bias else 0) + q * C + (C if m.bias else 0)
-    attn += 2 * _norm(m, hd) if m.qk_norm else 0
+    attn += (2 * _norm(m, hd) if m.qk_norm_width == "head" else _norm(m, q) + _norm(m, kv)) if m.qk_norm else 0
     n_in = 2 if m.mlp == "swiglu" else 1  # gate and up, or up
     mlp = n_in * (C * inner + (inner if m.bias else 0)) + inner * C + (C if m.bias else 0)
     return 2 * _norm(m, C) + attn + mlp
+
+
+def moe_extra_params(m: ModelConfig) -> int:
+    """Parameters a sparse layer's mixture of experts (model/moe.py) adds over the dense MLP it replaces."""
+    C, inner, E, Ie, S = m.n_embd, m.mlp_width, m.moe_experts, m.expert_width, m.shared_width
+    dense = 3 * C * inner + (2 * inner + C if m.bias else 0)  # model.mlp='swiglu' (check_moe)
+    return C * E + 3 * E * C * Ie + 3 * C * S + (C if S and m.moe_shared_gate else 0) - dense
 
 
 def param_count(m: ModelConfig, vocab_size: int) -> int:
     """Parameters of the whole model (a tied head counts once; padded rows included)."""
     emb = padded_vocab(m, vocab_size) * m.n_embd
     wpe = m.block_size * m.n_embd if m.pos_emb == "learned" else 0
-    return emb * (1 if m.tie_embeddings else 2) + wpe + m.n_layer * block_params(m) + _norm(m, m.n_embd)
+    moe = len(m.sparse_layers()) * moe_extra_params(m) if m.moe_experts else 0
+    return emb * (1 if m.tie_embeddings else 2) + wpe + m.n_layer * block_params(m) + moe + _norm(m, m.n_embd)
 
 
 def largest_tensors(m: ModelConfig, vocab_size: int, batch_size: int) -> dict[str, int]:
@@ -66,6 +74,8 @@ def largest_tensors(m: ModelConfig, vocab_size: int, batch_size: int) -> dict[st
     B, T, C, Vp = batch_size, m.block_size, m.n_embd, padded_vocab(m, vocab_size)
     out = {"the token embedding": Vp * C * 4, "one MLP matrix": C * m.mlp_width * 4,
            "one activation (batch_size x block_size x n_embd)": B * T * C * 4}
+    if m.moe_experts:  # model/moe.py: the experts' stacked gate and up matrices are one tensor
+        out["the experts' gate/up weights (moe_experts x 2 x expert width x n_embd)"] = m.moe_experts * 2 * m.expert_width * C * 4
     if m.loss_impl == "full":
         out["the logits (batch_size x block_size x vocabulary)"] = B * T * Vp * 4
     if m.attention == "manual":

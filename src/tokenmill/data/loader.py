@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from tokenmill import signals
 from tokenmill.errors import DataError
 
+from .chat_windows import ChatWindows
 from .dataset import SyntheticDataset, WindowDataset, global_indices, id_dtype, open_token_data
 from .mixture import MixtureDataset, open_mixture
 
@@ -125,6 +126,8 @@ def val_batches(
     elif isinstance(val_dataset, WindowDataset):
         span = val_dataset.n_starts
         samples = [val_dataset.window(i * span // n) for i in range(n)]
+    elif isinstance(val_dataset, ChatWindows):  # chat windows (data.chat_packing): spread over the split's windows
+        samples = [val_dataset.window(i * val_dataset.n_windows // n) for i in range(n)]
     else:
         samples = [val_dataset[i] for i in range(n)]
     out = []
@@ -261,12 +264,22 @@ def build_datasets(
     tf = open_token_data(folder, "train", model_vocab_size, data_cfg.validate)
     ids = id_dtype(tf.vocab_size, data_cfg.narrow_ids)  # the data's ids are < its own vocabulary
     masked = use_loss_mask(data_cfg.loss_mask, [tf], None)
-    train = WindowDataset(tf, block_size, data_cfg.sampling, seed, data_cfg.cpu_work_ms, ids, loss_mask=masked)
+    train = windows(tf, data_cfg, block_size, data_cfg.sampling, seed, data_cfg.cpu_work_ms, ids, masked)
     val = None
     if with_val:
         vf = open_token_data(folder, "val", model_vocab_size, data_cfg.validate)
-        val = WindowDataset(vf, block_size, "sequential", seed, ids=ids, loss_mask=masked)
+        val = windows(vf, data_cfg, block_size, "sequential", seed, 0.0, ids, masked)
     return DataSources(train, val, tf.vocab_size, folder, masked)
+
+
+def windows(tf, data_cfg, block_size: int, sampling: str, seed: int, cpu_work_ms: float, ids: torch.dtype,
+            masked: bool) -> Dataset:
+    """The windows of one split: a chat folder learned through its loss mask by ``data.chat_packing``
+    (:class:`ChatWindows`: each window starts at a conversation), anything else at any offset
+    (:class:`WindowDataset`)."""
+    if masked:
+        return ChatWindows(tf, block_size, data_cfg.chat_packing, sampling, seed, cpu_work_ms, ids)
+    return WindowDataset(tf, block_size, sampling, seed, cpu_work_ms, ids)
 
 
 def use_loss_mask(setting: bool | None, files: list, unsupported: str | None) -> bool:

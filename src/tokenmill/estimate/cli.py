@@ -32,11 +32,14 @@ def register(subparsers) -> None:
     g.add_argument("--nproc", type=number(int, ge=1), default=1, help="processes (GPUs) of the run; parallel.* set the layout")
     g.add_argument("--json", action="store_true", help="machine-readable output")
     g.add_argument("--advice", action="store_true",
-                   help="also say which switch brings the memory under the GPU's (a few more seconds)")
+                   help="also say which switches bring the memory under the GPU's: those with the same numerics first, "
+                        "then pure bf16, 8-bit AdamW, an NF4 base; more GPUs only when none fits (a few more seconds)")
     g.add_argument("--gpus", action="store_true", help="list the GPUs and their figures, and exit")
     g.add_argument("--finetune", action="store_true",
                    help="which GPU a fine-tune of this config needs: a line per GPU with the peak memory of a full "
-                        "fine-tune and of LoRA (lora.*, else rank 16 on every projection), and whether each fits")
+                        "fine-tune, of LoRA (lora.*, else rank 16 on every projection) and of QLoRA, and whether "
+                        "each fits; from the usual fine-tuning recipe (bf16 weights, activation checkpointing, "
+                        "the chunked loss) where you set none of those fields")
     add_config_args(p)
     p.set_defaults(func=cmd_estimate)
 
@@ -53,9 +56,11 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         raise C.ConfigError("--run-dir / --resume have no meaning for estimate (nothing runs).")
     cfg = config_from_args(args)
     if args.finetune:
-        from tokenmill.estimate.finetune import format_finetune
+        from tokenmill.estimate.finetune import format_finetune, lora_advice
 
-        print(format_finetune(cfg, args.nproc))
+        print(format_finetune(cfg, args.nproc, chosen_keys(args)))
+        if args.advice:
+            print(f"\nadvice: {lora_advice(cfg, args.gpu, args.nproc, chosen_keys(args))}")
         return 0
     est = estimate(cfg, args.gpu, args.nproc)
     advice = None
@@ -71,6 +76,14 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     else:
         print(format_estimate(est, cfg, advice))
     return 0
+
+
+def chosen_keys(args: argparse.Namespace) -> set[str]:
+    """The config keys the user set: on the command line or in a ``--config`` file (not the preset's)."""
+    keys = {k[4:] for k in vars(args) if k.startswith("cfg:")}
+    for path in args.config:
+        keys |= set(C.flatten(C.load_toml(path), str(path)))
+    return keys
 
 
 def _mb(v: float) -> str:
@@ -109,6 +122,9 @@ def format_estimate(est, cfg: C.Config, advice: str | None = None) -> str:
         lines.append(f"  host (pinned) memory for the optimizer: {_mb(est.host_mb)} MiB")
     mfu = f", MFU {100 * est.mfu:.0f}%" if est.mfu else ""
     lines += ["", f"time per optimizer step: {est.step_ms:,.1f} ms -> {est.tokens_per_sec:,.0f} tokens/s{mfu}"]
+    from tokenmill.estimate.sft import format_chat
+
+    lines += format_chat(est)  # a chat fine-tune: learned tokens/s
     if u and est.tokens_per_sec_range:
         lo, hi = est.tokens_per_sec_range
         lines.append(f"  expected error +-{100 * u['speed']:.0f}%: {lo:,.0f}-{hi:,.0f} tokens/s ({u['speed_basis']})")

@@ -15,6 +15,7 @@ from tokenmill import config as C
 from tokenmill.config.size import check_size
 from tokenmill.errors import ConfigError, ParallelError
 from tokenmill.estimate.gpus import GPU, gpu_spec
+from tokenmill.estimate.sft import add_learned_rate
 from tokenmill.estimate.step import PipelineStep, Plan, Step, rank_params
 from tokenmill.estimate.techniques import nf4_base_bytes
 from tokenmill.estimate.timeline import CATEGORIES, Layout, Memory
@@ -51,6 +52,7 @@ class Estimate:
     uncertainty: dict[str, Any] = field(default_factory=dict)
     memory_range_mb: tuple = ()  # peak reserved (allocated on a CPU) +- the memory error
     tokens_per_sec_range: tuple = ()
+    chat: Optional[dict[str, Any]] = None  # a chat fine-tune: padding and learned shares, learned tokens/s (sft.py)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -148,6 +150,7 @@ def estimate(cfg: C.Config, gpu: str | GPU = "h100-sxm", nproc: int = 1) -> Esti
         precision=cfg.train.precision + (" + tf32" if cfg.train.tf32 else ""),
     )
     _nf4_base(est, cfg, vocab)
+    add_learned_rate(est, cfg)
     if cuda:
         _ranges(est, cfg, nproc)
     return est

@@ -6,6 +6,10 @@ fine-tune (the config's ``lora.*``, or rank 16 on every projection when it has n
 gradients and optimizer state for the adapters only), on ``nproc`` processes of that GPU, and as a QLoRA
 fine-tune (the same adapters over an NF4 base, ``lora.quantize_base = 'nf4'``).
 
+Every column starts from the recipe fine-tuners run (:data:`~tokenmill.config.memory_switches.FINETUNE_RECIPE`:
+bf16 weights, activation checkpointing, the chunked loss; :func:`with_recipe`), except where the user chose
+the field (on the command line or in a ``--config`` file): the report names what it set.
+
 QLoRA's term (:func:`qlora_mb`): the LoRA estimate less what the NF4 base saves. Every adapted projection's
 weight takes :func:`~tokenmill.model.lora.nf4_bytes` (half a byte per weight, an int8 scale per 64 and an
 fp32 factor per group of up to 256 scales: 4.13 bits per weight) instead of its dtype's width, plus one
@@ -16,6 +20,7 @@ and the head keep their width; activations, gradients and optimizer state are Lo
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from tokenmill import config as C
@@ -57,6 +62,18 @@ def with_lora(cfg: C.Config, rank: int) -> C.Config:
     return C.validate(out)
 
 
+def with_recipe(cfg: C.Config, chosen: Iterable[str] = ()) -> tuple[C.Config, list[str]]:
+    """``cfg`` with the switches of the fine-tuning recipe it does not use yet, except those on a field in
+    ``chosen`` (the keys the user set), validated; and the flags it set (``--key value``)."""
+    from tokenmill.config.memory_switches import finetune_recipe, flags, getter
+
+    taken = [s for s in finetune_recipe(getter(cfg)) if not set(s.overrides) & set(chosen)]
+    if not taken:
+        return cfg, []
+    out = C.apply_overrides(C.from_dict(cfg.to_dict()), {k: v for s in taken for k, v in s.overrides.items()})
+    return C.validate(out), [flags(s) for s in taken]
+
+
 def qlora_mb(cfg: C.Config, lora_peak_mb: float) -> float:
     """A QLoRA fine-tune's peak reserved memory (MiB), from the LoRA estimate of the same config: the
     adapted weights as NF4 (module doc)."""
@@ -76,10 +93,12 @@ def finetune_rows(cfg: C.Config, nproc: int = 1) -> tuple[list[FinetuneRow], C.C
     return rows, lora
 
 
-def format_finetune(cfg: C.Config, nproc: int = 1) -> str:
-    """The report: a line per GPU, then the smallest GPU that fits each way."""
+def format_finetune(cfg: C.Config, nproc: int = 1, chosen: Iterable[str] = ()) -> str:
+    """The report: the recipe, a line per GPU, then the smallest GPU that fits each way. ``chosen``: the keys
+    the user set, which the recipe leaves as they are (:func:`with_recipe`)."""
     from tokenmill.model.build import count_params, trainable_params
 
+    cfg, taken = with_recipe(cfg, chosen)
     rows, lora = finetune_rows(cfg, nproc)
     vocab = vocab_size_of(cfg)
     total, trained = count_params(cfg.model, vocab), trainable_params(lora.model, vocab, lora.lora)
@@ -88,6 +107,7 @@ def format_finetune(cfg: C.Config, nproc: int = 1) -> str:
     lines = [
         f"fine-tuning {total / 1e6:,.1f}M parameters, micro-batch {t.batch_size} x {m.block_size} tokens, "
         f"{nproc} process(es) per run, precision {C.concrete(cfg, 'cuda').train.precision}",
+        _recipe_line(cfg, taken),
         f"LoRA: rank {lo.rank}, alpha {lo.alpha:g} on {roles}: {trained / 1e6:,.2f}M trainable parameters "
         f"({100 * trained / total:.2f}%), the base frozen (no gradients, no optimizer state)",
         "",
@@ -105,10 +125,39 @@ def format_finetune(cfg: C.Config, nproc: int = 1) -> str:
                      ("QLoRA", lambda r: r.qlora_fits)):
         fit = next((r for r in rows if ok(r)), None)
         lines.append(f"{what}: " + (f"the smallest GPU that fits is {fit.gpu} ({fit.memory_mb / 1024:.0f} GB)" if fit
-                                    else "no GPU of the table fits; shard with --nproc N --parallel.dp_shard -1, "
-                                         "lower train.batch_size, or add memory switches"))
+                                    else "no GPU of the table fits; lower train.batch_size (more train.grad_accum_steps), "
+                                         "search the memory switches for one GPU (`tokenmill estimate --advice --gpu "
+                                         "KEY`), or shard with --nproc N --parallel.dp_shard -1"))
     lines.append("(peak reserved memory per GPU, estimated; `tokenmill estimate --gpu KEY` details one)")
     return "\n".join(lines)
+
+
+def lora_advice(cfg: C.Config, gpu: str, nproc: int = 1, chosen: Iterable[str] = ()) -> str:
+    """``--finetune --advice``: the memory switches that bring the LoRA fine-tune of the report (the recipe
+    applied) under ``gpu``'s memory (:func:`~tokenmill.estimate.advice.memory_advice`)."""
+    from tokenmill.estimate.advice import memory_advice
+
+    lora = with_lora(with_recipe(cfg, chosen)[0], cfg.lora.rank or DEFAULT_RANK)
+    return f"LoRA on {gpu}: {memory_advice(lora, gpu, nproc)}"
+
+
+def _recipe_line(cfg: C.Config, taken: list[str]) -> str:
+    """What the estimate assumes: the recipe, the switches of it set here, and the user's own choices kept."""
+    from tokenmill.config.memory_switches import FINETUNE_RECIPE
+
+    mine = [f"{k} {C.concrete(cfg, 'cuda').train.precision if k == 'train.precision' else _value(cfg, k)}"
+            for k, v in FINETUNE_RECIPE.items() if _value(cfg, k) != v]
+    line = "the usual fine-tuning recipe (" + ", ".join(f"{k} {v}" for k, v in FINETUNE_RECIPE.items()) + ")"
+    if taken:
+        line += f"; set here: {' '.join(taken)}"
+    if mine:
+        line += f"; kept as you set it: {', '.join(mine)}"
+    return line
+
+
+def _value(cfg: C.Config, key: str) -> object:
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
 
 
 def _cell(mb: float, fits: bool) -> str:

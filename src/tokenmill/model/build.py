@@ -21,6 +21,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from tokenmill import config as C
 from tokenmill.model import lora
 from tokenmill.model.gpt import GPT
+from tokenmill.model.moe import MoE
 
 __all__ = ["ParamCounts", "apply_activation_checkpointing", "apply_compile", "apply_document_mask", "apply_lora",
            "apply_precision", "build_gpt", "checkpointed_blocks", "count_params", "param_counts",
@@ -48,20 +49,29 @@ class ParamCounts:
     token_embedding: int  # padded rows included
     position_embedding: int  # 0 with rotary embeddings
     untied_head: int  # 0 when tied; padded rows included
-    per_block: int
+    per_block: int  # a dense block (model.mlp)
+    inactive: int = 0  # mixture of experts: the routed experts a token skips (active = total - inactive)
 
 
 def param_counts(cfg: C.ModelConfig, vocab_size: int) -> ParamCounts:
-    """Counted on a one-block model on ``meta`` (every block has the same parameters), so any depth
-    counts at once and nothing is allocated."""
-    one = C.ModelConfig(**{**cfg.__dict__, "n_layer": 1,
+    """Counted on a one-block model on ``meta`` (every dense block has the same parameters, and every
+    sparse block: one mixture of experts more, :mod:`tokenmill.model.moe`), so any depth counts at once
+    and nothing is allocated."""
+    one = C.ModelConfig(**{**cfg.__dict__, "n_layer": 1, "moe_experts": 0, "moe_dense_layers": "",
                            "norm": "native" if cfg.norm == "triton" else cfg.norm})  # same parameters
     with torch.device("meta"):
         model = GPT(one, vocab_size)
+        moe = MoE(cfg) if cfg.moe_experts else None
     block = sum(p.numel() for p in model.blocks[0].parameters())
     wpe = model.wpe.weight.numel() if model.wpe is not None else 0
     head = 0 if cfg.tie_embeddings else model.lm_head.weight.numel()
-    return ParamCounts(model.num_params() + (cfg.n_layer - 1) * block, model.wte.weight.numel(), wpe, head, block)
+    total = model.num_params() + (cfg.n_layer - 1) * block
+    inactive = 0
+    if moe is not None:  # sparse layers: their mixture of experts instead of the dense MLP
+        n_sparse = len(cfg.sparse_layers())
+        total += n_sparse * (sum(p.numel() for p in moe.parameters()) - sum(p.numel() for p in model.blocks[0].mlp.parameters()))
+        inactive = n_sparse * (cfg.moe_experts - cfg.moe_top_k) * moe.experts.gate_up[0].numel() * 3 // 2
+    return ParamCounts(total, model.wte.weight.numel(), wpe, head, block, inactive)
 
 
 def count_params(cfg: C.ModelConfig, vocab_size: int) -> int:
@@ -146,7 +156,8 @@ def trainable_params(cfg: C.ModelConfig, vocab_size: int, lora_cfg: C.LoraConfig
     the adapters only (counted on a one-block model on ``meta``, as :func:`param_counts`)."""
     if lora_cfg is None or lora_cfg.rank == 0:
         return count_params(cfg, vocab_size)
-    one = C.ModelConfig(**{**cfg.__dict__, "n_layer": 1, "norm": "native" if cfg.norm == "triton" else cfg.norm})
+    one = C.ModelConfig(**{**cfg.__dict__, "n_layer": 1, "norm": "native" if cfg.norm == "triton" else cfg.norm,
+                           "moe_experts": 0, "moe_dense_layers": ""})  # LoRA on attention only with experts
     with torch.device("meta"):
         model = lora.apply_lora(GPT(one, vocab_size), lora_cfg, init=False)
     return cfg.n_layer * sum(p.numel() for p in model.parameters() if p.requires_grad)

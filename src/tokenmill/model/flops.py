@@ -15,6 +15,11 @@ counts exactly the FLOPs of the same shape with a tied head (the head's matmul i
 way), and vocabulary padding adds nothing (the padded columns are not model math, like recomputation).
 Biases and LayerNorm weights (under 0.2% of N for GPT-2) are counted with the matmul weights, as in
 nanoGPT and the PaLM paper's MFU. GPT-2 124M at T=1024: 855.2 MFLOP/token, tied or untied.
+
+A mixture of experts (``model.moe_experts``) counts its ACTIVE parameters: each token runs through its
+``model.moe_top_k`` routed experts (and the router and shared experts), so the other experts' weights are
+left out of N; MFU then measures the math each token does, not the weights the model holds
+(Qwen3-30B-A3B: N = 3.04B of its 30.5B parameters).
 """
 
 from __future__ import annotations
@@ -32,12 +37,13 @@ def flop_params(cfg: ModelConfig, vocab_size: int) -> int:
     Every parameter except the token and position embeddings (lookups, no matmul), plus the head's
     ``vocab_size x n_embd`` matrix once, tied or not; padding rows (``model.vocab_pad_multiple``) are
     not counted. From the model's own parameter count (:func:`tokenmill.model.build.param_counts`), so it
-    follows the model's layout (biases, norms, grouped k/v, SwiGLU's three matrices).
+    follows the model's layout (biases, norms, grouped k/v, SwiGLU's three matrices). With experts: the
+    active parameters only (the routed experts a token skips are left out).
     """
     from tokenmill.model.build import param_counts  # build.py does not import this module: no cycle
 
     c = param_counts(cfg, vocab_size)
-    return c.total - c.token_embedding - c.position_embedding - c.untied_head + vocab_size * cfg.n_embd
+    return c.total - c.inactive - c.token_embedding - c.position_embedding - c.untied_head + vocab_size * cfg.n_embd
 
 
 def flops_per_token(cfg: ModelConfig, n_flop_params: int, seq_len: int) -> float:

@@ -46,10 +46,12 @@ from tokenmill.model.layers import (
     document_block_mask,
     document_mask,
     document_positions,
+    flagged_document_positions,
     make_norm,
     rope_tables,
     upcast,
 )
+from tokenmill.model.moe import Experts, MoE, router_loss
 
 __all__ = ["GPT", "Block", "KVCache", "adapt_state_dict", "sample_next_token"]
 
@@ -92,6 +94,8 @@ class GPT(nn.Module):
                 self.register_buffer("rope_sin", torch.empty(cfg.block_size, cfg.head_width), persistent=False)
             self.drop = nn.Dropout(cfg.dropout)
             self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+            for i in cfg.sparse_layers():  # model.moe_experts: a mixture of experts
+                self.blocks[i].mlp = MoE(cfg)
             self.ln_f = make_norm(cfg)
             self.lm_head = nn.Linear(cfg.n_embd, self.padded_vocab, bias=False)
         if device.type != "meta":  # on meta the modules already are where they belong
@@ -100,16 +104,19 @@ class GPT(nn.Module):
         self.hidden_output = False  # True on the last pipeline stage (see forward)
         self.doc_eot_id: int | None = None  # data.document_mask: documents end with this id (keep_documents_apart)
         self.doc_positions = False  # data.document_positions: positions restart in every document
+        self.doc_start_flag: int | None = None  # data.chat_packing='pack': sequence starts carry this bit in the ids
 
-    def keep_documents_apart(self, eot_id: int, restart_positions: bool = False) -> None:
+    def keep_documents_apart(self, eot_id: int, restart_positions: bool = False, start_flag: int | None = None) -> None:
         """``data.document_mask``: from now on a training forward (no KV cache) attends only within a
         document, a document being the tokens up to and including an ``eot_id`` (derived from the input ids
         themselves, so the data, the loader and data parallelism need no change); ``restart_positions``
         (``data.document_positions``): each document's positions start at 0 (learned or rotary), so every
         document is computed as if it were alone at the start of a window. The loss is unchanged: every
         position counts, the end-of-text token predicting the next document's first token from its own
-        document only. ``model.document_attention``: the mask's form, see :meth:`document_attention_mask`."""
-        if not 0 <= eot_id < self.vocab_size:
+        document only. ``model.document_attention``: the mask's form, see :meth:`document_attention_mask`.
+        ``start_flag`` (``data.chat_packing``): documents start at ids carrying this bit instead (eot_id unused)."""
+        self.doc_start_flag = start_flag
+        if start_flag is None and not 0 <= eot_id < self.vocab_size:
             raise ValueError(f"end-of-text id {eot_id} is outside the vocabulary (0..{self.vocab_size - 1})")
         c = self.cfg
         if c.document_attention == "flex" and c.attention == "sdpa" and c.dropout > 0:
@@ -167,6 +174,8 @@ class GPT(nn.Module):
                     m.weight.normal_(0.0, s)
                 if m.bias is not None:
                     m.bias.zero_()
+            elif isinstance(m, Experts):
+                m.init_weights(std, proj_std)
             elif isinstance(m, NORMS):
                 m.weight.fill_(1.0)
                 if getattr(m, "bias", None) is not None:
@@ -206,7 +215,10 @@ class GPT(nn.Module):
         x = self.trunk(idx)
         if self.ln_f is None or self.hidden_output:  # a pipeline stage: its hidden states
             return x
-        return self.head_loss(x, targets, reduction)
+        logits, loss = self.head_loss(x, targets, reduction)
+        if loss is not None and self.training and self.cfg.moe_experts:  # router losses (model/moe.py)
+            loss = loss + router_loss(self, targets, reduction)
+        return logits, loss
 
     def trunk(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Everything before the head: embeddings (or, on a later pipeline stage, the previous stage's
@@ -221,7 +233,8 @@ class GPT(nn.Module):
         if P + T > self.cfg.block_size:
             raise ValueError(f"sequence length {P + T} exceeds model.block_size {self.cfg.block_size}")
         docs = cache is None and self.doc_eot_id is not None and self.wte is not None  # data.document_mask
-        pos = document_positions(idx, self.doc_eot_id) if docs else None
+        flagged = docs and self.doc_start_flag is not None  # data.chat_packing='pack': the ids carry the sequence starts
+        idx, pos = flagged_document_positions(idx, self.doc_start_flag) if flagged else (idx, document_positions(idx, self.doc_eot_id) if docs else None)
         if self.wte is not None:
             x = self.wte(idx)
             if self.wpe is not None:

@@ -174,6 +174,16 @@ def document_positions(idx: torch.Tensor, eot_id: int) -> torch.Tensor:
     return t - torch.where(first, t, 0).cummax(dim=1).values
 
 
+def flagged_document_positions(idx: torch.Tensor, flag: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, pos)`` of input ids whose sequences' first tokens carry the bit ``flag`` (``data.chat_packing='pack'``:
+    conversations packed into a window, the boundaries from the chat folder's start bits, not an end-of-text id):
+    the ids without the bit, and each token's position inside its sequence (a window's first token is 0)."""
+    t = torch.arange(idx.size(1), device=idx.device)
+    first = (idx & flag) != 0
+    first[:, 0] = True
+    return idx & (flag - 1), t - torch.where(first, t, 0).cummax(dim=1).values
+
+
 def document_mask(pos: torch.Tensor, attention: str, dtype: torch.dtype) -> torch.Tensor:
     """The mask of ``data.document_mask`` from :func:`document_positions` ``pos`` (B, T): query i may look
     at key j when j <= i and j is in i's document (j >= i - pos[i]), i.e. causal AND same document.
@@ -292,10 +302,10 @@ class CausalSelfAttention(nn.Module):
             self.q_proj = nn.Linear(C, q_out, bias=cfg.qkv_bias)
             self.k_proj = nn.Linear(C, kv_out, bias=cfg.qkv_bias)
             self.v_proj = nn.Linear(C, kv_out, bias=cfg.qkv_bias)
-        if cfg.qk_norm:
-            self.q_norm = make_norm(cfg, hd)
-            self.k_norm = make_norm(cfg, hd)
-        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:  # model.qk_norm_width: per head (Qwen3) or over all heads together (OLMoE)
+            self.q_norm = make_norm(cfg, hd if cfg.qk_norm_width == "head" else q_out)
+            self.k_norm = make_norm(cfg, hd if cfg.qk_norm_width == "head" else kv_out)
+        self.qk_norm = cfg.qk_norm and cfg.qk_norm_width
         self.c_proj = nn.Linear(q_out, C, bias=cfg.bias)  # residual projection (scaled init)
         self.attn_dropout = nn.Dropout(cfg.dropout)
         self.resid_dropout = nn.Dropout(cfg.dropout)
@@ -325,7 +335,9 @@ class CausalSelfAttention(nn.Module):
         # (B, T, heads * head_dim) -> (B, T, heads, head_dim). Under tensor parallelism the projections
         # hold this rank's heads only, hence -1 (see Block.tp_plan).
         q, k, v = (t.view(B, T, -1, self.head_dim) for t in (q, k, v))
-        if self.qk_norm:
+        if self.qk_norm == "all":
+            q, k = self.q_norm(q.flatten(2)).view_as(q), self.k_norm(k.flatten(2)).view_as(k)
+        elif self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         P = cache.pos if cache is not None else 0
@@ -458,8 +470,9 @@ class Block(nn.Module):
         out["o"] = ("attn.c_proj", 0, attn.c_proj.out_features)
         if hasattr(mlp, "c_gate"):
             out["gate"] = ("mlp.c_gate", 0, mlp.c_gate.out_features)
-        out["up"] = ("mlp.c_fc", 0, mlp.c_fc.out_features)
-        out["down"] = ("mlp.c_proj", 0, mlp.c_proj.out_features)
+        if hasattr(mlp, "c_fc"):  # a mixture of experts (model/moe.py) has no dense MLP projections
+            out["up"] = ("mlp.c_fc", 0, mlp.c_fc.out_features)
+            out["down"] = ("mlp.c_proj", 0, mlp.c_proj.out_features)
         return out
 
     def tp_plan(self) -> dict[str, str]:

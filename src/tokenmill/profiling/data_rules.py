@@ -7,57 +7,82 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from tokenmill.profiling.findings import Finding, _clamp, advice, cfg, pct, switch
+from tokenmill.profiling.facts import Run, typed
+from tokenmill.profiling.findings import Finding, _clamp, advice, pct, switch
 
 
-def data_bound(f: dict) -> Optional[Finding]:
-    share = f.get("data_share")
+@typed
+def data_bound(run: Run) -> Optional[Finding]:
+    share, d, t = run.data.data_share, run.config.data, run.config.train
     if share is None or share < 0.15:
         return None
-    workers = cfg(f, "data.num_workers")
-    ev = [f"the step waits {f['data_ms']:.1f} ms of {f['step_ms']:.1f} ms for the next batch ({pct(share)})",
+    step, wait = run.timing.step_ms or 0.0, run.data.data_ms or 0.0
+    workers = d.num_workers
+    ev = [f"the step waits {wait:.1f} ms of {step:.1f} ms for the next batch ({pct(share)})",
           f"data.num_workers = {workers}"]
-    work = cfg(f, "data.cpu_work_ms")
-    batch = cfg(f, "train.batch_size") * cfg(f, "train.grad_accum_steps")
+    work = d.cpu_work_ms
+    batch = t.batch_size * t.grad_accum_steps
     if work > 0:
         ev.append(f"data.cpu_work_ms = {work:g}: {work * batch:.0f} ms of per-sample CPU work per step")
-    plan = loading_plan(f)
+    plan = loading_plan(run)
     ev.append(plan["how"])
     sug = []
     if plan["too_small"]:
+        spare = free_core_workers(run, plan)
+        if spare:  # the cores left free take workers: a switch --try can measure, however small its gain
+            sug.append(spare)
         sug.append(advice(f"this machine is too small for the per-sample work: do it once offline (at prepare "
                           f"time) or make it cheaper, or train on a machine with at least {plan['cores_needed']} "
                           "cores"))
     elif plan["workers"] > workers:
-        sug.append(_workers_switch(f, plan))
-    compute = f["step_ms"] - f["data_ms"]
+        sug.append(_workers_switch(run, plan))
+    compute = step - wait
     if workers > 0 and work > 0 and workers * compute >= 1.25 * work * batch:
         # the workers keep up on average (known per-sample cost): the wait is jitter, which a deeper queue hides
         sug.append(switch("data.prefetch_factor", 4, "keep more batches ready per worker (smooths jitter; it "
                           "cannot make loading faster)"))
-    if workers > 0 and not cfg(f, "data.persistent_workers"):
+    if workers > 0 and not d.persistent_workers:
         sug.append(switch("data.persistent_workers", True, "do not restart workers every epoch/eval"))
-    if f.get("device") == "cuda":
-        if not cfg(f, "data.pin_memory"):
+    if run.device == "cuda":
+        if not d.pin_memory:
             sug.append(switch("data.pin_memory", True, "page-locked batches: faster, asynchronous copies"))
-        if not cfg(f, "data.non_blocking"):
+        if not d.non_blocking:
             sug.append(switch("data.non_blocking", True, "overlap the copy with compute (needs pinned memory)"))
     if work > 0 and not plan["too_small"]:
         sug.append(advice("make the per-sample CPU work cheaper or do it once offline (e.g. at prepare time)"))
     return Finding(_clamp(0.9 * share), "data-bound: the training step waits for the DataLoader", ev, sug)
 
 
-def _workers_switch(f: dict, plan: dict) -> dict[str, Any]:
+def _workers_switch(run: Run, plan: dict) -> dict[str, Any]:
     """``--data.num_workers N``, with ``OMP_NUM_THREADS`` in the environment when the training threads must
     give up cores to the workers."""
     w, t = plan["workers"], plan["threads"]
     why = f"{w} worker processes load batches as fast as the step uses them"
     sug = switch("data.num_workers", w, why)
-    if t is not None and t < ((f.get("threads") or {}).get("intra_op") or t):
+    if t is not None and t < run.host.intra_op:
         sug["why"] = (f"OMP_NUM_THREADS={t} in the environment and {w} worker(s): the training threads give "
                       f"{w} core(s) to loading (predicted step {plan['predicted_ms']:.1f} ms)")
         sug["env"] = {"OMP_NUM_THREADS": str(t)}
     return sug
+
+
+def free_core_workers(run: Run, plan: dict) -> Optional[dict[str, Any]]:
+    """Where no split of the cores hides the wait but the run left cores free (its cores less the training
+    threads and the workers it had): ``--data.num_workers`` with one worker more per free core, the number
+    that fits, and the step it predicts (``max(compute, load / W)``); None when no core is free."""
+    w, cores = run.config.data.num_workers, run.host.cores
+    if not cores:
+        return None
+    free = cores - run.host.training_threads - w
+    if free < 1:
+        return None
+    fit = w + free
+    step, data = run.timing.step_ms or 0.0, run.data.data_ms or 0.0
+    compute = max(step - data, 0.05 * step)
+    predicted = max(compute, (data if w == 0 else w * step) / fit)
+    return switch("data.num_workers", fit, f"{fit} worker(s): {'the one' if free == 1 else 'the'} free core"
+                  f"{'s' if free > 1 else ''} beside the training threads load batches too (predicted step "
+                  f"{predicted:.1f} ms, now {step:.1f} ms: loading still limits it; `--try` measures it)")
 
 
 # a plan must predict at most this much of today's step: workers on spare cores (a worker also costs its
@@ -65,7 +90,8 @@ def _workers_switch(f: dict, plan: dict) -> dict[str, Any]:
 SPARE_MARGIN, WORKER_MARGIN = 0.9, 0.8
 
 
-def loading_plan(f: dict) -> dict[str, Any]:
+@typed
+def loading_plan(run: Run) -> dict[str, Any]:
     """How to hide the data wait on this machine: ``need`` (workers that keep up), ``workers`` and
     ``threads`` to suggest (threads: None to keep the run's), ``too_small`` (no split of the cores helps),
     ``cores_needed``, ``predicted_ms`` and ``how`` (the reasoning, for the evidence).
@@ -77,7 +103,7 @@ def loading_plan(f: dict) -> dict[str, Any]:
     ``cores - k`` to training (compute assumed to slow in proportion to its threads: conservative), and takes
     it only when the predicted step is at most :data:`WORKER_MARGIN` of today's (a worker also costs its
     batches' transfer); else the machine is too small for the per-sample work."""
-    w, step, data = cfg(f, "data.num_workers"), f["step_ms"], f["data_ms"]
+    w, step, data = run.config.data.num_workers, run.timing.step_ms or 0.0, run.data.data_ms or 0.0
     compute = max(step - data, 0.05 * step)
     load = data if w == 0 else w * step
     need = max(w + 1, math.ceil(1.25 * load / compute))  # 25% headroom
@@ -86,17 +112,15 @@ def loading_plan(f: dict) -> dict[str, Any]:
            + f", the rest of the step {compute:.1f} ms: {need} workers keep up (with 25% headroom)")
     plan = {"need": need, "workers": need, "threads": None, "too_small": False, "predicted_ms": compute,
             "cores_needed": None}
-    th = f.get("threads") or {}
-    cores = th.get("cpu_count")
+    h = run.host
+    cores = h.cores  # less the other work on the machine when the run started (where recorded)
     if not cores:
         return {**plan, "how": how}
-    if th.get("load_avg"):  # other work on the machine when the run started (where recorded): fewer free cores
-        cores = max(1, round(cores - th["load_avg"]))
-    train_threads = (th.get("intra_op") or 1) * (th.get("local_world_size") or 1)
+    train_threads = h.training_threads
     plan["cores_needed"] = train_threads + need
     if need <= cores - train_threads:
         return {**plan, "how": how + f"; the run had {cores} cores, {train_threads} for training: they fit"}
-    splits = core_splits(cores, th.get("intra_op") or 1, th.get("local_world_size") or 1, compute, load)
+    splits = core_splits(cores, h.intra_op, h.local_world_size, compute, load)
     how += f"; the run had {cores} cores and {train_threads} training thread(s)"
     fit = [x for x in splits if x[0] <= (SPARE_MARGIN if x[3] else WORKER_MARGIN) * step]
     if fit:
@@ -123,7 +147,8 @@ def core_splits(cores: int, intra: int, procs: int, compute: float, load: float)
     return out
 
 
-def workers_needed(f: dict) -> tuple[int, str]:
+@typed
+def workers_needed(run: Run) -> tuple[int, str]:
     """DataLoader workers to suggest and how it was computed (:func:`loading_plan`)."""
-    plan = loading_plan(f)
+    plan = loading_plan(run)
     return plan["workers"], plan["how"]

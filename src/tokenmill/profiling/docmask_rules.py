@@ -16,6 +16,7 @@ import functools
 import json
 from typing import Optional
 
+from tokenmill.profiling.facts import Run
 from tokenmill.profiling.findings import Finding, _clamp, advice, cfg, pct, switch
 from tokenmill.profiling.technique_rules import _estimate
 
@@ -27,8 +28,9 @@ def _with_and_without(key: str) -> tuple:
     """The estimates of the run (``key``: its config, GPU, memory and processes, as JSON) on the explicit path and
     with FlexAttention; kept, as the doctor may ask about one run more than once."""
     config, gpu_name, total, world = json.loads(key)
-    f = {"config": config, "gpu_name": gpu_name, "device_total_mb": total, "world_size": world}
-    return _estimate(f, {"model.document_attention": "explicit"}), _estimate(f, {"model.document_attention": "flex"})
+    run = Run.of({"config": config, "gpu_name": gpu_name, "device_total_mb": total, "world_size": world})
+    return (_estimate(run, {"model.document_attention": "explicit"}),
+            _estimate(run, {"model.document_attention": "flex"}))
 
 
 def _explicit_on_cuda(f: dict) -> bool:

@@ -19,8 +19,10 @@ from typing import Any, Optional
 from tokenmill import config as C
 from tokenmill.errors import DoctorError
 from tokenmill.profiling import confidence, rules
+from tokenmill.profiling.facts import Run, typed_config
 from tokenmill.profiling.layer_ops import is_matmul, layer_form_ops
 from tokenmill.profiling.run_files import read_profile, read_summary
+from tokenmill.profiling.sft_rules import sft_facts
 from tokenmill.profiling.trace import OUTSIDE
 from tokenmill.profiling.wall import wall_facts
 from tokenmill.train.metrics import read_metrics, steady_figures
@@ -130,9 +132,16 @@ def last_run(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def steady_rows(run: dict[str, Any]) -> list[dict[str, Any]]:
-    """Logged training rows with a timing, after the timing warm-up."""
+    """Logged training rows with a timing, after the timing warm-up: the windows of the process that wrote
+    ``summary.json`` where it says which (``timing_from_step`` to ``steps``), so a resumed run's step time,
+    split and tokens/s all come from the same steps; else every row after ``log.timing_warmup_steps``."""
     warm = rules.config_value(run["config"], "log.timing_warmup_steps")
     rows = [r for r in run["metrics"] if r.get("step_ms") and "loss" in r]
+    first, last = run["summary"].get("timing_from_step"), run["summary"].get("steps")
+    if first is not None:
+        same = [r for r in rows if first < r["step"] <= (last if last is not None else math.inf)]
+        if same:
+            return same
     later = [r for r in rows if r["step"] > warm]
     return later or rows
 
@@ -337,8 +346,8 @@ def gather_facts(run: dict[str, Any]) -> dict[str, Any]:
     if fpt and f["tokens_per_step"] and f.get("host_ops_per_step"):
         f["flops_per_op"] = fpt * f["tokens_per_step"] / f["host_ops_per_step"]
     f["compute_share"] = _compute_share(f)
-    f["tokens_per_sec"] = summary.get("tokens_per_sec")
-    f["mfu"] = summary.get("mfu")
+    f["tokens_per_sec"], f["mfu"], f["tokens_per_sec_source"] = _same_window_speed(f, summary)
+    f.update(sft_facts(summary))  # chat fine-tuning: padding and learned shares (profiling/sft_rules.py)
     if summary.get("threads"):
         f["threads"] = summary["threads"]
     if "recompute_share" not in f and rules.config_value(cfg, "memory.activation_checkpointing") and f.get("step_ms"):
@@ -348,12 +357,26 @@ def gather_facts(run: dict[str, Any]) -> dict[str, Any]:
         f["recompute_source"] = "estimated: backward minus twice the forward (no profile)"
     f["layer_forms"] = layer_form_ops(cfg, cuda=f["device"] == "cuda")
     f.update(wall_facts(run, f))
-    n_layer, n_head, n_embd, head_dim, block = (rules.config_value(cfg, f"model.{k}") for k in
-                                                ("n_layer", "n_head", "n_embd", "head_dim", "block_size"))
-    f["attention_flop_share"] = rules.attention_flop_share(n_layer, n_head, head_dim or n_embd // n_head, block,
+    m = typed_config(cfg).model  # the config's own head width (model.head_dim, else n_embd / n_head)
+    f["attention_flop_share"] = rules.attention_flop_share(m.n_layer, m.n_head, m.head_width, m.block_size,
                                                            summary.get("flops_per_token"), summary.get("params"))
     f.update(memory_facts(f, cfg, summary))
     return f
+
+
+def _same_window_speed(f: dict[str, Any], summary: dict[str, Any]) -> tuple[Optional[float], Optional[float], str]:
+    """tokens/s and MFU over the steps the step time was taken from: the summary's own where the step time is
+    its figure (tokens per step / median window tokens/s) or comes from a profile (the verdict says so); where
+    the metrics' windows are not the summary's (an older run's summary, rows of another process), the median
+    window's tokens/s, and the MFU scaled to it. The third item says which."""
+    tps, mfu = summary.get("tokens_per_sec"), summary.get("mfu")
+    step, tokens = f.get("step_ms"), f.get("tokens_per_step")
+    if not (f.get("step_source", "").startswith("tokens per step") and step and tokens):
+        return tps, mfu, "summary.json"
+    mine = 1000.0 * tokens / step
+    if tps and math.isclose(mine, tps, rel_tol=1e-6):
+        return tps, mfu, "summary.json"
+    return mine, (mfu * mine / tps if mfu and tps else None), "metrics.jsonl"
 
 
 def as_run(config: dict[str, Any], f: dict[str, Any]) -> dict[str, Any]:
@@ -412,9 +435,9 @@ def verdict_of(found: list[dict[str, Any]]) -> dict[str, Any]:
 def rank(facts: dict[str, Any]) -> list[dict[str, Any]]:
     """Apply every rule; findings best first, each with its rule name as ``key`` and its ``confidence``
     (:func:`confidence.rate`); major findings within the run's noise after the judged ones."""
-    out = []
+    out, run = [], Run.of(facts)  # typed once; a rule written for it (facts.typed) takes it, the rest the dict
     for rule in rules.RULES:
-        res: Optional[rules.Finding] = rule(facts)
+        res: Optional[rules.Finding] = rule(run if getattr(rule, "typed", False) else facts)
         if res is not None:
             x = {"key": rule.__name__, **res._asdict(), "minor": res.score < rules.MIN_SCORE}
             x["confidence"] = confidence.rate(x, facts)
@@ -425,7 +448,7 @@ def rank(facts: dict[str, Any]) -> list[dict[str, Any]]:
 def _figures(f: dict[str, Any]) -> dict[str, Any]:
     keys = ["step_ms", *[f"{p}_share" for p in (*PHASES, "idle")], "syncs_per_step", "device_busy_fraction",
             "sync_share", "tokens_per_step", "host_ops_per_step", "flops_per_op", "tokens_per_sec", "mfu", "peak_mb",
-            "memory_total_mb", "phase_source", "step_source"]
+            "memory_total_mb", "phase_source", "step_source", "tokens_per_sec_source"]
     out = {k: f[k] for k in keys if f.get(k) is not None}
     if f.get("windows"):
         out["windows"] = confidence.describe(f["windows"])
@@ -440,7 +463,9 @@ def format_verdict(v: dict[str, Any]) -> str:
         split = ", ".join(f"{p} {100 * fig[f'{p}_share']:.0f}%" for p in (*PHASES, "idle") if f"{p}_share" in fig)
         lines.append(f"step {fig['step_ms']:.1f} ms: {split}  [{fig.get('phase_source', '')}]")
         if fig.get("windows"):
-            tps = (f", {fig['tokens_per_sec']:,.0f} tokens/s as in summary.json" if fig.get("tokens_per_sec")
+            where = "as in summary.json" if fig.get("tokens_per_sec_source", "summary.json") == "summary.json" else (
+                "over the same windows (summary.json's are of other steps)")
+            tps = (f", {fig['tokens_per_sec']:,.0f} tokens/s {where}" if fig.get("tokens_per_sec")
                    and "profiled" not in fig.get("step_source", "") else "")
             lines.append(f"  windows: step time = {fig.get('step_source', 'profile')}{tps}; "
                          f"split over {fig['windows']}")
@@ -462,6 +487,10 @@ def format_verdict(v: dict[str, Any]) -> str:
     minor = [x for x in v["findings"] if x["minor"]]
     if minor:
         lines.append("\nMinor: " + "; ".join(f"{x['title']} (~{100 * x['score']:.0f}%)" for x in minor))
-    if major and "try" not in v and not v.get("config_error"):
-        lines.append(f"\nMeasure the top suggestions on this machine: tokenmill doctor {v['run_dir']} --try 2")
+    from tokenmill.profiling.trial import candidates
+
+    n = len(candidates(v, 2)) if major and "try" not in v and not v.get("config_error") else 0
+    if n:  # only suggestions a run can measure (a config override or an environment setting)
+        lines.append(f"\nMeasure the top suggestion{'s' if n > 1 else ''} on this machine: "
+                     f"tokenmill doctor {v['run_dir']} --try {n}")
     return "\n".join(lines)

@@ -72,15 +72,6 @@ def env_setting(name: str, value: Any, why: str) -> dict[str, Any]:
     return {"switch": None, "why": f"{name}={value} in the environment: {why}", "env": {name: str(value)}}
 
 
-def share_lo(f: dict, phase: str) -> Optional[float]:
-    """``phase``'s share of the step less twice its standard error over the run's own steps (profile)
-    or log windows (metrics): what the run shows allowing for its own noise."""
-    share = f.get(f"{phase}_share")
-    if share is None:
-        return None
-    return share - 2.0 * (f.get(f"{phase}_share_se") or 0.0)
-
-
 def pct(x: float) -> str:
     return f"{100 * x:.0f}%"
 
@@ -100,21 +91,4 @@ def _clamp(x: float, lo: float = 0.0, hi: float = 0.95) -> float:
     return max(lo, min(hi, x))
 
 
-def _idle_not_data(f: dict) -> float:
-    """Device idle share not explained by the host waiting for (or copying) data."""
-    idle = f.get("device_idle_share")
-    if idle is None:
-        idle = 1.0 - (f.get("device_busy_fraction") or 1.0)
-    return max(0.0, idle - (f.get("data_share") or 0.0) - (f.get("h2d_share") or 0.0))
-
-
 TIGHT_MEMORY = 0.8  # peak / device memory above which memory-saving switches are worth their time
-
-
-def memory_fill(f: dict) -> Optional[float]:
-    """The peak's fraction of the GPU's memory (None on CPU or when either is unknown)."""
-    total = f.get("device_total_mb")
-    peak = f.get("peak_reserved_mb") or f.get("peak_mb")
-    if f.get("device") != "cuda" or not total or not peak:
-        return None
-    return peak / total

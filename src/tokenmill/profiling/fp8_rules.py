@@ -14,37 +14,36 @@ from typing import Optional
 from tokenmill.errors import ConfigError
 from tokenmill.model.flops import peak_flops
 from tokenmill.model.fp8 import fp8_speedup, has_fp8, linear_shapes
-from tokenmill.profiling.findings import Finding, _clamp, cfg, switch
+from tokenmill.profiling.facts import Run, typed
+from tokenmill.profiling.findings import Finding, _clamp, switch
 
 # a modelled speed-up of the matmuls below this does not pay: the model leaves out the amax reductions'
 # synchronisation and the scales' bookkeeping, and matmuls are only part of the step
 PAYS = 1.1
 
 
-def block_shapes(f: dict) -> list[tuple[int, int]]:
-    """``(in, out)`` of the block linears FP8 converts, from the run's config."""
-    width, heads = cfg(f, "model.n_embd"), cfg(f, "model.n_head")
-    head = cfg(f, "model.head_dim") or width // heads
-    mlp = cfg(f, "model.mlp")
-    hidden = cfg(f, "model.intermediate_size") or 4 * width
-    return linear_shapes(width, heads, head, cfg(f, "model.n_kv_head") or heads, mlp, hidden,
-                         bool(cfg(f, "model.fused_qkv")))
+@typed
+def block_shapes(run: Run) -> list[tuple[int, int]]:
+    """``(in, out)`` of the block linears FP8 converts, from the run's config (its own derived sizes)."""
+    m = run.config.model
+    return linear_shapes(m.n_embd, m.n_head, m.head_width, m.kv_heads, m.mlp, m.mlp_width, bool(m.fused_qkv))
 
 
-def fp8_cannot_pay(f: dict) -> Optional[Finding]:
-    recipe = cfg(f, "train.fp8")
+@typed
+def fp8_cannot_pay(run: Run) -> Optional[Finding]:
+    recipe = run.config.train.fp8
     if recipe == "off":
         return None
-    name, cap = f.get("gpu_name") or "", f.get("gpu_capability")
-    compiled = bool(cfg(f, "compile.enabled"))
+    name, cap = run.gpu_name, run.gpu_capability
+    compiled = bool(run.config.compile.enabled)
     ev, sug = [f"train.fp8 = {recipe}: the block linears run their matmuls in float8 (torchao)"], []
-    no_fp8 = f.get("device") != "cuda" or (cap and tuple(cap) < (8, 9)) or (name and not has_fp8(name))
+    no_fp8 = run.device != "cuda" or (cap and cap < (8, 9)) or (name and not has_fp8(name))
     if no_fp8:
-        ev.append(f"{name or f.get('device') or 'this device'} has no FP8 tensor cores (compute capability 8.9 or "
+        ev.append(f"{name or run.device or 'this device'} has no FP8 tensor cores (compute capability 8.9 or "
                   "newer: H100, H200, L4, L40S, RTX 4090): FP8 cannot speed it up")
         return Finding(0.6, "FP8 matmuls on a GPU without FP8", ev,
                        [switch("train.fp8", "off", "bf16 matmuls: what this GPU runs fastest")])
-    shapes = block_shapes(f)
+    shapes = block_shapes(run)
     speed = _modelled_speedup(name, shapes, compiled) if shapes else None
     if speed is not None:
         ev.append(f"block linears of {min(min(s) for s in shapes)} to {max(max(s) for s in shapes)} features: "

@@ -15,7 +15,8 @@ import dataclasses
 import functools
 from typing import Any, Optional
 
-from tokenmill.profiling.findings import Finding, _clamp, advice, cfg, pct, switch
+from tokenmill.profiling.facts import Run, typed
+from tokenmill.profiling.findings import Finding, _clamp, advice, pct, switch
 
 MUON_SHARE = 0.05  # Newton-Schulz FLOPs at least this share of the step's FLOPs: worth naming
 
@@ -34,45 +35,45 @@ def _hidden_shapes(model_items: tuple) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
-def newton_schulz_flops(f: dict) -> Optional[float]:
+@typed
+def newton_schulz_flops(run: Run) -> Optional[float]:
     """Newton-Schulz FLOPs of one optimizer step for the run's model (all blocks), or None when the run's
     model config cannot be built here."""
-    from tokenmill import config as C
     from tokenmill.errors import TokenmillError
     from tokenmill.estimate.techniques import ns_flops
 
     try:
-        fields = {fl.name for fl in dataclasses.fields(C.ModelConfig)}
-        items = {k[6:]: v for k, v in f["config"].items() if k.startswith("model.") and k[6:] in fields}
-        items["vocab_size"] = None
+        items = {**dataclasses.asdict(run.config.model), "vocab_size": None}
         shapes = _hidden_shapes(tuple(sorted(items.items())))
     except (TokenmillError, TypeError, ValueError, RuntimeError):
         return None
-    return cfg(f, "model.n_layer") * sum(ns_flops(s) for s in shapes)
+    return run.config.model.n_layer * sum(ns_flops(s) for s in shapes)
 
 
-def muon_newton_schulz(f: dict) -> Optional[Finding]:
+@typed
+def muon_newton_schulz(run: Run) -> Optional[Finding]:
     """Muon's orthogonalisation a sizeable share of the step's FLOPs: a small batch per optimizer step."""
-    if cfg(f, "optim.name") != "muon":
+    if run.config.optim.name != "muon":
         return None
-    fpt, tokens = f.get("flops_per_token"), f.get("tokens_per_step")
-    ns = newton_schulz_flops(f)
+    w = run.work
+    fpt, tokens = w.flops_per_token, int(w.tokens_per_step or 0)
+    ns = newton_schulz_flops(run)
     # the model's FLOPs per step: per token x tokens, else per operator x operators (both counted)
-    model = fpt * tokens if fpt and tokens else (f.get("flops_per_op") or 0.0) * (f.get("host_ops_per_step") or 0.0)
+    model = fpt * tokens if fpt and tokens else (w.flops_per_op or 0.0) * (w.host_ops_per_step or 0.0)
     if not (model and tokens and ns):
         return None
     share = ns / (ns + model)
     if share < MUON_SHARE:
         return None
-    accum, batch = cfg(f, "train.grad_accum_steps"), cfg(f, "train.batch_size")
+    accum, batch = run.config.train.grad_accum_steps, run.config.train.batch_size
     ev = [f"optim.name = muon: five Newton-Schulz iterations per hidden matrix every optimizer step, "
           f"{ns / 1e9:,.2f} GFLOP, against {model / 1e9:,.2f} GFLOP of forward and backward for {tokens:,} tokens: "
           f"{pct(share)} of the step's FLOPs (counted, not timed)"]
-    if f.get("optimizer_share") is not None:
-        ev.append(f"the optimizer step measured {pct(f['optimizer_share'])} of the step")
+    if run.timing.optimizer_share is not None:
+        ev.append(f"the optimizer step measured {pct(run.timing.optimizer_share)} of the step")
     four = ns / (ns + 4 * model)
     sug = []
-    if not cfg(f, "memory.optimizer_in_backward"):
+    if not run.config.memory.optimizer_in_backward:
         sug.append(switch("train.grad_accum_steps", 4 * accum, f"4x the tokens per optimizer step for the same "
                           f"orthogonalisation: its share falls to about {pct(four)}"))
     sug.append(switch("train.batch_size", 4 * batch, f"the same with a 4x micro-batch, if memory allows "
@@ -83,12 +84,13 @@ def muon_newton_schulz(f: dict) -> Optional[Finding]:
                    ev, sug)
 
 
-def muon_finetune(f: dict) -> Optional[Finding]:
+@typed
+def muon_finetune(run: Run) -> Optional[Finding]:
     """Muon fine-tuning a checkpoint that was (almost always) pretrained with AdamW: listed as minor, a
     question of the loss, not of speed."""
-    if cfg(f, "optim.name") != "muon" or not cfg(f, "train.init_from"):
+    if run.config.optim.name != "muon" or not run.config.train.init_from:
         return None
-    ev = [f"optim.name = muon with train.init_from = {cfg(f, 'train.init_from')}: published checkpoints are "
+    ev = [f"optim.name = muon with train.init_from = {run.config.train.init_from}: published checkpoints are "
           "mostly pretrained with AdamW, and Muon's orthogonalised updates differ from AdamW's in shape and scale",
           "reports on fine-tuning with the other optimizer than the pretraining one are mixed"]
     sug: list[dict[str, Any]] = [advice("compare a short run with --optim.name adamw on the validation loss "

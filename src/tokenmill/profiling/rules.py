@@ -1,7 +1,8 @@
 """Doctor rules: one small function per bottleneck.
 
-Each rule reads the flat ``facts`` dict built by :mod:`tokenmill.profiling.doctor` (any key but
-``config`` may be missing) and returns ``None`` when it does not apply, or a :class:`Finding`
+Each rule takes the typed run (:class:`~tokenmill.profiling.facts.Run`: the run's :class:`Config` and its
+measured timing, data wait, memory, host and device facts, typed once by :mod:`.facts`; any figure may be
+None) and returns ``None`` when it does not apply, or a :class:`Finding`
 ``(score, title, evidence, suggestions, measure)``. ``score`` is a rough expected gain: the fraction
 of step time the suggested switches may recover, for speed rules (of wall-clock time for the
 outside-the-steady-state rule). Memory rules score their share of the memory peak weighted by how
@@ -11,12 +12,15 @@ environment setting, ``env``, where it has none). ``measure`` says what ``tokenm
 compares to confirm them: steady-state tokens/s (``speed``), end-to-end tokens/s (``wall``) or the
 memory peak (``memory``).
 
-Config values are read with :func:`cfg`: the run's value, else the default of the config definitions
-(:func:`tokenmill.config.field_specs`), never a default retyped here. Thresholds on a phase's share
-use :func:`share_lo`, the share less twice its standard error over the run's own steps, so a
-planted cause is named the same way whatever the noise of a loaded machine.
+Config values are the typed config's (``run.config.model.head_width``): the run's value over the default of
+the config definitions, with the sizes the config derives, never a default retyped here. Thresholds on a
+phase's share use ``run.timing.share_lo``, the share less twice its standard error over the run's own steps,
+so a planted cause is named the same way whatever the noise of a loaded machine.
 
-To add a rule: write ``def my_rule(f) -> Finding | None`` and append it to :data:`RULES`.
+To add a rule: write ``@typed def my_rule(run: Run) -> Finding | None`` and append it to :data:`RULES`. A rule
+written over the flat facts dict (``def my_rule(f)``, reading it with :func:`cfg`; ``docmask_rules`` still is)
+keeps working: :func:`doctor.rank` passes the typed run to the rules marked ``typed`` and the dict to the others,
+and a typed rule also takes the dict (it is typed on the way in).
 """
 
 
@@ -26,23 +30,22 @@ import math
 from collections.abc import Callable
 from typing import Any, Optional
 
+from tokenmill.config.memory_switches import getter
 from tokenmill.profiling.data_rules import core_splits, data_bound, loading_plan, workers_needed
 from tokenmill.profiling.docmask_rules import document_mask_cost
+from tokenmill.profiling.facts import Run, typed
 from tokenmill.profiling.findings import (
     CPU_OVERHEAD_FLOPS_PER_OP,
     MIN_SCORE,
     TIGHT_MEMORY,
     Finding,
     _clamp,
-    _idle_not_data,
     advice,
     cfg,
     config_value,
     doc,
     env_setting,
-    memory_fill,
     pct,
-    share_lo,
     switch,
 )
 from tokenmill.profiling.fp8_rules import fp8_cannot_pay
@@ -62,6 +65,7 @@ from tokenmill.profiling.model_rules import (
     slow_forms,
 )
 from tokenmill.profiling.optim_rules import RULES as OPTIM_RULES
+from tokenmill.profiling.sft_rules import RULES as SFT_RULES
 from tokenmill.profiling.technique_rules import lora_finetune, qlora_finetune, selective_recompute
 
 # the doctor and the tests reach every rule and helper through this module
@@ -75,30 +79,34 @@ __all__ = [
 # Speed
 
 
-def copy_bound(f: dict) -> Optional[Finding]:
-    share = f.get("h2d_share")
-    if f.get("device") != "cuda" or share is None or share < 0.08:
+@typed
+def copy_bound(run: Run) -> Optional[Finding]:
+    share, d = run.data.h2d_share, run.config.data
+    if run.device != "cuda" or share is None or share < 0.08:
         return None
     sug = []
-    if not cfg(f, "data.pin_memory"):
+    if not d.pin_memory:
         sug.append(switch("data.pin_memory", True, "page-locked batches copy faster and asynchronously"))
-    if not cfg(f, "data.non_blocking"):
+    if not d.non_blocking:
         sug.append(switch("data.non_blocking", True, "overlap the host-to-device copy with compute"))
     sug.append(advice("send smaller token ids (uint16/int32) and widen them on the device"))
-    ev = [f"host-to-device copies take {f['h2d_ms']:.1f} ms of {f['step_ms']:.1f} ms per step ({pct(share)})"]
+    ev = [f"host-to-device copies take {run.data.h2d_ms or 0.0:.1f} ms of {run.timing.step_ms or 0.0:.1f} ms per "
+          f"step ({pct(share)})"]
     return Finding(_clamp(0.7 * share), "copy-bound: host-to-device transfers stall the step", ev, sug)
 
 
-def host_sync(f: dict) -> Optional[Finding]:
-    per_step = f.get("syncs_per_step")
-    every = cfg(f, "log.every_steps")
+@typed
+def host_sync(run: Run) -> Optional[Finding]:
+    t, d = run.timing, run.config.data
+    per_step = t.syncs_per_step
+    every = run.config.log.every_steps
     if per_step is None:
         if every != 1:
             return None
         per_step = 1.0  # the trainer reads the losses back at every log step
     if per_step < 1.0:
         return None
-    sources = f.get("sync_sources") or []
+    sources = run.facts.get("sync_sources") or []  # profile.json's, checked where read (run_files.PROFILE)
     ev = [f"{per_step:.1f} host-device synchronisations per step"]
     for s in sources[:3]:
         where = s.get("python") or s.get("parent") or ""
@@ -108,19 +116,19 @@ def host_sync(f: dict) -> Optional[Finding]:
         ev.append(f"log.every_steps = {every}: the trainer synchronises and reads the loss back at every log step")
         sug.append(switch("log.every_steps", 50, "synchronise (and log) every 50 steps instead"))
     if any(s.get("region") == "h2d" for s in sources):
-        if not cfg(f, "data.pin_memory"):
+        if not d.pin_memory:
             sug.append(switch("data.pin_memory", True, "a copy from pageable memory blocks the host"))
-        if not cfg(f, "data.non_blocking"):
+        if not d.non_blocking:
             sug.append(switch("data.non_blocking", True, "asynchronous host-to-device copies (with pinned memory)"))
     if any(s.get("region") in ("forward", "backward", "optimizer") for s in sources):
         sug.append(advice("avoid .item()/.tolist()/print(tensor) and nonzero()/boolean-mask indexing inside the "
                           "step: keep values on the device (torch.where, masked arithmetic) and read them rarely"))
-    cost = f.get("sync_share") or 0.0  # host time in the syncs and the logging around them
-    if f.get("sync_ms"):
-        ev.insert(1, f"the syncs and the logging around them take {f['sync_ms']:.1f} ms of {f['step_ms']:.1f} ms "
+    cost = t.sync_share or 0.0  # host time in the syncs and the logging around them
+    if t.sync_ms:
+        ev.insert(1, f"the syncs and the logging around them take {t.sync_ms:.1f} ms of {t.step_ms or 0.0:.1f} ms "
                      f"per step ({pct(cost)})")
-    if f.get("device_idle_share") is not None:  # CUDA: the syncs also leave the device idle
-        score = 0.9 * max(_idle_not_data(f), cost)
+    if run.kernels.device_idle_share is not None:  # CUDA: the syncs also leave the device idle
+        score = 0.9 * max(run.kernels.idle_not_data(run.data), cost)
     else:  # no device timeline: the time they cost, and at least what the count says an accelerator loses
         score = max(sync_count_score(per_step), 0.9 * cost)
     return Finding(_clamp(score, hi=0.6), "host-sync-bound: the host waits for the device every step", ev, sug)
@@ -134,19 +142,21 @@ def sync_count_score(per_step: float) -> float:
 
 
 
-def launch_overhead(f: dict) -> Optional[Finding]:
-    tokens = f.get("tokens_per_step")
-    batch = cfg(f, "train.batch_size")
-    if micro_batch(f) is not None:  # the same overhead, better fixed by merging the micro-batches
+@typed
+def launch_overhead(run: Run) -> Optional[Finding]:
+    c, k, w = run.config, run.kernels, run.work
+    tokens = int(w.tokens_per_step) if w.tokens_per_step is not None else None
+    batch = c.train.batch_size
+    if micro_batch(run) is not None:  # the same overhead, better fixed by merging the micro-batches
         return None
-    if f.get("device") == "cuda" and f.get("device_busy_fraction") is not None:
+    if run.device == "cuda" and k.device_busy_fraction is not None:
         # device idle while the host logs after a sync is the sync rule's business
-        idle = max(0.0, _idle_not_data(f) - (f.get("logging_share") or 0.0))
-        small = (f.get("mean_kernel_us") or 0.0) < 50.0
+        idle = max(0.0, k.idle_not_data(run.data) - (k.logging_share or 0.0))
+        small = (k.mean_kernel_us or 0.0) < 50.0
         if idle < 0.3 or not small:
             return None
         ev = [f"the GPU is idle {pct(idle)} of the step while the host is not waiting for data",
-              f"{f.get('kernels_per_step', 0):.0f} kernels per step, mean {f.get('mean_kernel_us', 0):.1f} us: "
+              f"{k.kernels_per_step or 0:.0f} kernels per step, mean {k.mean_kernel_us or 0:.1f} us: "
               "the host cannot launch them fast enough"]
         if tokens is not None:
             ev.append(f"{tokens:,} tokens per step")
@@ -155,47 +165,47 @@ def launch_overhead(f: dict) -> Optional[Finding]:
         # No device timeline: the evidence is the work per operator (model FLOPs per step / operators per
         # step, from the profile). It scales with tokens per step and the model's width and does not
         # depend on the thread count, the profiler's overhead or other load on the host.
-        per_op, compute = f.get("flops_per_op"), f.get("compute_share")
+        per_op, compute = w.flops_per_op, run.timing.compute_share
         if per_op is None or per_op >= CPU_OVERHEAD_FLOPS_PER_OP or compute is None or compute < 0.3:
             return None
-        ev = [f"{f.get('host_ops_per_step', 0):,.0f} operators per step for {tokens or 0:,} tokens: "
+        ev = [f"{w.host_ops_per_step or 0:,.0f} operators per step for {tokens or 0:,} tokens: "
               f"{per_op:,.0f} model FLOPs per operator on average (< {CPU_OVERHEAD_FLOPS_PER_OP:,}), nanoseconds "
               "of math behind microseconds of dispatch each"]
-        if f.get("host_mean_op_us") is not None:
-            ev.append(f"mean operator self time {f['host_mean_op_us']:.1f} us: framework overhead, not math")
+        if k.host_mean_op_us is not None:
+            ev.append(f"mean operator self time {k.host_mean_op_us:.1f} us: framework overhead, not math")
         ev.append(f"forward, backward, optimizer and the loop between them take {pct(compute)} of the step; "
                   "at this size they hardly grow with the batch")
         score = 0.75 * compute
     sug = [switch("train.batch_size", 4 * batch, "4x the work per launch and per optimizer step (if memory allows)")]
-    if not cfg(f, "compile.enabled") and compile_off(f) is None:  # else that finding offers compile first
+    if not c.compile.enabled and compile_off(run) is None:  # else that finding offers compile first
         sug.append(switch("compile.enabled", True, "fuse small operators into fewer kernels"))
-    if f.get("device") == "cuda" and cfg(f, "compile.mode") != "reduce-overhead" and compile_off(f) is None:
+    if run.device == "cuda" and c.compile.mode != "reduce-overhead" and compile_off(run) is None:
         sug.append(switch("compile.mode", "reduce-overhead", "CUDA graphs: one launch for the whole step "
                           "(with --compile.enabled true)"))
-    if cfg(f, "optim.impl") != "fused":
+    if c.optim.impl != "fused":
         sug.append(switch("optim.impl", "fused", "one fused optimizer kernel instead of many small ones"))
-    if not cfg(f, "memory.optimizer_in_backward"):  # that steps in backward: no accumulation
-        sug.append(switch("train.grad_accum_steps", 4 * cfg(f, "train.grad_accum_steps"),
+    if not c.memory.optimizer_in_backward:  # that steps in backward: no accumulation
+        sug.append(switch("train.grad_accum_steps", 4 * c.train.grad_accum_steps,
                           "amortise the optimizer step over more micro-batches when a larger batch does not fit"))
     return Finding(_clamp(score), "launch/overhead-bound: per-operator and per-step overhead dominate", ev, sug)
 
 
-def optimizer_impl(f: dict) -> Optional[Finding]:
+@typed
+def optimizer_impl(run: Run) -> Optional[Finding]:
     """A large optimizer share with the for-loop or foreach AdamW."""
-    impl = cfg(f, "optim.impl")
-    lo = share_lo(f, "optimizer")
-    memory_optimizer = any(cfg(f, f"memory.{k}") for k in ("optimizer_8bit", "optimizer_offload",
-                                                            "optimizer_in_backward"))
+    impl, mem, t = run.config.optim.impl, run.config.memory, run.timing
+    share = t.optimizer_share
+    lo = t.share_lo("optimizer")
+    memory_optimizer = mem.optimizer_8bit or mem.optimizer_offload or mem.optimizer_in_backward
     if impl == "fused" or memory_optimizer or lo is None or lo < 0.15:
         return None
-    share = f["optimizer_share"]
-    ev = [f"the optimizer step takes {f['optimizer_ms']:.1f} ms of {f['step_ms']:.1f} ms per step ({pct(share)}; "
+    ev = [f"the optimizer step takes {t.optimizer_ms or 0.0:.1f} ms of {t.step_ms or 0.0:.1f} ms per step ({pct(share)}; "
           f"at least {pct(lo)} allowing for the run's step-to-step noise)",
           f"optim.impl = {impl} ({doc('optim.impl')})"]
     sug = [switch("optim.impl", "fused", "one fused kernel for the whole AdamW update")]
     if impl == "for-loop":
         sug.append(switch("optim.impl", "foreach", "multi-tensor operators over all parameters at once"))
-    gain = OPTIMIZER_GAIN[impl] if impl == "for-loop" or f.get("device") == "cuda" else OPTIMIZER_GAIN["foreach-cpu"]
+    gain = OPTIMIZER_GAIN[impl] if impl == "for-loop" or run.device == "cuda" else OPTIMIZER_GAIN["foreach-cpu"]
     return Finding(_clamp(gain * share), f"slow optimizer implementation (optim.impl = {impl})", ev, sug)
 
 
@@ -203,30 +213,31 @@ def optimizer_impl(f: dict) -> Optional[Finding]:
 OPTIMIZER_GAIN = {"for-loop": 0.7, "foreach": 0.4, "foreach-cpu": 0.2}
 
 
-def activation_recompute(f: dict) -> Optional[Finding]:
+@typed
+def activation_recompute(run: Run) -> Optional[Finding]:
     """Activation checkpointing on while memory is not tight: the recompute is time for nothing."""
-    every = cfg(f, "memory.activation_checkpointing")
-    share = f.get("recompute_share")
+    every, t = run.config.memory.activation_checkpointing, run.timing
+    share = t.recompute_share
     if every == 0 or share is None or share < 0.05:
         return None
-    fill = memory_fill(f)
+    fill = run.memory_fill()
     if fill is not None and fill >= TIGHT_MEMORY:
         return None  # the memory it saves is needed
     ev = [f"memory.activation_checkpointing = {every}: the forward of "
           + ("every block" if every == 1 else f"every {every}th block") + " is recomputed in backward",
-          f"recompute {f['recompute_ms']:.1f} ms of {f['step_ms']:.1f} ms per step ({pct(share)}; "
-          f"{f['recompute_source']})"]
+          f"recompute {t.recompute_ms or 0.0:.1f} ms of {t.step_ms or 0.0:.1f} ms per step ({pct(share)}; "
+          f"{t.recompute_source})"]
     if fill is not None:
         ev.append(f"memory is not tight: the peak uses {pct(fill)} of the GPU (< {pct(TIGHT_MEMORY)})")
-    elif f.get("device") == "cuda":
+    elif run.device == "cuda":
         ev.append("the GPU's memory size is unknown (no profile): check the peak against it before switching")
     else:
         ev.append("CPU run: activations live in host memory, which checkpointing rarely needs to save")
     sug = [switch("memory.activation_checkpointing", 0, "keep the activations: no recompute")]
-    if every == 1 and cfg(f, "model.n_layer") >= 2:
+    if every == 1 and run.config.model.n_layer >= 2:
         sug.append(switch("memory.activation_checkpointing", 2, "recompute every second block: half the "
                           "recompute for half the saving"))
-    score = 0.9 * share * (1.0 if fill is not None or f.get("device") != "cuda" else 0.5)
+    score = 0.9 * share * (1.0 if fill is not None or run.device != "cuda" else 0.5)
     return Finding(_clamp(score), "activation checkpointing recomputes the forward while memory is not tight",
                    ev, sug)
 
@@ -241,41 +252,44 @@ TIME_FOR_MEMORY = {
 }
 
 
-def memory_savers_with_room(f: dict) -> Optional[Finding]:
+@typed
+def memory_savers_with_room(run: Run) -> Optional[Finding]:
     """Switches that trade time for memory, on while memory is not tight (or on a CPU, where host memory is
     what they would save): the time is spent for nothing."""
-    on = [k for k, (cheap, _) in TIME_FOR_MEMORY.items() if cfg(f, k) != cheap]
-    if "parallel.sync_every_microbatch" in on and cfg(f, "train.grad_accum_steps") == 1:
+    get = getter(run.config)
+    on = [k for k, (cheap, _) in TIME_FOR_MEMORY.items() if get(k) != cheap]
+    if "parallel.sync_every_microbatch" in on and run.config.train.grad_accum_steps == 1:
         on.remove("parallel.sync_every_microbatch")  # nothing extra without accumulation
-    fill = memory_fill(f)
-    if not on or (fill is not None and fill >= TIGHT_MEMORY) or (f.get("device") == "cuda" and fill is None):
+    fill, cuda = run.memory_fill(), run.device == "cuda"
+    if not on or (fill is not None and fill >= TIGHT_MEMORY) or (cuda and fill is None):
         return None
-    where = "CPU run: the switches save host memory from host memory" if f.get("device") != "cuda" else \
+    where = "CPU run: the switches save host memory from host memory" if not cuda else \
         f"memory is not tight: the peak uses {pct(fill)} of the GPU (< {pct(TIGHT_MEMORY)})"
-    ev = [f"{k} = {cfg(f, k)}: it {TIME_FOR_MEMORY[k][1]}" for k in on] + [where]
+    ev = [f"{k} = {get(k)}: it {TIME_FOR_MEMORY[k][1]}" for k in on] + [where]
     sug = [switch(k, TIME_FOR_MEMORY[k][0], "spend no time on memory that is not needed") for k in on]
-    if "memory.optimizer_offload" in on and cfg(f, "memory.offload_gradients"):
+    if "memory.optimizer_offload" in on and run.config.memory.offload_gradients:
         sug = [switch("memory.offload_gradients", False, "the gradients stay on the device"), *sug]
-    moved = sum(f.get(x) or 0.0 for x in ("h2d_share", "optimizer_share")) if f.get("device") == "cuda" else 0.0
+    moved = (run.data.h2d_share or 0.0) + (run.timing.optimizer_share or 0.0) if cuda else 0.0
     score = max(0.12 * len(on), 0.8 * moved)
     return Finding(_clamp(score), "memory-saving switches cost time while memory is not tight", ev, sug)
 
 
-def micro_batch(f: dict) -> Optional[Finding]:
+@typed
+def micro_batch(run: Run) -> Optional[Finding]:
     """A tiny micro-batch made up by gradient accumulation: each micro-batch pays the per-operator
     overhead in full, the optimizer step does not need the accumulation to be small."""
-    accum, batch = cfg(f, "train.grad_accum_steps"), cfg(f, "train.batch_size")
-    if accum < 2 or cfg(f, "parallel.pp") > 1:
+    accum, batch, k = run.config.train.grad_accum_steps, run.config.train.batch_size, run.kernels
+    if accum < 2 or run.config.parallel.pp > 1:
         return None
-    if f.get("device") == "cuda" and f.get("device_busy_fraction") is not None:
-        idle = max(0.0, _idle_not_data(f) - (f.get("logging_share") or 0.0))
-        if idle < 0.3 or (f.get("mean_kernel_us") or 0.0) >= 50.0:
+    if run.device == "cuda" and k.device_busy_fraction is not None:
+        idle = max(0.0, k.idle_not_data(run.data) - (k.logging_share or 0.0))
+        if idle < 0.3 or (k.mean_kernel_us or 0.0) >= 50.0:
             return None
         ev = [f"the GPU is idle {pct(idle)} of the step between short kernels "
-              f"(mean {f.get('mean_kernel_us', 0):.1f} us)"]
+              f"(mean {k.mean_kernel_us or 0:.1f} us)"]
         score = 0.85 * idle
     else:
-        per_op, compute = f.get("flops_per_op"), f.get("compute_share")
+        per_op, compute = run.work.flops_per_op, run.timing.compute_share
         if per_op is None or per_op >= MICRO_BATCH_FLOPS_PER_OP or compute is None or compute < 0.3:
             return None
         ev = [f"{per_op:,.0f} model FLOPs per operator (< {MICRO_BATCH_FLOPS_PER_OP:,}): each micro-batch is "
@@ -294,20 +308,21 @@ def micro_batch(f: dict) -> Optional[Finding]:
 MICRO_BATCH_FLOPS_PER_OP = 4 * CPU_OVERHEAD_FLOPS_PER_OP  # merging micro-batches costs nothing but memory
 
 
-def thread_oversubscription(f: dict) -> Optional[Finding]:
+@typed
+def thread_oversubscription(run: Run) -> Optional[Finding]:
     """CPU runs: more busy threads (intra-op threads per process, plus the DataLoader workers when the
     loading does real work) than cores. The threads of one operator wait for the slowest, which waits
     for a core."""
-    th = f.get("threads")
-    if f.get("device") != "cpu" or not th or not th.get("intra_op") or not th.get("cpu_count"):
+    h, d = run.host, run.config.data
+    if run.device != "cpu" or not (run.facts.get("threads") or {}).get("intra_op") or not h.cpu_count:
         return None
-    intra, cores, procs = th["intra_op"], th["cpu_count"], th.get("local_world_size") or 1
-    workers = cfg(f, "data.num_workers")
-    busy_workers = workers if (cfg(f, "data.cpu_work_ms") > 0 or (f.get("data_share") or 0.0) > 0.05) else 0
+    intra, cores, procs = h.intra_op, h.cpu_count, h.local_world_size
+    workers = d.num_workers
+    busy_workers = workers if (d.cpu_work_ms > 0 or (run.data.data_share or 0.0) > 0.05) else 0
     want = intra * procs + busy_workers
     if want <= cores:
         return None
-    compute = f.get("compute_share")
+    compute = run.timing.compute_share
     compute = 0.9 if compute is None else compute
     fit = max(1, (cores - busy_workers) // procs)
     ev = [f"{intra} intra-op threads x {procs} process(es)"
@@ -324,27 +339,30 @@ def thread_oversubscription(f: dict) -> Optional[Finding]:
     return Finding(_clamp(0.6 * compute * (1.0 - cores / want)), "CPU threads over-subscribed", ev, sug)
 
 
-def outside_steady_state(f: dict) -> Optional[Finding]:
+@typed
+def outside_steady_state(run: Run) -> Optional[Finding]:
     """Wall-clock time outside the steady-state steps (evaluation, checkpoints, logging, warm-up) of
     15% or more: the throughput the user waits for is lower than the steady state says."""
-    wall, parts = f.get("wall_s"), f.get("outside_s") or {}
+    w = run.wall
+    wall, parts = w.wall_s, w.outside_s
     if not wall or not parts:
         return None
     total = sum(parts.values())
     share = total / wall
     if share < OUTSIDE_SHARE:
         return None
-    step_s = (f.get("step_ms") or 0.0) / 1000
+    step_s = (run.timing.step_ms or 0.0) / 1000
+    steady = w.steady_s if w.steady_s is not None else wall - total
     ev = [f"{total:.1f} s of {wall:.1f} s of wall-clock time ({pct(share)}) went outside the steady-state steps "
-          f"({f.get('steady_s', wall - total):.1f} s) [{f.get('wall_source', '')}]"]
+          f"({steady:.1f} s) [{w.wall_source}]"]
     sug: list[dict[str, Any]] = []
     fixable = 0.0
     for part, secs in sorted(parts.items(), key=lambda kv: -kv[1]):
         if secs / wall < 0.02:
             continue
-        count = (f.get("outside_counts") or {}).get(part)
+        count = int(w.outside_counts.get(part) or 0) or None
         ev.append(f"{part}: {secs:.1f} s ({pct(secs / wall)})" + (f" in {count} rounds" if count else ""))
-        fix = _outside_fix(f, part, secs, count, step_s)
+        fix = _outside_fix(run, part, secs, count, step_s)
         if fix:
             fixable += secs
             sug += fix
@@ -358,7 +376,7 @@ def outside_steady_state(f: dict) -> Optional[Finding]:
 OUTSIDE_SHARE = 0.15
 
 
-def _outside_fix(f: dict, part: str, secs: float, count: Optional[int], step_s: float) -> list[dict[str, Any]]:
+def _outside_fix(run: Run, part: str, secs: float, count: Optional[int], step_s: float) -> list[dict[str, Any]]:
     """Switches that make one part outside the steady state rarer or cheaper (at most 5% of the time)."""
     out: list[dict[str, Any]] = []
     each = secs / count if count else None
@@ -369,22 +387,23 @@ def _outside_fix(f: dict, part: str, secs: float, count: Optional[int], step_s: 
         every = max(2 * now, math.ceil(19 * each / step_s))  # each round then costs <= 5% of the steps it follows
         return every if every > now else None
 
+    c = run.config
     if part == "evaluation":
-        now = cfg(f, "train.eval_every_steps")
+        now = c.train.eval_every_steps
         every = rarer(now) if now > 0 else None
         if every:
             out.append(switch("train.eval_every_steps", every, f"evaluate every {every} steps: each evaluation "
                               "then costs <= 5% of the training it follows"))
-        batches = cfg(f, "train.eval_batches")
+        batches = c.train.eval_batches
         if batches > 4:
             out.append(switch("train.eval_batches", max(2, batches // 4), "a quarter of the validation batches"))
     elif part == "checkpoints":
-        now = cfg(f, "checkpoint.every_steps")
+        now = c.checkpoint.every_steps
         every = rarer(now) if now > 0 else None
         if every:
             out.append(switch("checkpoint.every_steps", every, f"save every {every} steps"))
     elif part == "logging":
-        now = cfg(f, "log.every_steps")
+        now = c.log.every_steps
         if now < 50:
             out.append(switch("log.every_steps", 50, "log (and synchronise) every 50 steps"))
     return out
@@ -395,6 +414,7 @@ RULES: list[Callable[[dict], Optional[Finding]]] = [
     activation_recompute, layer_forms, thread_oversubscription, outside_steady_state, fp32_math, attention,
     logits_peak, activation_memory, optimizer_state_memory, allocator_thrash, memory_savers_with_room,
     selective_recompute, lora_finetune, qlora_finetune, fp8_cannot_pay, *OPTIM_RULES, document_mask_cost,
+    *SFT_RULES,
 ]
 
 

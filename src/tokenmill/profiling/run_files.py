@@ -30,10 +30,11 @@ class Null:
 _N = Null
 SUMMARY: dict[str, Any] = {
     **{k: _N(int) for k in ("steps", "start_step", "params", "trainable_params", "tokens_per_step", "world_size",
-                            "evals", "checkpoints", "logs", "timing_windows")},
+                            "evals", "checkpoints", "logs", "timing_windows", "timing_from_step")},
     **{k: _N(float) for k in ("flops_per_token", "tokens_per_sec", "tokens_per_sec_min", "tokens_per_sec_max",
                               "step_time_ms", "mfu", "wall_s", "warmup_s", "eval_s", "checkpoint_s", "log_s",
-                              "peak_alloc_mb", "peak_reserved_mb", "peak_flops", "compile_s")},
+                              "peak_alloc_mb", "peak_reserved_mb", "peak_flops", "compile_s",
+                              "learned_frac", "padding_frac", "learned_tokens_per_sec")},  # the last: chat data
     **{k: _N(str) for k in ("device", "gpu_name", "layout")},
     "tokens_per_sec_windows": _N([float]),
     "threads": _N({"intra_op": _N(int), "inter_op": _N(int), "cpu_count": _N(int), "local_world_size": _N(int),

@@ -12,61 +12,69 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from tokenmill.profiling.findings import Finding, _clamp, cfg, pct, switch
+from tokenmill.profiling.facts import Run, typed
+from tokenmill.profiling.findings import Finding, _clamp, pct, switch
 
 FITS = 0.9  # an estimate fits when its peak reserved memory is at most this share of the GPU
 LORA_RANK = 16
 
 
-def _tight(f: dict) -> Optional[float]:
+def _tight(run: Run) -> Optional[float]:
     """The peak's share of the GPU when memory is tight (at least rules.TIGHT_MEMORY of it), else None."""
-    from tokenmill.profiling.findings import TIGHT_MEMORY, memory_fill
+    from tokenmill.profiling.findings import TIGHT_MEMORY
 
-    fill = memory_fill(f)
+    fill = run.memory_fill()
     return fill if fill is not None and fill >= TIGHT_MEMORY else None
 
 
-def _estimate(f: dict, overrides: dict[str, Any]):
+def _config(run: Run, overrides: dict[str, Any]):
+    """The run's config with ``overrides``, validated (a copy)."""
+    from tokenmill import config as C
+
+    return C.validate(C.apply_overrides(C.from_dict(run.config.to_dict()), overrides))
+
+
+def _estimate(run: Run, overrides: dict[str, Any]):
     """``tokenmill estimate`` of the run's config with ``overrides`` on the run's GPU (its measured memory),
     or None when the config or the estimate does not work out here."""
-    from tokenmill import config as C
     from tokenmill.errors import TokenmillError
     from tokenmill.estimate import GPUS, estimate, gpu_spec
 
-    specs = C.field_specs()
     try:
-        run = {k: v for k, v in f["config"].items() if k in specs and v is not None}
-        config = C.validate(C.apply_overrides(C.apply_overrides(C.Config(), run), overrides))
+        config = _config(run, overrides)
         try:
-            g = gpu_spec(f.get("gpu_name") or "")
+            g = gpu_spec(run.gpu_name)
         except TokenmillError:
             g = GPUS["h100-sxm"]
-        gpu = dataclasses.replace(g, memory_mb=f["device_total_mb"])  # the run's GPU, all its specs
-        return estimate(config, gpu, int(f.get("world_size") or 1))
+        gpu = dataclasses.replace(g, memory_mb=run.memory.device_total_mb)  # the run's GPU, all its specs
+        return estimate(config, gpu, int(run.facts.get("world_size") or 1))
     except (TokenmillError, ValueError, KeyError, TypeError, RuntimeError):
         return None
 
 
-def selective_recompute(f: dict) -> Optional[Finding]:
+@typed
+def selective_recompute(run: Run) -> Optional[Finding]:
     """Whole blocks recomputed (``activation_checkpointing_policy = 'full'``) while memory is tight, where
     the estimate says the selective policy, which keeps the matmul outputs and recomputes only the
     element-wise ops, still fits: most of the recompute time back for a little memory."""
-    every, share, fill = cfg(f, "memory.activation_checkpointing"), f.get("recompute_share"), _tight(f)
-    if not every or cfg(f, "memory.activation_checkpointing_policy") != "full" or fill is None:
+    mem = run.config.memory
+    every, share, fill = mem.activation_checkpointing, run.timing.recompute_share, _tight(run)
+    if not every or mem.activation_checkpointing_policy != "full" or fill is None:
         return None
     if share is None or share < 0.05:
         return None
-    sel = _estimate(f, {"memory.activation_checkpointing_policy": "save-matmuls"})
-    full = _estimate(f, {})
-    none = _estimate(f, {"memory.activation_checkpointing": 0})
-    cap = f["device_total_mb"]
+    sel = _estimate(run, {"memory.activation_checkpointing_policy": "save-matmuls"})
+    full = _estimate(run, {})
+    none = _estimate(run, {"memory.activation_checkpointing": 0})
+    cap = run.memory.device_total_mb or 0.0
     if sel is None or full is None or sel.peak_reserved_mb > FITS * cap:
         return None
     recompute = (full.step_ms - none.step_ms) if none is not None else 0.0
     saved = (full.step_ms - sel.step_ms) / recompute if recompute > 0 else 0.5
     ev = [f"memory.activation_checkpointing = {every}, policy 'full': backward recomputes the whole forward of "
           + ("every block" if every == 1 else f"every {every}th block")
-          + f"; recompute {f.get('recompute_ms', 0.0):.1f} ms of {f.get('step_ms', 0.0):.1f} ms per step ({pct(share)})",
+          + f"; recompute {run.timing.recompute_ms or 0.0:.1f} ms of {run.timing.step_ms or 0.0:.1f} ms per step "
+          f"({pct(share)})",
           f"memory is tight ({pct(fill)} of the GPU), so checkpointing is needed, but the estimate with the "
           f"selective policy is {sel.peak_reserved_mb / 1024:.1f} GB peak reserved of {cap / 1024:.1f} GB "
           f"(whole blocks: {full.peak_reserved_mb / 1024:.1f} GB), and it saves about {pct(max(0.0, saved))} of "
@@ -77,20 +85,21 @@ def selective_recompute(f: dict) -> Optional[Finding]:
                    "whole-block recompute where selective checkpointing fits", ev, sug)
 
 
-def lora_finetune(f: dict) -> Optional[Finding]:
+@typed
+def lora_finetune(run: Run) -> Optional[Finding]:
     """A full fine-tune (``train.init_from``, no LoRA) that fills the GPU, where the estimate says LoRA
     (frozen base: no gradients or AdamW state for it) fits with room."""
-    if not cfg(f, "train.init_from") or cfg(f, "lora.rank"):
+    if not run.config.train.init_from or run.config.lora.rank:
         return None
-    fill = _tight(f)
+    fill = _tight(run)
     if fill is None:
         return None
-    lora = _estimate(f, {"lora.rank": LORA_RANK})
-    full = _estimate(f, {})
-    cap = f["device_total_mb"]
+    lora = _estimate(run, {"lora.rank": LORA_RANK})
+    full = _estimate(run, {})
+    cap = run.memory.device_total_mb or 0.0
     if lora is None or lora.peak_reserved_mb > FITS * cap:
         return None
-    state = (f.get("grad_mb") or 0.0) + (f.get("optimizer_state_mb") or 0.0)
+    state = (run.memory.grad_mb or 0.0) + (run.memory.optimizer_state_mb or 0.0)
     ev = [f"a full fine-tune (train.init_from, every weight trains) fills {pct(fill)} of the GPU"
           + (f"; gradients and AdamW state of every weight are about {state / 1024:.1f} GB of it" if state else ""),
           f"with LoRA rank {LORA_RANK} (the base frozen: gradients and optimizer state for the adapters only) the "
@@ -103,30 +112,28 @@ def lora_finetune(f: dict) -> Optional[Finding]:
                    ev, sug, measure="memory")
 
 
-def qlora_finetune(f: dict) -> Optional[Finding]:
+@typed
+def qlora_finetune(run: Run) -> Optional[Finding]:
     """A LoRA fine-tune over an unquantised base that fills the GPU, where the estimate says QLoRA (the
     adapted projections' frozen weights stored as NF4, about 4.1 bits per weight) fits."""
-    if not cfg(f, "lora.rank") or (cfg(f, "lora.quantize_base") or "none") != "none":
+    lo = run.config.lora
+    if not lo.rank or (lo.quantize_base or "none") != "none":
         return None
-    fill = _tight(f)
-    lora = _estimate(f, {}) if fill is not None else None
+    fill = _tight(run)
+    lora = _estimate(run, {}) if fill is not None else None
     if lora is None:
         return None
-    from tokenmill import config as C
     from tokenmill.errors import TokenmillError
     from tokenmill.estimate.finetune import qlora_mb
 
-    specs = C.field_specs()
     try:
-        run = C.validate(C.apply_overrides(C.Config(), {k: v for k, v in f["config"].items()
-                                                         if k in specs and v is not None}))
-        q = qlora_mb(run, lora.peak_reserved_mb)
+        q = qlora_mb(_config(run, {}), lora.peak_reserved_mb)
     except (TokenmillError, ValueError, KeyError, TypeError, RuntimeError):  # as _estimate: no finding
         return None
-    cap = f["device_total_mb"]
+    cap = run.memory.device_total_mb or 0.0
     if q > FITS * cap:
         return None
-    ev = [f"a LoRA fine-tune (lora.rank {cfg(f, 'lora.rank')}, the base frozen in its full width) fills "
+    ev = [f"a LoRA fine-tune (lora.rank {lo.rank}, the base frozen in its full width) fills "
           f"{pct(fill)} of the GPU",
           f"with the adapted projections' base weights stored as NF4 (4-bit, about 4.1 bits per weight) the "
           f"estimate is {q / 1024:.1f} GB peak reserved of {cap / 1024:.1f} GB (this config: "

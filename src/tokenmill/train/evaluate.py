@@ -19,6 +19,12 @@ The numbers (``nats``: the summed cross-entropy of every predicted token, natura
   bytes; a token of a non-byte-level tokenizer counts the UTF-8 bytes of its decoded text). It
   compares models with different tokenizers on the same text.
 
+A run that learned through a chat folder's loss mask (``data.loss_mask``) is evaluated as it trained: on the
+split's chat windows (``data.chat_packing``: whole conversations, packed or padded, the packed ones kept apart),
+over the learned tokens only, with the trainer's terms (:func:`tokenmill.train.loss_mask.eval_terms`): the
+summed loss of the learned targets / their number, so ``batches`` = N gives the run's logged ``val_loss``; the
+whole split is every window once, and ``tokens`` / ``bytes`` count the learned targets.
+
 The result is printed and written to ``RUN/eval.json`` (atomically).
 """
 
@@ -36,6 +42,9 @@ from tokenmill import atomic, checkpoint
 from tokenmill import config as C
 from tokenmill.checkpoint.files import DCP_NAME, FILE_NAME
 from tokenmill.data import WindowDataset, open_token_data, val_batches
+from tokenmill.data.chat_windows import ChatWindows
+from tokenmill.data.dataset import IGNORE_INDEX
+from tokenmill.data.loader import use_loss_mask
 from tokenmill.data.meta import read_meta
 from tokenmill.data.tokenizers import (
     BpeTokenizer,
@@ -46,8 +55,8 @@ from tokenmill.data.tokenizers import (
 )
 from tokenmill.errors import DataError
 from tokenmill.model import GPT
-from tokenmill.model.build import apply_document_mask
-from tokenmill.train.parallelize import document_eot_id
+from tokenmill.train.loss_mask import eval_terms
+from tokenmill.train.parallelize import document_eot_id, keep_documents_apart
 
 __all__ = ["EVAL_FILE", "evaluate_model", "evaluate_run", "token_byte_lengths", "whole_split_batches"]
 
@@ -102,12 +111,20 @@ def whole_split_batches(tokens: np.ndarray, block_size: int, batch_size: int) ->
         yield tail[:, :-1], tail[:, 1:]
 
 
+def chat_batches(chat: ChatWindows, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Every window of a chat split once, in order, ``batch_size`` to a batch (lazy: one batch read at a time)."""
+    for a in range(0, chat.n_windows, batch_size):
+        rows = [chat.window(j) for j in range(a, min(a + batch_size, chat.n_windows))]
+        yield torch.stack([x for x, _ in rows]), torch.stack([y for _, y in rows])
+
+
 @torch.inference_mode()
 def evaluate_model(model: GPT, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-                   byte_lengths: Optional[np.ndarray] = None, device: torch.device | str = "cpu") -> dict[str, Any]:
+                   byte_lengths: Optional[np.ndarray] = None, device: torch.device | str = "cpu",
+                   masked: bool = False) -> dict[str, Any]:
     """Loss, perplexity and (with ``byte_lengths``, see :func:`token_byte_lengths`) bits per byte of
     ``model`` over ``batches`` of ``(x, y)`` ids; the model's own loss (its loss form and precision
-    switches)."""
+    switches). ``masked``: over the learned targets only (the others -100), as the trainer's evaluation."""
     was_training = model.training
     model.eval()
     nats, tokens, nbytes, windows, n_batches = 0.0, 0, 0, 0, 0
@@ -116,15 +133,19 @@ def evaluate_model(model: GPT, batches: Iterable[tuple[torch.Tensor, torch.Tenso
             windows += x.size(0)
             n_batches += 1
             x, y = x.to(device, torch.int64), y.to(device, torch.int64)
-            _, loss = model(x, y)
-            nats += float(loss.float()) * y.numel()
-            tokens += y.numel()
+            if masked:  # the trainer's terms: [summed loss of the learned targets, their number]
+                loss_sum, learned = eval_terms(model(x, y, reduction="sum")[1], y, True).tolist()
+                nats, tokens = nats + loss_sum, tokens + int(learned)
+            else:
+                nats += float(model(x, y)[1].float()) * y.numel()
+                tokens += y.numel()
             if byte_lengths is not None:
-                nbytes += int(byte_lengths[y.cpu().numpy()].sum())
+                nbytes += int(byte_lengths[y[y != IGNORE_INDEX].cpu().numpy()].sum())
     finally:
         model.train(was_training)
     if tokens == 0:
-        raise DataError("nothing to evaluate: no validation tokens.")
+        raise DataError("nothing to evaluate: no validation tokens" + (" learned (the windows' loss mask leaves "
+                        "none)." if masked else "."))
     loss = nats / tokens
     out = {"windows": windows, "batches": n_batches, "tokens": tokens, "nats": nats, "val_loss": loss, "perplexity": math.exp(min(loss, 700.0)),
            "bits_per_token": loss / math.log(2)}
@@ -176,7 +197,7 @@ def evaluate_run(run_dir: str | Path, data_path: Optional[str | Path] = None, ba
     run_dir = Path(run_dir)
     model, cfg, path = checkpoint.load_model(run_dir, checkpoint_path)
     folder = _data_folder(cfg, data_path, run_dir)
-    apply_document_mask(model, cfg.data, document_eot_id(cfg, folder))  # data.document_mask: as it trained
+    keep_documents_apart(model, cfg, folder, document_eot_id(cfg, folder, torch.device(device)))  # as it trained
     run_tok = None if cfg.data.source == "synthetic" else tokenizer_dir(run_dir, cfg)
     _check_same_tokenizer(folder, run_tok, model.vocab_size)
     vf = open_token_data(folder, "val", model.vocab_size, "quick")
@@ -185,20 +206,24 @@ def evaluate_run(run_dir: str | Path, data_path: Optional[str | Path] = None, ba
         raise DataError(f"--batches and --batch-size must be >= 1, got {batches} and {B}.")
     if len(vf) < 2:
         raise DataError(f"'{vf.file}' holds {len(vf)} tokens: nothing to predict. Prepare more text (--val-fraction).")
-    if batches is None:
+    masked = use_loss_mask(cfg.data.loss_mask, [vf], None)  # a chat folder: its learned tokens, as trained
+    chat = ChatWindows(vf, bs, cfg.data.chat_packing, "sequential") if masked else None
+    if batches is None and chat is not None:  # every window once
+        data, total = chat_batches(chat, B), -(-chat.n_windows // B)
+    elif batches is None:
         data = whole_split_batches(vf.tokens, bs, B)
         total = -(-((len(vf) - 1) // bs) // B) + (1 if (len(vf) - 1) % bs else 0)
     else:
-        data = val_batches(WindowDataset(vf, bs, "sequential"), B, batches)
+        data = val_batches(chat or WindowDataset(vf, bs, "sequential"), B, batches)
         total = batches
     if progress:
         data = _reporting(data, total)
     lengths = token_byte_lengths(load_tokenizer_for_data(folder), model.vocab_size)
-    result = evaluate_model(model.to(device), data, lengths, device)
+    result = evaluate_model(model.to(device), data, lengths, device, masked)
     m = FILE_NAME.match(path.name) or DCP_NAME.match(path.name)
     result = {"run_dir": str(run_dir), "checkpoint": str(path), "step": int(m.group(1)) if m else None,
               "data": str(folder), "split": "val", "whole_split": batches is None, "batch_size": B,
-              "block_size": bs, **result}
+              "block_size": bs, "learned_only": masked, **result}
     if write:
         atomic.write_json(run_dir / EVAL_FILE, result)
     return result
@@ -225,7 +250,8 @@ def _reporting(batches: Iterable, total: int) -> Iterator:
 def format_result(r: dict[str, Any]) -> str:
     """Two lines for the console."""
     what = "the whole val split" if r["whole_split"] else f"{r['batches']} val batches"
-    head = (f"eval of {r['checkpoint']} (step {r['step']}) on {what} of {r['data']}: {r['tokens']:,} tokens, "
+    head = (f"eval of {r['checkpoint']} (step {r['step']}) on {what} of {r['data']}: {r['tokens']:,} "
+            f"{'learned ' if r.get('learned_only') else ''}tokens, "
             f"{r.get('bytes', 0):,} bytes, {r['windows']} windows")
     bpb = f" | bits/byte {r['bits_per_byte']:.4f}" if r.get("bits_per_byte") is not None else ""
     return f"{head}\nval_loss {r['val_loss']:.4f} | perplexity {r['perplexity']:.3f}{bpb}"

@@ -29,7 +29,7 @@ from tokenmill.errors import ConfigError
 # the section of each known key; other keys: *_mb -> memory, *_ms -> perf, else train
 _SECTIONS = {
     "loss": "train", "lr": "train", "grad_norm": "train",
-    "val_loss": "eval", "eval_ms": "eval",
+    "val_loss": "eval", "eval_ms": "eval", "tasks_ms": "eval",
     "tokens_per_sec": "perf", "mfu": "perf", "step_ms": "perf", "other_ms": "perf",
 }
 
@@ -40,6 +40,8 @@ def tag(key: str) -> str:
     ``memory/peak_alloc_mb``, ``val_loss`` -> ``eval/val_loss``."""
     if key in _SECTIONS:
         return f"{_SECTIONS[key]}/{key}"
+    if key.startswith("tasks/"):  # task scores (train/tasks.py): tasks/TASK/METRIC as they are
+        return key
     if key.endswith("_mb"):
         return f"memory/{key}"
     if key.endswith("_ms"):

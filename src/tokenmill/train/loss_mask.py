@@ -12,6 +12,11 @@ numbers of learned tokens).
 ``L`` is counted from the step's micro-batches, which :class:`StepBatches` takes from the loader together, before the
 step's first forward; the count goes to the device and is all-reduced once per step, never read back by the host
 (no synchronisation). Without a mask nothing changes: each micro-batch's mean divided by the accumulation steps.
+
+Chat windows (:class:`~tokenmill.data.chat_windows.ChatWindows`, ``data.chat_packing``) also count a step's padded
+inputs, on the host from the step's global sample indices (the same on every rank, no communication): the step's
+:attr:`StepBatches.learned` is then ``[learned, padding]``, which the metrics log as ``learned_frac`` and
+``padding_frac``.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ class StepBatches:
     the model's loss is its default mean. A mask under pipeline parallelism is refused (its schedule averages per
     pipeline micro-batch)."""
 
-    def __init__(self, batches: Iterator, n: int, world: World, masked: bool):
+    def __init__(self, batches: Iterator, n: int, world: World, masked: bool, loader: Any = None):
         if masked and world.pp > 1:
             raise ConfigError("data.loss_mask is on (the folder holds chat data), but parallel.pp > 1 averages the "
                               "loss per pipeline micro-batch, not over the step's learned tokens. Fix: parallel.pp 1, "
@@ -52,6 +57,9 @@ class StepBatches:
         self.ahead: list[Any] = []
         self.weight: Optional[torch.Tensor] = None
         self.learned: Optional[torch.Tensor] = None
+        sampler, dataset = getattr(loader, "batch_sampler", None), getattr(loader, "dataset", None)
+        self.padding_of = dataset.padding if masked and hasattr(dataset, "padding") else None  # chat windows
+        self.first, self.global_batch = (sampler.start_sample, sampler.global_batch) if self.padding_of else (0, 0)
 
     def __iter__(self) -> StepBatches:
         return self
@@ -62,6 +70,10 @@ class StepBatches:
         if not self.ahead:
             self.ahead = [next(self.batches) for _ in range(self.n)]
             self.weight, self.learned = step_weight(self.ahead, self.world)
+            if self.padding_of is not None:  # the step's padded inputs, from its global sample indices
+                pad = self.padding_of(range(self.first, self.first + self.global_batch))
+                self.first += self.global_batch
+                self.learned = torch.stack((self.learned, self.learned.new_full((), pad)))
         return self.ahead.pop(0)
 
 

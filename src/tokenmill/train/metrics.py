@@ -224,6 +224,7 @@ class StepMetrics:
         self.pending: list[torch.Tensor] = []
         self.learned: list[torch.Tensor] = []  # a loss mask: each step's learned tokens (global), not yet read back
         self.learned_windows: list[float] = []  # learned tokens/s of each throughput window
+        self.shares: list[list[float]] = []  # each step's [learned_frac] or, chat windows, [learned_frac, padding_frac]
         self.masked = False  # a step reported its learned tokens
         self.tokens_per_step = tokens_per_step
         self.flops_per_token = flops_per_token
@@ -255,7 +256,8 @@ class StepMetrics:
         self.timer.add_host(phase, seconds)
 
     def step_done(self, loss: torch.Tensor, learned: Optional[torch.Tensor] = None) -> None:
-        """``learned``: the step's learned-token count with a loss mask (``data.loss_mask``), else None."""
+        """``learned``: the step's learned-token count with a loss mask (``data.loss_mask``), else None; chat windows:
+        ``[learned, padded inputs]`` (train/loss_mask.py)."""
         self.pending.append(loss)
         if learned is not None:
             self.learned.append(learned)
@@ -317,11 +319,14 @@ class StepMetrics:
         the window's learned tokens/s noted for the summary (the window's steps are the last of these)."""
         if not self.learned:
             return {}
-        counts, self.learned = torch.stack(self.learned).tolist(), []
+        rows, self.learned = torch.stack(self.learned).reshape(len(self.learned), -1).tolist(), []
+        counts = [r[0] for r in rows]
         steps = self.meter.window_steps
         if tps and 0 < steps <= len(counts):
             self.learned_windows.append(tps * sum(counts[-steps:]) / (steps * self.tokens_per_step))
-        return {"learned_tokens": counts[-1], "learned_frac": counts[-1] / self.tokens_per_step}
+        self.shares += [[v / self.tokens_per_step for v in r] for r in rows]
+        out = {"learned_tokens": counts[-1], "learned_frac": counts[-1] / self.tokens_per_step}
+        return out | ({"padding_frac": rows[-1][1] / self.tokens_per_step} if len(rows[-1]) > 1 else {})
 
     def summary(self, memory: Optional[dict[str, float]] = None) -> dict[str, Any]:
         """Steady-state throughput and MFU, and where the rest of the wall time went: ``wall_s`` (since
@@ -331,7 +336,7 @@ class StepMetrics:
         ``peak_reserved_mb_run``: the whole run's peaks, warm-up and compilation included, from
         ``memory`` (the device's peaks now, since the last reset) and those noted before the reset
         (None off CUDA, where ``memory`` is empty); with a loss mask ``learned_tokens_per_sec`` (the median
-        window's)."""
+        window's) and ``learned_frac`` (with chat windows ``padding_frac`` too: the means over the steps)."""
         out = self.meter.summary()
         now = compile_seconds() if self.compile0 is not None else None
         out["compile_s"] = now - self.compile0 if now is not None and self.compile0 is not None else None
@@ -340,6 +345,8 @@ class StepMetrics:
             out[f"{key}_run"] = max(seen) if seen else None
         if self.masked:  # a loss mask: the median window's learned tokens/s
             out["learned_tokens_per_sec"] = statistics.median(self.learned_windows) if self.learned_windows else None
+            for i, key in enumerate(("learned_frac", "padding_frac")[: len(self.shares[0]) if self.shares else 1]):
+                out[key] = statistics.fmean(r[i] for r in self.shares) if self.shares else None  # over the steps
         out["timing_from_step"] = self.timing_from  # the windows: every log window after this step
         out["mfu"] = self.mfu(out["tokens_per_sec"])
         out["wall_s"] = time.perf_counter() - self.started
@@ -383,4 +390,6 @@ def format_record(rec: dict[str, Any]) -> str:
         s += f" | peak {rec['peak_alloc_mb']:,.0f} MB"
     if rec.get("data_ms") is not None:
         s += f" | data {rec['data_ms']:.1f} ms"
+    if rec.get("moe_load_max") is not None:  # a mixture of experts: the busiest expert's load over the mean
+        s += f" | expert load {rec['moe_load_max']:.2f}x"
     return s

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from tokenmill import config as C
+from tokenmill.config.data import SEQUENCE_START_FLAG
 from tokenmill.data.meta import read_meta
 from tokenmill.errors import ConfigError, DataError
 from tokenmill.model.build import (
@@ -56,7 +57,8 @@ from tokenmill.parallel import World, apply_data_parallel
 from tokenmill.parallel.pipeline import apply_pipeline_split
 from tokenmill.parallel.tensor_parallel import apply_tensor_parallel
 
-__all__ = ["build_model", "count_params", "document_eot_id", "parallelize", "seed_dropout"]
+__all__ = ["build_model", "count_params", "document_eot_id", "keep_documents_apart", "packs_chat", "parallelize",
+           "seed_dropout"]
 
 
 def build_model(cfg: C.Config, vocab_size: int, device: torch.device, world: Optional[World] = None,
@@ -68,36 +70,75 @@ def build_model(cfg: C.Config, vocab_size: int, device: torch.device, world: Opt
     ``weights`` (``train.init_from``, see :mod:`tokenmill.train.init_from`): a state dict of the whole
     plain GPT, loaded before any switch, so the pipeline split, tensor parallelism and FSDP split the
     loaded values. ``data_dir``: the prepared folder the run reads (None: synthetic data), whose
-    end-of-text id ``data.document_mask`` separates documents by (:func:`document_eot_id`)."""
-    eot = document_eot_id(cfg, data_dir)  # checked before anything is built
+    end-of-text id ``data.document_mask`` separates documents by (:func:`document_eot_id`), or whose chat
+    sequences ``data.chat_packing='pack'`` keeps apart (:func:`keep_documents_apart`)."""
+    eot = document_eot_id(cfg, data_dir, device)  # checked before anything is built
     torch.manual_seed(cfg.train.seed)
     dtype = torch.bfloat16 if cfg.train.precision == "bf16" else None
     model = build_gpt(cfg.model, vocab_size, device, dtype)
     if weights is not None:
         model.load_state_dict(weights)  # strict: the source matches this GPT's names and shapes
-    apply_document_mask(model, cfg.data, eot)  # read by the trunk: before anything wraps or compiles it
+    keep_documents_apart(model, cfg, data_dir, eot)  # read by the trunk: before anything wraps or compiles it
     return parallelize(model, cfg, world or World(device=device))
 
 
-def document_eot_id(cfg: C.Config, data_dir: Optional[Path]) -> Optional[int]:
+def packs_chat(cfg: C.Config, data_dir: Optional[Path]) -> bool:
+    """Whether the run packs a chat folder's conversations (``data.chat_packing='pack'``, the folder's loss mask
+    used): the model then keeps them apart by the start flags of the ids (:mod:`tokenmill.data.chat_windows`)."""
+    d = cfg.data
+    if d.chat_packing != "pack" or d.loss_mask is False or d.mixture or d.source == "synthetic" or data_dir is None:
+        return False
+    return isinstance(read_meta(data_dir).get("chat"), dict)
+
+
+def keep_documents_apart(model: nn.Module, cfg: C.Config, data_dir: Optional[Path], eot: Optional[int]) -> nn.Module:
+    """The one place documents are kept apart: packed chat sequences by their start flags (positions restarting),
+    else ``data.document_mask`` by ``eot`` (:func:`document_eot_id`; ``apply_document_mask``)."""
+    if packs_chat(cfg, data_dir):
+        model.keep_documents_apart(-1, True, start_flag=SEQUENCE_START_FLAG)
+        return model
+    return apply_document_mask(model, cfg.data, eot)
+
+
+def flex_documents(m: C.ModelConfig, device: Optional[torch.device]) -> bool:
+    """Whether training attends within documents through FlexAttention (``model.document_attention``: 'flex', or
+    'auto' on CUDA without attention dropout), which bypasses SDPA's kernels, the flash one included."""
+    cuda = device is not None and torch.device(device).type == "cuda"
+    return m.attention == "sdpa" and (m.document_attention == "flex"
+                                      or (m.document_attention == "auto" and cuda and m.dropout == 0))
+
+
+def document_eot_id(cfg: C.Config, data_dir: Optional[Path], device: Optional[torch.device] = None) -> Optional[int]:
     """``data.document_mask``: the end-of-text id that ends each document of the data in ``data_dir``
     (its meta.json's ``tokenizer.eot_id``; a folder whose meta.json predates that key: its tokenizer's);
-    None when the switch is off. Refuses, with one line, what cannot work."""
+    None when the switch is off (or packed chat sequences are kept apart by their start flags instead). Refuses,
+    with one line, what cannot work: ``model.sdpa_backend='flash'`` only where the explicit mask would be used
+    (``device``: where the model trains; None counts as the CPU)."""
     d, m = cfg.data, cfg.model
     if d.document_positions and not d.document_mask:
         raise ConfigError("data.document_positions restarts positions per document: it needs data.document_mask true.")
-    if not d.document_mask:
+    packed = packs_chat(cfg, data_dir)
+    if not d.document_mask and not packed:
         return None
+    what = "data.chat_packing='pack'" if packed else "data.document_mask"
     if cfg.parallel.pp > 1:
-        raise ConfigError("data.document_mask derives documents from the token ids, which only the first pipeline "
+        raise ConfigError(f"{what} derives documents from the token ids, which only the first pipeline "
                           "stage sees: it does not work with parallel.pp > 1.")
-    if m.attention == "sdpa" and m.sdpa_backend == "flash":
-        raise ConfigError("data.document_mask passes SDPA an explicit mask, which the flash kernel does not take: "
-                          "use --model.sdpa_backend auto (or efficient / cudnn / math).")
+    if m.attention == "sdpa" and m.sdpa_backend == "flash" and not flex_documents(m, device):
+        raise ConfigError(f"{what} with model.document_attention={m.document_attention!r} passes SDPA an explicit "
+                          "mask here, which the flash kernel does not take: use --model.document_attention flex "
+                          "(FlexAttention, CUDA, model.dropout 0) or --model.sdpa_backend auto.")
+    if packed:
+        return None
     if d.source == "synthetic" or data_dir is None:
         raise ConfigError("data.document_mask needs prepared token data whose documents end with an end-of-text "
                           "token; synthetic data has no documents.")
-    info = read_meta(data_dir)["tokenizer"]
+    meta = read_meta(data_dir)
+    if isinstance(meta.get("chat"), dict) and d.loss_mask is not False:
+        raise ConfigError(f"data.document_mask separates documents by an end-of-text id, which the chat folder "
+                          f"'{data_dir}' has none of: use --data.chat_packing pack (conversations kept apart by its "
+                          "start bits) and --data.document_mask false.")
+    info = meta["tokenizer"]
     eot = info.get("eot_id") if isinstance(info, dict) else None
     if isinstance(info, dict) and "eot_id" not in info:  # an early folder: ask its tokenizer
         from tokenmill.data.tokenizers import load_tokenizer_for_data

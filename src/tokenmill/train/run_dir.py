@@ -88,7 +88,8 @@ def recorded_config(cfg: C.Config) -> C.Config:
 
 
 def save_tokenizer(run_dir: Path, data_dir: Optional[Path]) -> None:
-    """Copy the data folder's ``meta.json`` and tokenizer files into ``RUN/tokenizer/`` (once)."""
+    """Copy the data folder's ``meta.json``, tokenizer files and chat template into ``RUN/tokenizer/`` (once): the
+    run keeps what ``sample``, ``chat`` and ``export`` need when the data folder moves."""
     if data_dir is None:
         return
     dst = run_dir / TOKENIZER_DIR
@@ -98,7 +99,7 @@ def save_tokenizer(run_dir: Path, data_dir: Optional[Path]) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     for p in Path(data_dir).iterdir():
-        if p.is_file() and p.suffix == ".json":  # meta.json, tokenizer.json, tokenizer_config.json, ...
+        if p.is_file() and p.suffix in (".json", ".jinja"):  # meta.json, tokenizer.json, ..., chat_template.jinja
             shutil.copy2(p, tmp / p.name)
     shutil.rmtree(dst, ignore_errors=True)
     os.replace(tmp, dst)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -38,6 +39,36 @@ def sample_texts(
     out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                          num_samples=num_samples, use_cache=use_cache, generator=gen)
     return [tok.decode(row.tolist()) for row in out]
+
+
+def stream_tokens(model: GPT, ids: list[int], max_new_tokens: int, temperature: float = 0.8, top_k: int | None = None,
+                  top_p: float | None = None, generator: torch.Generator | None = None,
+                  device: torch.device | str = "cpu") -> Iterator[int]:
+    """The ids :meth:`~tokenmill.model.GPT.generate` appends to the one prompt ``ids`` (with its KV cache), yielded
+    one at a time as each is drawn, for a caller that shows them as they come and stops early (at an end-of-turn
+    id, on a signal: just stop iterating). The same forward, cache and draws as ``generate``, so the same ids for
+    the same ``generator``; it ends when the sequence fills ``block_size`` (no sliding window: a chat stops there)."""
+    from tokenmill.model.gpt import KVCache, sample_next_token
+
+    bs = model.cfg.block_size
+    idx = torch.tensor([ids], dtype=torch.long, device=device)
+    if not 1 <= idx.size(1) <= bs:
+        raise SampleError(f"the prompt has {idx.size(1)} tokens; it must have 1 to {bs} (the model's block_size).")
+    was_training = model.training
+    model.eval()
+    try:
+        cache = KVCache(len(model.blocks), bs)
+        for _ in range(min(max_new_tokens, bs - idx.size(1) + 1)):
+            with torch.inference_mode():
+                logits = model._last_logits(idx[:, cache.pos:], cache)  # generate's cached step
+                nxt = sample_next_token(logits, temperature, top_k, top_p, generator)
+                full = idx.size(1) == bs
+                idx = idx if full else torch.cat((idx, nxt), dim=1)
+            yield int(nxt)
+            if full:
+                return
+    finally:
+        model.train(was_training)
 
 
 def sample_text(model: GPT, data_dir: str | Path, prompt: str, max_new_tokens: int, temperature: float = 0.8,

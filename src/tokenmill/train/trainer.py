@@ -31,7 +31,7 @@ from tokenmill import config as C
 from tokenmill.data import build_datasets, build_train_loader, mixture, start_batches, to_device, val_batches
 from tokenmill.data.loader import DevicePrefetcher
 from tokenmill.errors import AlreadyTrained, TrainingError
-from tokenmill.model import flop_params, flops_per_token, math_mode, peak_flops
+from tokenmill.model import flop_params, flops_per_token, math_mode, peak_flops, router_stats
 from tokenmill.optim import build_optimizer, build_scheduler, optimizer_step
 from tokenmill.parallel import World, grad_sync, init_world, shutdown, unwrap
 from tokenmill.parallel.pipeline import Pipeline
@@ -55,6 +55,7 @@ from tokenmill.train.precision import apply_tf32, autocast, bf16_supported, chec
 from tokenmill.train.resume import resume, resume_decision
 from tokenmill.train.run_dir import in_use_message, locked, open_run_dir, recorded_config, save_tokenizer
 from tokenmill.train.stop import SignalStop
+from tokenmill.train.tasks import TaskEval, eval_and_log, evals_due
 
 
 @dataclass
@@ -150,10 +151,11 @@ class Trainer:
                                     t.max_steps, world.dp_rank, world.dp_size, device.type, self.start_sample)
         self.val = (val_batches(self.data.val, t.batch_size, t.eval_batches)
                     if (self.data.val is not None and t.eval_batches) else [])
+        self.tasks = TaskEval.for_run(cfg, world, self.data.data_dir)  # eval.tasks: lm-eval's, checked now (train/tasks.py)
         self.prefetched = cfg.data.cuda_prefetch and device.type == "cuda"  # batches arrive on the device
         self.batches = (DevicePrefetcher(loader, device, cfg.data.non_blocking) if self.prefetched
                         else start_batches(loader))  # may draw from the global RNG (worker seeds): restore the RNG after
-        self.batches = StepBatches(self.batches, t.grad_accum_steps, world, self.data.loss_mask)  # data.loss_mask
+        self.batches = StepBatches(self.batches, t.grad_accum_steps, world, self.data.loss_mask, loader)  # data.loss_mask
         if rng is not None:
             checkpoint.set_rng_state(rng, device)
         seed_dropout(t.seed, world.dp_rank, self.start_step)
@@ -220,7 +222,7 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train from the start (or resumed) step to ``train.max_steps``; returns the summary."""
         cfg, t, device, m = self.cfg, self.cfg.train, self.world.device, self.metrics
-        every_log, every_ckpt, every_eval = cfg.log.every_steps, cfg.checkpoint.every_steps, t.eval_every_steps
+        every_log, every_ckpt = cfg.log.every_steps, cfg.checkpoint.every_steps
         self.progress.log(
             f"tokenmill: {self.n_params / 1e6:.2f}M parameters on {self.info.get('gpu_name', device.type)} x "
             f"{self.world.size} ({self.world.layout()}), {self.tokens_per_step:,} tokens/step, steps "
@@ -248,12 +250,12 @@ class Trainer:
                     with m.outside("log"):
                         sync(device)
                         losses = self._check_losses(done)
-                        rec = m.record(done, losses[-1], lr, grad_norm, memory_stats(device)) | mixture.realised_shares(self.loader, done)
+                        rec = m.record(done, losses[-1], lr, grad_norm, memory_stats(device)) | mixture.realised_shares(self.loader, done) | router_stats(self.model)
                         self.writer.write(rec)
                         self.last["loss"] = losses[-1]
                         self.progress.log(format_record(rec) + self.progress.status())
                 did_work = False
-                if self.val and every_eval and done % every_eval == 0 and done != t.max_steps:
+                if done != t.max_steps and evals_due(self, done):  # the val loss, the eval.tasks scores
                     self._eval_and_log(done)
                     did_work = True
                 if every_ckpt and done % every_ckpt == 0 and done != t.max_steps:
@@ -276,8 +278,7 @@ class Trainer:
             self.progress.close()
 
         if self.start_step < t.max_steps or self.init is not None:  # init_from + 0 steps: saves the loaded model
-            if self.val:
-                self._eval_and_log(t.max_steps)
+            self._eval_and_log(t.max_steps)
             if cfg.checkpoint.save_final:
                 self._save(t.max_steps)
         self.writer.close()
@@ -308,12 +309,7 @@ class Trainer:
         return losses
 
     def _eval_and_log(self, step: int) -> None:
-        t0 = time.perf_counter()
-        with self.metrics.outside("eval"):
-            v = self.evaluate()
-        self.writer.write({"step": step, "val_loss": v, "eval_ms": 1000 * (time.perf_counter() - t0)})
-        self.progress.log(f"step {step:>6} | val_loss {v:.4f}")
-        self.last["val_loss"] = v
+        eval_and_log(self, step)  # the val loss and the eval.tasks scores that are due (train/tasks.py)
 
     def _summary(self) -> dict[str, Any]:
         t, device, rank0 = self.cfg.train, self.world.device, self.world.is_rank0
@@ -330,7 +326,7 @@ class Trainer:
             **self.info,
             "peak_flops": self.peak,
             "threads": thread_settings(),
-        } | mixture.mixture_summary(self.loader, t.max_steps)  # a data mixture: each source's target and realised share
+        } | mixture.mixture_summary(self.loader, t.max_steps) | {k: v for k, v in self.last.items() if k.startswith("tasks/")}
         if rank0:
             atomic.write_json(self.run_dir / "summary.json", summary)
         if t.sample_at_end and self.data.data_dir is not None and not self.quiet and rank0 and not self.world.sharded:

@@ -1,0 +1,53 @@
+"""What a chat fine-tune's tokens/s is worth: the shares of padding and of learned targets in its windows.
+
+A config whose ``data.path`` is a chat folder learned through its loss mask trains on
+:class:`~tokenmill.data.chat_windows.ChatWindows` (``data.chat_packing``): a padded position costs what a real one
+costs, so the step time (and tokens/s) is that of full windows, and what the run learns from is its learned
+targets only. From the folder's train split: the expected padding share of a window (exact: the windows are
+planned as the trainer plans them) and the learned share (the split's learned targets spread over its windows;
+exact unless conversations longer than the window are cut), hence learned tokens/s = tokens/s x learned share.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from tokenmill import config as C
+from tokenmill.data.chat_windows import ChatWindows
+from tokenmill.data.dataset import open_token_data
+from tokenmill.data.meta import read_meta
+
+
+def chat_shares(cfg: C.Config) -> Optional[dict[str, Any]]:
+    """``{"packing", "padding_share", "learned_share"}`` of the config's chat windows; None for other data."""
+    d = cfg.data
+    if d.path is None or d.mixture or d.source != "tokens" or d.loss_mask is False:
+        return None
+    meta = read_meta(Path(d.path))
+    if not isinstance(meta.get("chat"), dict):
+        return None
+    tf = open_token_data(d.path, "train", None, "quick")
+    T = cfg.model.block_size
+    ds = ChatWindows(tf, T, d.chat_packing)
+    learned = meta["chat"]["splits"]["train"].get("learned", 0)
+    kept = int(ds.used.sum()) / max(len(tf), 1)  # the share of the split the windows hold (long ones are cut)
+    return {"packing": d.chat_packing, "padding_share": ds.padding_share(),
+            "learned_share": learned * kept / ds.n_windows / T}
+
+
+def add_learned_rate(est: Any, cfg: C.Config) -> None:
+    """``est.chat`` (:func:`chat_shares`, with ``learned_tokens_per_sec``) for a chat fine-tune; else unchanged."""
+    shares = chat_shares(cfg)
+    if shares is not None:
+        est.chat = {**shares, "learned_tokens_per_sec": est.tokens_per_sec * shares["learned_share"]}
+
+
+def format_chat(est: Any) -> list[str]:
+    """The report's lines for a chat fine-tune (none otherwise)."""
+    c = getattr(est, "chat", None)
+    if not c:
+        return []
+    return [f"  chat windows ({c['packing']}): {100 * c['padding_share']:.0f}% padding, {100 * c['learned_share']:.0f}% "
+            f"learned targets -> {c['learned_tokens_per_sec']:,.0f} learned tokens/s"
+            + (" (data.chat_packing pack: less padding)" if c["packing"] == "pad" and c["padding_share"] > 0.2 else "")]

@@ -1,0 +1,283 @@
+"""The doctor's run, typed: the run's :class:`~tokenmill.config.Config` and what was measured, gathered once.
+
+:func:`gather_facts <tokenmill.profiling.doctor.gather_facts>` collects the measured facts of a run directory
+(``summary.json`` and ``profile.json`` checked where they are read, in :mod:`.run_files`) into one flat dict;
+:meth:`Run.of` types it once: the config becomes a :class:`Config` (the run's values over the config's own
+defaults, so a rule reads ``run.config.model.head_width``, never a default re-derived), and the facts become
+frozen dataclasses (:class:`Timing`, :class:`Data`, :class:`Memory`, :class:`Host`) whose every figure is a
+number or None, checked here. A misspelt fact is an ``AttributeError`` where it is read, not a silent None.
+
+A rule written for the typed run is wrapped with :func:`typed`: it takes a :class:`Run` and returns a
+:class:`~tokenmill.profiling.findings.Finding` or None; the wrapper still accepts the flat dict (the rule
+list, the tests and rules not yet migrated pass it) and types it on the way in. Every rule of ``rules``,
+``data_rules``, ``memory_rules``, ``model_rules``, ``fp8_rules``, ``optim_rules``, ``technique_rules`` and
+``sft_rules`` is written so; ``docmask_rules`` still reads the dict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional, TypeVar
+
+from tokenmill import config as C
+from tokenmill.errors import DoctorError
+
+Num = Optional[float]
+PHASES = ("data", "h2d", "forward", "backward", "optimizer")
+
+
+def _num(f: dict[str, Any], key: str, where: str = "") -> Num:
+    """The fact ``key`` as a float, or None when absent; anything else (a string, a bool, inf, NaN) is a
+    :class:`DoctorError` naming it."""
+    v = f.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise DoctorError(f"the doctor's fact '{where}{key}' is {v!r}, not a finite number (a damaged run file?)")
+    return float(v)
+
+
+def _from(cls: type, f: dict[str, Any]) -> Any:
+    """``cls`` from the facts of the same names: numbers (``Num``) checked by :func:`_num`, text as text, and
+    ``Seconds`` maps (part -> number) checked entry by entry."""
+    out: dict[str, Any] = {}
+    for x in dataclasses.fields(cls):
+        if x.type == "Num":
+            out[x.name] = _num(f, x.name)
+        elif x.type == "str":
+            out[x.name] = str(f.get(x.name) or "")
+        elif x.type == "Seconds":
+            part = f.get(x.name) or {}
+            out[x.name] = {k: _num(part, k, f"{x.name}.") for k in part}
+    return cls(**out)
+
+
+Seconds = dict[str, float]
+
+
+def _nums(cls: type, f: dict[str, Any]) -> Any:
+    """``cls`` (a dataclass of ``Num`` fields) from the facts of the same names (:func:`_from`; kept for the
+    rule files that build their own typed facts this way, e.g. ``sft_rules``)."""
+    return _from(cls, f)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """The steady step and its phases (ms per step; shares of the step; each share's standard error over the
+    run's own steps or log windows), activation checkpointing's recompute (measured or estimated), the host-device
+    synchronisations per step and what they cost, the share of forward, backward, optimizer and the loop
+    (``compute_share``), and where the step time, split and recompute come from."""
+
+    step_ms: Num = None
+    forward_ms: Num = None
+    backward_ms: Num = None
+    optimizer_ms: Num = None
+    idle_ms: Num = None
+    forward_share: Num = None
+    backward_share: Num = None
+    optimizer_share: Num = None
+    idle_share: Num = None
+    forward_share_se: Num = None
+    backward_share_se: Num = None
+    optimizer_share_se: Num = None
+    recompute_ms: Num = None
+    recompute_share: Num = None
+    syncs_per_step: Num = None
+    sync_ms: Num = None
+    sync_share: Num = None
+    compute_share: Num = None
+    step_source: str = ""
+    phase_source: str = ""
+    recompute_source: str = ""
+
+    def share_lo(self, phase: str) -> Num:
+        """``phase``'s share less twice its standard error over the run's own steps or log windows: what the
+        run shows allowing for its own noise (None when the share is unknown)."""
+        share = getattr(self, f"{phase}_share")
+        return None if share is None else share - 2.0 * (getattr(self, f"{phase}_share_se") or 0.0)
+
+
+@dataclass(frozen=True)
+class Data:
+    """The step's wait for its batches and their host-to-device copy (ms per step, shares, noise)."""
+
+    data_ms: Num = None
+    data_share: Num = None
+    data_share_se: Num = None
+    h2d_ms: Num = None
+    h2d_share: Num = None
+    h2d_share_se: Num = None
+
+
+@dataclass(frozen=True)
+class Memory:
+    """The memory peak (MB) and its parts: the profiler's peak, the allocator's reserved peak, the device's
+    total, the parts of the peak (measured or estimated; ``memory_source`` says which) and the peak's
+    vocabulary-sized blocks."""
+
+    peak_mb: Num = None
+    peak_reserved_mb: Num = None
+    device_total_mb: Num = None
+    memory_total_mb: Num = None
+    activation_mb: Num = None
+    optimizer_state_mb: Num = None
+    param_mb: Num = None
+    grad_mb: Num = None
+    vocab_sized_mb: Num = None
+    transient_mb: Num = None
+    alloc_retries: Num = None
+    cuda_malloc_per_step: Num = None
+    cuda_free_per_step: Num = None
+    reserved_minus_allocated_mb: Num = None
+    peak_region: str = ""
+    peak_op: str = ""
+    memory_source: str = ""
+
+
+@dataclass(frozen=True)
+class Device:
+    """Where the step's time goes on the device side: the GPU's busy fraction and idle share, its kernels per
+    step and their mean length, matrix products' share of the kernels' time (CUDA) or of the host operators'
+    (CPU), the logging's share, the attention regions' measured share and attention's share of the FLOPs."""
+
+    device_busy_fraction: Num = None
+    device_idle_share: Num = None
+    kernels_per_step: Num = None
+    mean_kernel_us: Num = None
+    gemm_share: Num = None
+    host_matmul_share: Num = None
+    logging_share: Num = None
+    attn_share: Num = None
+    attention_flop_share: Num = None
+    host_mean_op_us: Num = None
+
+    def idle_not_data(self, data: Data) -> float:
+        """Device idle share not explained by the host waiting for (or copying) data."""
+        idle = self.device_idle_share
+        if idle is None:
+            idle = 1.0 - (self.device_busy_fraction or 1.0)
+        return max(0.0, idle - (data.data_share or 0.0) - (data.h2d_share or 0.0))
+
+
+@dataclass(frozen=True)
+class Work:
+    """What a step computes and how fast: tokens per step, the model's FLOPs per token (``summary.json``), the
+    host operators per step and the FLOPs per operator (profile), the steady tokens/s and MFU."""
+
+    tokens_per_step: Num = None
+    flops_per_token: Num = None
+    host_ops_per_step: Num = None
+    flops_per_op: Num = None
+    tokens_per_sec: Num = None
+    mfu: Num = None
+
+
+@dataclass(frozen=True)
+class Wall:
+    """Wall-clock time of the run (:mod:`.wall`): in all, in the steady-state steps, and outside them by part
+    (evaluation, checkpoints, logging, the rest; seconds and rounds), and how it was measured."""
+
+    wall_s: Num = None
+    steady_s: Num = None
+    outside_s: Seconds = dataclasses.field(default_factory=dict)
+    outside_counts: Seconds = dataclasses.field(default_factory=dict)
+    wall_source: str = ""
+
+
+@dataclass(frozen=True)
+class Host:
+    """The machine the run had (``summary.json`` ``threads``): its cores (the process's CPU affinity), the
+    training threads of each process, the processes on this host, the other load when it started."""
+
+    cpu_count: Optional[int] = None
+    intra_op: int = 1
+    local_world_size: int = 1
+    load_avg: float = 0.0
+
+    @property
+    def cores(self) -> Optional[int]:
+        """The cores free of other work (at least one), None when unknown."""
+        if not self.cpu_count:
+            return None
+        return max(1, round(self.cpu_count - self.load_avg)) if self.load_avg else self.cpu_count
+
+    @property
+    def training_threads(self) -> int:
+        return self.intra_op * self.local_world_size
+
+
+@dataclass(frozen=True)
+class Run:
+    """A run as the rules read it: ``config`` (typed), ``device``, the measured facts, ``facts`` (the flat dict,
+    for what is not typed yet), and the GPU's name and compute capability (CUDA)."""
+
+    config: C.Config
+    device: str
+    timing: Timing
+    data: Data
+    memory: Memory
+    host: Host
+    work: Work
+    kernels: Device
+    wall: Wall
+    facts: dict[str, Any]
+    gpu_name: str = ""
+    gpu_capability: Optional[tuple[int, ...]] = None
+
+    @staticmethod
+    def of(f: dict[str, Any]) -> Run:
+        """Type the flat facts once (module doc)."""
+        th = f.get("threads") or {}
+        host = Host(cpu_count=th.get("cpu_count"), intra_op=th.get("intra_op") or 1,
+                    local_world_size=th.get("local_world_size") or 1, load_avg=th.get("load_avg") or 0.0)
+        cap = f.get("gpu_capability")
+        return Run(typed_config(f.get("config") or {}), str(f.get("device") or "cpu"), _from(Timing, f),
+                   _from(Data, f), _from(Memory, f), host, _from(Work, f), _from(Device, f), _from(Wall, f), f,
+                   str(f.get("gpu_name") or ""), tuple(cap) if cap else None)
+
+    def memory_fill(self) -> Num:
+        """The peak's fraction of the GPU's memory (None on CPU or when either is unknown)."""
+        m = self.memory
+        peak = m.peak_reserved_mb or m.peak_mb
+        if self.device != "cuda" or not m.device_total_mb or not peak:
+            return None
+        return peak / m.device_total_mb
+
+
+def typed_config(flat: dict[str, Any]) -> C.Config:
+    """A :class:`Config` from a run's flat ``{'section.field': value}``: the config's defaults, then each of the
+    run's values that this version's field takes (a key of another version, or a value the field refuses, keeps
+    the default; :func:`tokenmill.profiling.doctor.load_run` has warned about them). Not validated across fields:
+    the rules read what ran."""
+    cfg = C.Config()
+    specs = C.field_specs()
+    for key, value in flat.items():
+        if key in specs:
+            try:
+                C.apply_overrides(cfg, {key: value})
+            except C.ConfigError:
+                continue
+    return cfg
+
+
+def as_config(config: C.Config | dict[str, Any]) -> C.Config:
+    """``config`` itself, or a run's flat config typed (:func:`typed_config`)."""
+    return config if isinstance(config, C.Config) else typed_config(config)
+
+
+R = TypeVar("R")
+
+
+def typed(rule: Callable[[Run], R]) -> Callable[[Any], R]:
+    """A rule (or helper) written for :class:`Run`, callable with a :class:`Run` or the flat facts dict."""
+
+    @functools.wraps(rule)
+    def wrapper(run: Any) -> R:
+        return rule(run if isinstance(run, Run) else Run.of(run))
+
+    wrapper.typed = True  # type: ignore[attr-defined]  # rank() passes these the Run it built once
+    return wrapper

@@ -1,0 +1,98 @@
+"""Fine-tuning estimates start from the recipe fine-tuners run (bf16 weights, activation checkpointing, the chunked
+loss) and say so; the memory advice searches the switches (those with the same numerics, then pure bf16, 8-bit
+AdamW, an NF4 base) before it suggests more GPUs. Every figure is compared with the estimator run on the config
+with those switches set by hand, never with a number written here."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tokenmill import config as C
+from tokenmill.cli import main
+from tokenmill.config.memory_switches import FINETUNE_RECIPE
+from tokenmill.estimate import estimate, memory_advice
+from tokenmill.estimate import finetune as ft
+
+SHAPE = {"model.block_size": 2048, "train.batch_size": 1}
+
+
+def _row(out: str, gpu: str) -> list[str]:
+    return next(line.split() for line in out.splitlines() if line.startswith(f"  {gpu} "))
+
+
+def _gb(cfg: C.Config, gpu: str = "l4") -> float:
+    return round(estimate(cfg, gpu).peak_reserved_mb / 1024, 1)
+
+
+def test_finetune_estimate_of_8b_starts_from_the_usual_recipe(monkeypatch, capsys):
+    """``estimate --finetune --preset llama3.1-8b``: LoRA and QLoRA as the estimator puts them with bf16
+    weights, checkpointing and the chunked loss set explicitly (the report says it set them); a field the
+    user set is kept and named."""
+    monkeypatch.setattr(ft, "GPUS", {"l4": ft.GPUS["l4"]})  # one GPU: two estimates, not fourteen
+    argv = ["estimate", "--preset", "llama3.1-8b", *(f"--{k}={v}" for k, v in SHAPE.items()), "--finetune"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    row = _row(out, "l4")
+    lora = C.resolve("llama3.1-8b", overrides={**SHAPE, **FINETUNE_RECIPE, "lora.rank": 16},
+                     overrides_from_string=False)
+    assert float(row[6]) == _gb(lora)  # LoRA, the base in bf16 as the recipe says
+    qlora = C.resolve("llama3.1-8b", overrides={**SHAPE, **FINETUNE_RECIPE, "lora.rank": 16,
+                                                "lora.quantize_base": "nf4"}, overrides_from_string=False)
+    assert float(row[9]) == _gb(qlora)  # QLoRA: the same adapters over the NF4 base
+    assert float(row[9]) < float(row[6]) < 24  # a 24 GB GPU takes either, as fine-tuners expect
+    assert ("set here: --memory.activation_checkpointing 1 --model.loss_impl chunked --train.precision bf16"
+            in out)
+    assert "precision bf16\n" in out.splitlines()[0] + "\n"
+
+    # the user's own precision is kept and named; the rest of the recipe still applies
+    mine = C.resolve("llama3.1-8b", overrides={**SHAPE, "train.precision": "bf16-autocast"},
+                     overrides_from_string=False)
+    kept, taken = ft.with_recipe(mine, {"train.precision"})
+    assert kept.train.precision == "bf16-autocast" and taken == ["--memory.activation_checkpointing 1",
+                                                                 "--model.loss_impl chunked"]
+    assert "kept as you set it: train.precision bf16-autocast" in ft._recipe_line(kept, taken)
+
+
+def test_recipe_skips_the_fields_the_user_chose():
+    cfg = C.resolve("tiny-llama", overrides={"memory.activation_checkpointing": 0}, overrides_from_string=False)
+    out, taken = ft.with_recipe(cfg, {"memory.activation_checkpointing"})
+    assert out.memory.activation_checkpointing == 0 and out.train.precision == "bf16"
+    assert out.model.loss_impl == "chunked" and taken == ["--model.loss_impl chunked", "--train.precision bf16"]
+    same, none = ft.with_recipe(out, ())  # already the recipe but for the chosen field: nothing more to set
+    assert none == ["--memory.activation_checkpointing 1"] and same.memory.activation_checkpointing == 1
+
+
+def _switches(text: str) -> dict[str, str]:
+    m = re.search(r"; with (--\S+ \S+(?: --\S+ \S+)*) it needs about ([\d.]+) GB", text)
+    assert m, text
+    words = m.group(1).split()
+    return {k[2:]: v for k, v in zip(words[::2], words[1::2])}
+
+
+def test_advice_finds_a_memory_recipe_before_more_gpus():
+    """A LoRA fine-tune whose same-numerics switches (checkpointing, the chunked loss) do not bring it under the
+    GPU: the advice goes on to pure bf16 weights (its cost named) and stops there, where it used to say
+    "shard over more GPUs"; the switches it names, set by hand, give the figure it says and fit."""
+    base = {"lora.rank": 16, "train.batch_size": 1, "model.n_layer": 4, "model.n_embd": 1024, "model.n_head": 8,
+            "model.intermediate_size": 2816, "model.block_size": 1024, "model.vocab_size": 32000}
+    cfg = C.resolve("tiny-llama", overrides=base, overrides_from_string=False)
+    tier1 = C.resolve("tiny-llama", overrides={**base, "memory.activation_checkpointing": 1,
+                                               "model.loss_impl": "chunked"}, overrides_from_string=False)
+    recipe = C.resolve("tiny-llama", overrides={**base, **FINETUNE_RECIPE}, overrides_from_string=False)
+    low, high = estimate(recipe, "l4").peak_reserved_mb, estimate(tier1, "l4").peak_reserved_mb
+    cap = (low + high) / 2  # the same-numerics switches do not fit, the recipe does
+    text = memory_advice(cfg, "l4", capacity_mb=cap)
+    assert "shard" not in text and "more GPUs" not in text, text
+    chosen = _switches(text)
+    assert chosen.get("train.precision") == "bf16" and "pure bf16" in text
+    fixed = C.validate(C.apply_overrides(C.from_dict(cfg.to_dict()), chosen, from_string=True))
+    after = estimate(fixed, "l4").peak_reserved_mb
+    assert after <= cap and float(re.search(r"it needs about ([\d.]+) GB", text).group(1)) == pytest.approx(
+        after / 1024, abs=0.05)
+    for key in chosen:  # nothing named that is not needed: without any one of them it does not fit
+        rest = {k: v for k, v in chosen.items() if k != key and not (key == "train.batch_size"
+                                                                      and k == "train.grad_accum_steps")}
+        less = C.validate(C.apply_overrides(C.from_dict(cfg.to_dict()), rest, from_string=True))
+        assert estimate(less, "l4").peak_reserved_mb > cap, key
