@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import cpu_env, tiny_cfg
+from conftest import cpu_env, run_cli, tiny_cfg
 from tokenmill import checkpoint as ckpt
 from tokenmill.checkpoint import background
 from tokenmill.errors import CheckpointError
@@ -155,8 +155,8 @@ def test_a_full_disk_during_a_background_write_is_a_clear_error(tmp_path):
     full disk): one line naming the file, exit 1, no partial file; the previous checkpoint loads and the run
     resumes once there is space again."""
     run = tmp_path / "run"
-    base = [sys.executable, "-m", "tokenmill", "train", *FLAGS, "--run-dir", str(run)]
-    subprocess.run(base + ["--train.max_steps", "2"], check=True, env=cpu_env(), capture_output=True, timeout=300)
+    base = ["train", *FLAGS, "--run-dir", str(run)]
+    assert run_cli(*base, "--train.max_steps", "2").returncode == 0  # the limited process is the one under test
     code = ("import resource, signal, sys; import tokenmill.cli, tokenmill.train.trainer; "
             "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
             "resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1])); "
@@ -169,8 +169,7 @@ def test_a_full_disk_during_a_background_write_is_a_clear_error(tmp_path):
     assert "tokenmill: error: the background save failed: could not write checkpoint" in out, out
     assert "step_00000003.pt" in out, out
     assert [s for s, _ in ckpt.list_checkpoints(run)] == [2] and not list((run / "checkpoints").glob(".*"))
-    p = subprocess.run(base + ["--resume", "--train.max_steps", "3"], capture_output=True, text=True,
-                       env=cpu_env(), timeout=300)
+    p = run_cli(*base, "--resume", "--train.max_steps", "3")
     assert p.returncode == 0 and "resumed from" in p.stdout + p.stderr
 
 
@@ -194,8 +193,7 @@ def test_a_process_killed_mid_write_keeps_the_previous_checkpoint(tmp_path):
     file and goes on from step 2."""
     run = tmp_path / "run"
     base = ["train", *FLAGS, "--run-dir", str(run)]
-    subprocess.run([sys.executable, "-m", "tokenmill", *base, "--train.max_steps", "2"], check=True, env=cpu_env(),
-                   capture_output=True, timeout=300)
+    assert run_cli(*base, "--train.max_steps", "2").returncode == 0  # the killed process is the one under test
     argv = [*base, "--resume", "--train.max_steps", "1000", "--checkpoint.every_steps", "2",
             "--checkpoint.async_save", "true"]
     proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, *argv], env=cpu_env(), stdout=subprocess.DEVNULL,
@@ -214,8 +212,7 @@ def test_a_process_killed_mid_write_keeps_the_previous_checkpoint(tmp_path):
     assert len(tmp) == 1 and tmp[0].name.startswith(".step_00000004.pt.tmp-") and tmp[0].stat().st_size > 0
     assert [s for s, _ in ckpt.list_checkpoints(run)] == [2]
     assert ckpt.read_state(d / "step_00000002.pt")["step"] == 2
-    p = subprocess.run([sys.executable, "-m", "tokenmill", *base, "--resume", "--train.max_steps", "3"],
-                       capture_output=True, text=True, env=cpu_env(), timeout=300)
+    p = run_cli(*base, "--resume", "--train.max_steps", "3")
     out = p.stdout + p.stderr
     assert p.returncode == 0 and "step_00000002.pt at step 2" in out, out
     assert not tmp[0].exists() and [s for s, _ in ckpt.list_checkpoints(run)] == [2, 3]

@@ -37,6 +37,7 @@ from tokenmill.profiling.doctor import (
     load_run,
     rank,
 )
+from tokenmill.profiling.facts import Run
 from tokenmill.profiling.runner import ProfileOptions, prepare_config, run_profile
 from tokenmill.profiling.trace import OUTSIDE
 from tokenmill.train.trainer import train
@@ -477,8 +478,9 @@ def test_every_suggested_switch_resolves_on_the_run_config(tmp_path, monkeypatch
         flat = C.flatten(run_cfg.to_dict())
         for f in [facts(**x) for x in PLANTED] + [cuda_facts(**x) for x in PLANTED_CUDA]:
             f["config"] = flat
+            run = Run.of(f)  # typed once, as rank() does
             for rule in rules.RULES:
-                found = rule(f)
+                found = rule(run) if getattr(rule, "typed", False) else rule(f)
                 if found is None:
                     continue
                 fired.add(rule.__name__)

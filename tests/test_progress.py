@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import cpu_env
+from conftest import cpu_env, run_cli
 from tokenmill.train.metrics import Progress, format_duration
 
 ETA = re.compile(r"(\d+)/(\d+) \((\d+)%\) \| [\d.,]+ (step|batch)/s \| ETA (\d+h\d\dm|\d+m\d\ds|\d+s)")
@@ -36,7 +36,7 @@ def test_train_and_eval_print_rate_and_eta_to_a_pipe(tmp_path):
     text.mkdir()
     (text / "a.txt").write_text(" ".join(["the cat sat on a mat and the dog ran"] * 800))
     data, run_dir = tmp_path / "data", tmp_path / "run"
-    assert run("prepare", str(text), "--out", str(data), "--tokenizer", "bytes").returncode == 0
+    assert run_cli("prepare", text, "--out", data, "--tokenizer", "bytes").returncode == 0  # the pipe: train and eval
     out = run("train", "--preset", "tiny", "--data.path", str(data), "--run-dir", str(run_dir),
               "--train.max_steps", "20", "--log.every_steps", "10", "--train.device", "cpu")
     assert out.returncode == 0, out.stderr

@@ -14,7 +14,7 @@ import typing
 
 import pytest
 
-from conftest import cpu_env, tiny_cfg
+from conftest import cpu_env, run_cli, tiny_cfg
 from tokenmill import config as C
 from tokenmill.cli import main
 from tokenmill.config import inert
@@ -186,9 +186,9 @@ def test_a_prepare_stopped_by_a_file_size_limit_says_its_build_is_kept_and_how_t
     subprocess.run(["rm", "-r", rm], check=True)
     assert not build.exists()
     assert _tokenmill(*cmd, preexec_fn=_limit_file_size(200_000)).returncode == 1 and build.is_dir()
-    resumed = _tokenmill(*cmd)  # the advice to resume: the same command, the limit raised (from its journal's
+    resumed = run_cli(*cmd)  # the advice to resume: the same command, the limit raised (from its journal's
     assert resumed.returncode == 0, resumed.stderr  # last line; none yet in a run this short: from the start)
-    assert _tokenmill(*cmd[:3], tmp_path / "clean", *cmd[4:]).returncode == 0  # the same text, never stopped
+    assert run_cli(*cmd[:3], tmp_path / "clean", *cmd[4:]).returncode == 0  # the same text, never stopped
     splits = [json.loads((tmp_path / d / "meta.json").read_text())["splits"] for d in ("data", "clean")]
     assert [s[k]["tokens"] for s in splits for k in ("train", "val")] == [splits[1]["train"]["tokens"],
                                                                          splits[1]["val"]["tokens"]] * 2

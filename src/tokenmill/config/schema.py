@@ -67,9 +67,10 @@ class TrainConfig:
         None,
         "Fine-tuning: start from the weights of a tokenmill run directory (its newest good checkpoint), one of "
         "its checkpoints, or a local Hugging Face folder of GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, "
-        "Qwen3ForCausalLM or MistralForCausalLM (config.json + model.safetensors, its shards with their index, or "
+        "Qwen3ForCausalLM, MistralForCausalLM, or the mixtures of experts MixtralForCausalLM, Qwen3MoeForCausalLM, "
+        "Qwen2MoeForCausalLM and OlmoeForCausalLM (config.json + model.safetensors, its shards with their index, or "
         "pytorch_model.bin). The model's architecture (every shape field: vocab_size, n_layer, n_head, n_embd, "
-        "n_kv_head, head_dim, rope, norm, mlp, biases, qk_norm, tie_embeddings; block_size up to the source's "
+        "n_kv_head, head_dim, rope, norm, mlp, biases, qk_norm, tie_embeddings, the experts; block_size up to the source's "
         "context) comes from the source; the optimizer, lr schedule and step start fresh at 0. The data must use "
         "the source's tokenizer (`tokenmill prepare --tokenizer-from`). Not read once the run directory has "
         "checkpoints (--resume continues from them).",
