@@ -498,6 +498,28 @@ def test_report_loss_flag_mfu_bf16_and_reference_gating(tmp_path):
     assert not report.compares_references(smoke) and "not compared: a --smoke run" in report.markdown(smoke)
 
 
+def test_report_shows_the_task_scores_a_rung_measured():
+    """A ladder run with --set eval.tasks=...: each rung's last task scores (summary.json tasks/TASK/METRIC) in a
+    column per score beside tokens/s; a rung without one reads n/a, a skipped rung nothing."""
+    def make(i):
+        if i == 3:
+            return None
+        tasks = {} if i == 2 else {"tasks/arc_easy/acc": 0.25 + 0.01 * i, "tasks/arc_easy/acc_norm": 0.3}
+        return {"tokens_per_sec": 1e5, "tokens_per_sec_min": 1, "tokens_per_sec_max": 2, "step_time_ms": 10.0,
+                "mfu": 0.1, "peak_alloc_mb": 1.0, "peak_reserved_mb": 2.0, "final_loss": 3.0, "params": 1,
+                "flops_per_token": 1e6, "device": "cpu", "tasks/bad": float("nan"), **tasks}
+
+    doc = _fake_doc("optimizers", CPU_ENV, False, make)
+    assert doc["rungs"][1]["metrics"]["tasks"] == {"arc_easy/acc": 0.26, "arc_easy/acc_norm": 0.3}
+    lines = report.markdown_table(doc).splitlines()
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert head[-3:] == ["arc_easy/acc", "arc_easy/acc_norm", "status"]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+    assert [r[-3] for r in rows] == ["0.2500", "0.2600", "n/a", ""]
+    no_tasks = _fake_doc("optimizers", CPU_ENV, False, lambda i: {**make(2), "tasks/arc_easy/acc": None})
+    assert "arc_easy" not in report.markdown_table(no_tasks)
+
+
 @pytest.mark.slow
 def test_git_commit_only_from_tokenmills_own_checkout(tmp_path, monkeypatch):
     monkeypatch.delenv("TOKENMILL_GIT_COMMIT", raising=False)

@@ -134,12 +134,27 @@ def rung_metrics(rung: dict[str, Any], samples: Optional[int]) -> dict[str, Any]
     m["windows"] = windows_used(s)
     m["mfu_bf16"] = mfu_bf16(s)
     m["final_loss_finite"] = m["final_loss"] is not None and math.isfinite(m["final_loss"])
+    m["tasks"] = task_scores(s)
     tps = m["tokens_per_sec"]
     if samples and tps:
         block = rung["config"]["model"]["block_size"]
         m["time_for_samples_s"] = samples * block / tps
         m["time_extrapolated"] = not (rung.get("plan") or {}).get("covers_samples", False)
     return m
+
+
+def task_scores(summary: dict[str, Any]) -> dict[str, float]:
+    """The rung's task scores at its last evaluation (``eval.tasks``: ``tasks/TASK/METRIC`` in summary.json)."""
+    return {k[len("tasks/"):]: float(v) for k, v in summary.items()
+            if k.startswith("tasks/") and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+def _task_columns(doc: dict[str, Any]) -> list[tuple[str, Callable[[dict[str, Any]], str]]]:
+    """A column per task score any rung measured (a ladder run with --set eval.tasks=...): the comparison at
+    equal tokens beside the speed."""
+    names = sorted({k for r in doc["rungs"] if r.get("metrics") for k in (r["metrics"].get("tasks") or {})})
+    return [(name, lambda r, name=name: _num((r["metrics"].get("tasks") or {}).get(name), "{:.4f}")
+             if r.get("metrics") else "") for name in names]
 
 
 def windows_used(summary: dict[str, Any]) -> Optional[str]:
@@ -321,7 +336,7 @@ def _columns(doc: dict[str, Any]) -> list[tuple[str, Callable[[dict[str, Any]], 
         cols += [("est alloc GB", est("peak_alloc_mb")), ("est reserved GB", est("peak_reserved_mb"))]
     if samples and headline != "time_for_samples_s":
         cols += [(time_head, time_s)] + ref_cols("time_for_samples_s")
-    cols += [("final loss", _loss), ("status", _status)]
+    cols += [("final loss", _loss)] + _task_columns(doc) + [("status", _status)]
     return cols
 
 
