@@ -7,6 +7,7 @@ learned tokens: a per-micro-batch mean averaged over micro-batches would give ot
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import shutil
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 
-from conftest import tiny_cfg  # noqa: E402
+from conftest import run_cli, tiny_cfg  # noqa: E402
 from test_chat_prepare import TEMPLATES, _build  # noqa: E402
 from tokenmill import checkpoint as ckpt  # noqa: E402
 from tokenmill.config import DataConfig  # noqa: E402
@@ -29,7 +30,10 @@ from tokenmill.data.loader import build_datasets  # noqa: E402
 from tokenmill.errors import DataError  # noqa: E402
 from tokenmill.model.loss import _chunked_op, chunked_cross_entropy  # noqa: E402
 from tokenmill.train.metrics import read_metrics  # noqa: E402
+from tokenmill.train.tasks import scores  # noqa: E402
 from tokenmill.train.trainer import Callbacks, train  # noqa: E402
+
+TASKS = Path(__file__).parent / "data" / "tasks"  # local lm-eval tasks (tests/test_tasks.py)
 
 T = 32
 
@@ -230,17 +234,29 @@ def test_two_processes_give_the_one_process_loss(chat, tmp_path):
     process with the same global batch."""
     from test_parallel import assert_same_losses, common, launch, losses, single
 
-    runs = {"ddp": {"train.grad_accum_steps": 2},
+    tasks = {"eval.tasks": "tokenmill_tiny_mc,tokenmill_tiny_ppl", "eval.tasks_limit": 4,
+             "eval.include_path": str(TASKS)} if importlib.util.find_spec("lm_eval") else {}
+    runs = {"ddp": {"train.grad_accum_steps": 2, **tasks},  # eval.tasks: the ranks split the documents
             "fsdp": {"parallel.dp_shard": 2, "model.loss_impl": "chunked", "model.loss_chunk_size": 40}}
     jobs = [{"cfg": common(**chat_over(chat["data"], **over)), "run_dir": str(tmp_path / name)}
             for name, over in runs.items()]
     launch(tmp_path, jobs)
     for name, over in runs.items():
-        over = {k: v for k, v in over.items() if not k.startswith("parallel.")}
+        over = {k: v for k, v in over.items() if not k.startswith(("parallel.", "eval."))}
         ref = single(tmp_path, f"ref-{name}", **chat_over(chat["data"], **over))
         assert_same_losses(losses(tmp_path / name), ref, what=name)
         rows = [r for r in read_metrics(tmp_path / name) if "loss" in r]
         assert all(0 < r["learned_frac"] < 1 for r in rows)
+    if tasks:  # the scores two ranks gathered at the end equal one process scoring the same final weights
+        split = {k: v for k, v in json.loads((tmp_path / "ddp" / "summary.json").read_text()).items()
+                 if k.startswith("tasks/")}
+        out = tmp_path / "one.json"
+        r = run_cli("eval", tmp_path / "ddp", "--tasks", tasks["eval.tasks"], "--limit", 4, "--include-path", TASKS,
+                    "--device", "cpu", "--out", out)
+        assert r.returncode == 0, r.stderr
+        one = scores(json.loads(out.read_text()))
+        assert set(split) == set(one) and any("word_perplexity" in k for k in one), (split, one)
+        assert all(split[k] == pytest.approx(one[k], rel=1e-6) for k in one), (split, one)
 
 
 @pytest.mark.slow
