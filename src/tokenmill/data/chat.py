@@ -43,7 +43,6 @@ OVERFLOW = ("drop", "split")
 LEARN_BIT, START_BIT = 1, 2
 MASK_FORMAT = "tokenmill-loss-mask"
 TEMPLATE_FILE = "chat_template.jinja"
-MAX_WARNINGS = 10
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "tool": "tool", "function_response": "tool", "observation": "tool"}

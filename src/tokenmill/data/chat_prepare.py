@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +20,6 @@ from .chat import (
     LEARN,
     LEARN_BIT,
     MASK_FORMAT,
-    MAX_WARNINGS,
     OVERFLOW,
     START_BIT,
     TEMPLATE_FILE,
@@ -37,7 +35,7 @@ from .chunking import CHUNK_BYTES
 from .meta import DTYPES, FORMAT, META_NAME, VERSION, dtype_for_vocab, sha256_file
 from .pipeline import _W, is_val, pool
 from .progress import Progress
-from .readers import iter_pieces
+from .readers import iter_pieces, report_bad
 from .shards import SHARD_TOKENS, SplitWriter
 from .sources import collect_inputs, missing_input
 from .tokenizers import TOKENIZER_FILE, load_hf_tokenizer_file
@@ -277,14 +275,7 @@ class _ChatBuild:
 
     def _report(self, inp, bad: list) -> None:
         for record, reason in bad:
-            msg = f"'{inp.path}' record {record}: {reason}"
-            if self.o["on_bad"] == "stop":
-                raise DataError(f"{msg}. Fix: repair or remove it, or pass --on-bad-record skip to count and skip bad "
-                                "records.")
-            self.counts["bad"] += 1
-            self.counts["first_bad"] = self.counts["first_bad"] or msg
-            if self.counts["bad"] <= MAX_WARNINGS:
-                print(f"tokenmill: warning: {msg}; skipped", file=sys.stderr, flush=True)
+            report_bad(f"'{inp.path}' record {record}: {reason}", self.o["on_bad"], self.counts)
 
     def _finish(self) -> None:
         tr, va = self.tokens["train"], self.tokens["val"]

@@ -35,14 +35,13 @@ from .chunking import CHUNK_BYTES
 from .meta import DTYPES, FORMAT, META_NAME, VERSION, dtype_for_vocab, sha256_file
 from .pipeline import EncodeSettings, is_val, run
 from .progress import Progress
-from .readers import iter_pieces, piece_documents
+from .readers import iter_pieces, piece_documents, report_bad
 from .shards import SHARD_TOKENS, SplitWriter
 from .sources import collect_inputs, spool
 from .tokenizers import TOKENIZER_FILE, BpeTokenizer, get_tokenizer
 
 DEFAULT_GLOB = None  # a folder: every file of a known kind (sources.DEFAULT_PATTERNS)
 COMMIT_SECONDS = 5.0  # how often the journal records the position reached
-MAX_WARNINGS = 10  # bad records reported one by one (the rest are counted)
 ON_BAD = ("skip", "stop")
 
 
@@ -356,14 +355,7 @@ class _Build:
     def _report(self, inp, bad: list) -> None:
         for record, reason in bad:
             where = f"'{inp.path}'" if inp.kind == "text" else f"'{inp.path}' record {record}"
-            msg = f"{where} {reason}" if inp.kind == "text" else f"{where}: {reason}"
-            if self.o["on_bad"] == "stop":
-                raise DataError(f"{msg}. Fix: repair or remove it, or pass --on-bad-record skip to count and skip bad "
-                                "records.")
-            self.counts["bad"] += 1
-            self.counts["first_bad"] = self.counts["first_bad"] or msg
-            if self.counts["bad"] <= MAX_WARNINGS:
-                print(f"tokenmill: warning: {msg}; skipped", file=sys.stderr, flush=True)
+            report_bad(f"{where} {reason}" if inp.kind == "text" else f"{where}: {reason}", self.o["on_bad"], self.counts)
 
     def _commit(self, piece) -> None:
         for w in self.writers.values():

@@ -20,6 +20,7 @@ from __future__ import annotations
 import codecs
 import gzip
 import json
+import sys
 import zlib
 from collections.abc import Iterator
 
@@ -30,6 +31,20 @@ from .sources import InputFile, Piece, missing_input, open_pipe
 
 READ_BYTES = 1 << 18  # compressed bytes read at a time
 
+
+
+MAX_WARNINGS = 10  # bad records reported one by one (the rest are counted)
+
+
+def report_bad(msg: str, on_bad: str, counts: dict) -> None:
+    """A bad record (``--on-bad-record``): 'stop' raises naming it; 'skip' counts it (``counts['bad']``, the first
+    in ``counts['first_bad']``) and warns for the first :data:`MAX_WARNINGS`."""
+    if on_bad == "stop":
+        raise DataError(f"{msg}. Fix: repair or remove it, or pass --on-bad-record skip to count and skip bad records.")
+    counts["bad"] += 1
+    counts["first_bad"] = counts["first_bad"] or msg
+    if counts["bad"] <= MAX_WARNINGS:
+        print(f"tokenmill: warning: {msg}; skipped", file=sys.stderr, flush=True)
 
 def _open(inp: InputFile):
     if inp.pipe:
