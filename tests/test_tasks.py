@@ -184,6 +184,11 @@ def test_bad_inputs_are_one_line_and_write_nothing(tmp_path, capsys, monkeypatch
                     "has no tokenizer")
     _one_line_error(capsys, ["eval", str(tmp_path / "notok"), "--tasks", "tokenmill_tiny_mc", "--include-path",
                              str(tmp_path / "missing")], "--include-path", "not a folder")
+    weights = sorted((tmp_path / "notok").glob("model.*"))[0]  # --out over what is read: the weights stay
+    before = weights.read_bytes()
+    _one_line_error(capsys, ["eval", str(tmp_path / "notok"), *tasks, "--out", str(weights)], "lies inside",
+                    "the model folder")
+    assert weights.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bert", "empty-run", "notok"]
     assert not (tmp_path / "empty-run").exists() or not list((tmp_path / "empty-run").iterdir())
     from conftest import tiny_cfg

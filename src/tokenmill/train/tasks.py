@@ -41,6 +41,7 @@ import torch
 
 from tokenmill import atomic
 from tokenmill.errors import CheckpointError, ConfigError
+from tokenmill.paths import check_output
 
 __all__ = ["TaskEval", "eval_and_log", "evals_due", "load_source", "run_cli", "run_tasks", "scores", "task_manager"]
 
@@ -343,6 +344,15 @@ def run_cli(args: Any) -> int:
     if out is not None and (out.is_dir() or not out.parent.is_dir()):
         raise ConfigError(f"--out '{out}': give a file path in an existing folder for the results JSON.")
     kinds = [check_source(p) for p in paths]
+    if out is not None:  # never over what is read: a model folder, a run's checkpoints and tokenizer, the tasks
+        read = {"--include-path": args.include_path, "--checkpoint": args.checkpoint}
+        for p, kind in zip(paths, kinds):
+            if kind == "hf":
+                read[f"the model folder {p}"] = p
+            else:
+                read |= {f"the checkpoints of {p}": Path(p).expanduser() / "checkpoints",
+                         f"the tokenizer of {p}": Path(p).expanduser() / "tokenizer"}
+        check_output(out, read)
     if args.checkpoint and len(paths) > 1:
         raise ConfigError("--checkpoint names one checkpoint: evaluate one run with it.")
     device = resolve_device(args.device, "--device")
