@@ -31,7 +31,7 @@ from tokenmill import atomic
 from tokenmill.config import ModelConfig, shape_fields
 from tokenmill.errors import CheckpointError
 from tokenmill.filecheck import get, read_json
-from tokenmill.model import hf_llama
+from tokenmill.model import hf_families, hf_llama
 from tokenmill.model.gpt import GPT, adapt_state_dict
 from tokenmill.paths import inside
 
@@ -155,7 +155,7 @@ def hf_model_fields(hf_cfg: Mapping[str, Any]) -> dict[str, Any]:
     A fine-tuning run takes these from the source; a user override that differs is a conflict."""
     arch = hf_architecture(hf_cfg, CONFIG_NAME)
     if arch != GPT2:
-        return hf_llama.model_fields(hf_llama.check_config(hf_cfg, arch, CONFIG_NAME))
+        return hf_families.model_fields(hf_families.check_config(hf_cfg, arch, CONFIG_NAME))
     default = ModelConfig()  # its defaults are GPT-2's family: learned positions, LayerNorm 1e-5, GELU
     fields = {name: getattr(default, name) for name in shape_fields()}
     fields.update(vocab_size=int(hf_cfg["vocab_size"]), block_size=int(hf_cfg["n_positions"]),
@@ -359,7 +359,7 @@ def read_hf_config(folder: str | Path) -> dict[str, Any]:
     if arch == GPT2:
         _check_hf_config(c, where)
     else:
-        hf_llama.check_config(c, arch, where)
+        hf_families.check_config(c, arch, where)
     return c
 
 
@@ -423,7 +423,7 @@ def load_hf(folder: str | Path, base: ModelConfig | None = None,
     arch = hf_architecture(c, str(folder))
     if arch == GPT2:
         return from_hf_state_dict(read_hf_weights(folder), c, base, block_size, where=str(folder))
-    return hf_llama.from_hf_state_dict(read_hf_weights(folder), c, arch, base, block_size, where=str(folder))
+    return hf_families.from_hf_state_dict(read_hf_weights(folder), c, arch, base, block_size, where=str(folder))
 
 
 def load_hf_gpt2(folder: str | Path, base: ModelConfig | None = None,
@@ -437,7 +437,7 @@ def load_hf_gpt2(folder: str | Path, base: ModelConfig | None = None,
 def export_architecture(cfg: ModelConfig, like: Mapping[str, Any] | None = None) -> str:
     """The Hugging Face class a tokenmill model of ``cfg`` is exported as: GPT-2 for learned positions,
     else a Llama-family class (the class of the config.json ``like``, e.g. the source of a fine-tuning
-    run, when it holds the model exactly; see :func:`tokenmill.model.hf_llama.export_architecture`).
+    run, when it holds the model exactly; see :func:`tokenmill.model.hf_families.export_architecture`).
     :class:`CheckpointError` with the reason when no class holds it exactly."""
     if cfg.pos_emb == "learned":
         check_exportable(cfg)
@@ -446,7 +446,7 @@ def export_architecture(cfg: ModelConfig, like: Mapping[str, Any] | None = None)
         prefer = hf_architecture(like, CONFIG_NAME) if like else None
     except CheckpointError:
         prefer = None
-    return hf_llama.export_architecture(cfg, prefer)
+    return hf_families.export_architecture(cfg, prefer)
 
 
 def save_hf(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path,
@@ -469,13 +469,13 @@ def save_hf(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig, out_dir: s
     if arch == GPT2:
         hf_sd = to_hf_state_dict(state_dict, cfg, vocab_size)
     else:
-        hf_sd = hf_llama.to_hf_state_dict(state_dict, cfg, arch, vocab_size)
+        hf_sd = hf_families.to_hf_state_dict(state_dict, cfg, arch, vocab_size)
     V = vocab_size if vocab_size is not None else cfg.vocab_size
     dtypes = {t.dtype for t in hf_sd.values()}
     if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
         raise CheckpointError(f"the weights mix dtypes {sorted(map(str, dtypes))}; cast the model to one float dtype first.")
     dtype = next(iter(dtypes))
-    config = (hf_config(cfg, V, eot_id, dtype) if arch == GPT2 else hf_llama.hf_config(cfg, arch, V, dtype, eot_id, like))
+    config = (hf_config(cfg, V, eot_id, dtype) if arch == GPT2 else hf_families.hf_config(cfg, arch, V, dtype, eot_id, like))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG_NAME).unlink(missing_ok=True)  # incomplete until config.json lands again

@@ -53,7 +53,7 @@ DENSE = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCaus
          "MistralForCausalLM": "mistral"}  # class -> model_type
 MOE = {"MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe",
        "OlmoeForCausalLM": "olmoe"}
-ARCHITECTURES = {**DENSE, **MOE}  # MOE: mixtures of experts, converted by model/hf_moe.py (dispatched below)
+ARCHITECTURES = {**DENSE, **MOE}  # MOE: mixtures of experts, converted by model/hf_moe.py (model/hf_families.py picks)
 
 # transformers' defaults (4.4x and 5.x agree) for the keys a config.json may leave out
 _COMMON = {"hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_dropout": 0.0,
@@ -102,12 +102,6 @@ class Spec:
     def context(self) -> int:
         """The longest context tokenmill computes exactly: max_position_embeddings, or the window."""
         return min(self.max_positions, self.window) if self.window else self.max_positions
-
-
-def _moe():
-    from tokenmill.model import hf_moe  # imports this module: imported when first needed
-
-    return hf_moe
 
 
 # ----------------------------------------------------------------------------------------------
@@ -196,8 +190,6 @@ def _biases(c: Mapping[str, Any], d: Mapping[str, Any], mt: str, where: str) -> 
 def check_config(c: Mapping[str, Any], architecture: str, where: str) -> Spec:
     """The :class:`Spec` of a config.json of ``architecture`` (a key of :data:`ARCHITECTURES`), or a
     :class:`CheckpointError` naming the field tokenmill cannot compute exactly."""
-    if architecture in MOE:
-        return _moe().check_config(c, architecture, where)
     mt = ARCHITECTURES[architecture]
     d = _DEFAULTS[mt]
     for k, v in c.items():
@@ -234,8 +226,6 @@ def check_config(c: Mapping[str, Any], architecture: str, where: str) -> Spec:
 def model_fields(s: Spec) -> dict[str, Any]:
     """The tokenmill ``model.*`` fields ``s`` fixes: every architecture field (``shape_fields()``) and
     ``block_size`` (its longest context). A fine-tuning run takes these from the source."""
-    if s.architecture in MOE:
-        return _moe().model_fields(s)
     default = ModelConfig()
     f = {name: getattr(default, name) for name in shape_fields()}
     f.update(vocab_size=s.vocab_size, block_size=s.context, n_layer=s.layers, n_head=s.heads, n_embd=s.hidden,
@@ -322,8 +312,6 @@ def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], hf_cfg: Mapping[str, A
     ``GPT(cfg, cfg.vocab_size)`` exactly. Names with or without the ``model.`` prefix; stored rotary
     ``inv_freq`` buffers are ignored; a tied folder's stored ``lm_head`` copy is ignored.
     """
-    if architecture in MOE:
-        return _moe().from_hf_state_dict(hf_sd, hf_cfg, architecture, base, block_size, where)
     s = check_config(hf_cfg, architecture, where)
     fields = model_fields(s)
     if block_size is not None:
@@ -371,8 +359,6 @@ def to_hf_state_dict(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig, a
     """A tokenmill GPT state dict (compile/DDP name prefixes allowed) -> the state dict of the equal
     ``architecture``: q/k/v separate, embedding and untied head cut to the true ``vocab_size``
     (default ``cfg.vocab_size``), a tied head not stored. Tensors are contiguous copies."""
-    if architecture in MOE:
-        return _moe().to_hf_state_dict(state_dict, cfg, architecture, vocab_size)
     why = _inexpressible(cfg, architecture)
     if why:
         raise CheckpointError(why)
@@ -431,8 +417,6 @@ def export_architecture(cfg: ModelConfig, prefer: Optional[str] = None) -> str:
     from) when it holds the model exactly; else Qwen3 for q/k norms, Qwen2 for q/k/v biases only,
     Llama (Mistral when Llama's config cannot hold the head layout). :class:`CheckpointError` with
     the reason when none of them can."""
-    if cfg.moe_experts:
-        return _moe().export_architecture(cfg, prefer)
     if prefer in DENSE and _inexpressible(cfg, prefer) is None:
         return prefer
     for arch in DENSE:  # Llama before Mistral: they hold the same models but one head layout
@@ -449,8 +433,6 @@ def hf_config(cfg: ModelConfig, architecture: str, vocab_size: int, dtype: torch
     transformers 4 (``rope_theta``, ``rope_scaling``) and 5 (``rope_parameters``). Its bos/eos/pad
     token ids are those of ``like`` (the config.json of a fine-tuning run's source, whose tokenizer
     the run has), else ``eot_id`` as bos and eos."""
-    if architecture in MOE:
-        return _moe().hf_config(cfg, architecture, vocab_size, dtype, eot_id, like)
     s = spec_of_model(cfg, architecture, vocab_size)
     token_ids = {"bos_token_id": eot_id, "eos_token_id": eot_id}
     token_ids.update({k: like[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in (like or {})})

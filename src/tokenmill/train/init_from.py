@@ -48,7 +48,7 @@ from tokenmill import checkpoint
 from tokenmill import config as C
 from tokenmill.checkpoint.files import DCP_NAME, FILE_NAME
 from tokenmill.errors import CheckpointError, ConfigError, DataError
-from tokenmill.model import GPT, hf, hf_llama
+from tokenmill.model import GPT, hf, hf_families
 from tokenmill.model.gpt import adapt_state_dict
 
 __all__ = ["InitSource", "adopt_shape", "check_weights", "explicit_keys", "find_source", "prepare_init_from"]
@@ -162,7 +162,7 @@ def _hf_source(p: Path) -> InitSource:
     arch = hf.hf_architecture(c, str(p))
     why = "its n_positions: there are no position embeddings beyond it"
     if arch != hf.GPT2:
-        s = hf_llama.check_config(c, arch, str(p))
+        s = hf_families.check_config(c, arch, str(p))
         why = (f"its sliding_window: {arch} attends only to the last {s.window} positions, tokenmill to all"
                if s.window and s.window < s.max_positions else "its max_position_embeddings")
     return InitSource(p, "hf", hf.hf_model_fields(c), tokenizer_json=p / "tokenizer.json", architecture=arch,
