@@ -174,6 +174,7 @@ def test_flash_is_refused_only_where_the_explicit_mask_is_used(chat, tmp_path):
 # a packed run: the shares logged, and `tokenmill eval` over the learned tokens
 
 
+@pytest.mark.slow  # trains
 def test_packed_run_logs_its_shares_and_eval_gives_its_val_loss(chat, tmp_path, capsys):
     """Two steps on packed windows: every record has learned_frac and padding_frac, the summary their means and
     learned tokens/s; `tokenmill eval` with the run's batches gives the trainer's val_loss of the same checkpoint
