@@ -249,6 +249,13 @@ class ParallelConfig:
         0, "Pipeline micro-batches per train.batch_size batch (must divide it); 0 = the pp degree.",
         ge=0,
     )
+    ep: int = F(
+        1,
+        "Expert-parallel degree for mixture-of-experts models: each MoE layer's routed experts are split over ep "
+        "ranks of the data-parallel group and every token is sent to its experts' rank and back by all-to-all; "
+        "must divide model.moe_experts and the data-parallel world size. 1 = every rank holds every expert.",
+        ge=1,
+    )
     backend: Literal["auto", "nccl", "gloo"] = F("auto", "Process-group backend; 'auto' = nccl on CUDA, gloo on CPU.")
     ddp_bucket_mb: float = F(25.0, "DDP gradient bucket size in MB (bucket_cap_mb).", gt=0)
     ddp_grad_as_bucket_view: bool = F(
