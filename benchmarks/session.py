@@ -489,6 +489,43 @@ def part_document_mask(s: Session) -> None:
             s.results[label] = {"tokens_per_sec": None}
 
 
+def part_gemm_efficiency(s: Session) -> None:
+    """The estimator's outside figures measured on this GPU (benchmarks/validation/gemm_efficiency.py): matrix
+    products by shape and precision, bandwidth, fused attention, launch costs, NF4 dequantisation; raw JSON."""
+    dst = s.work / "gemm_efficiency.json"
+    s.step("gemm efficiency", [sys.executable, "benchmarks/validation/gemm_efficiency.py", "--out", dst,
+                               "--budget-s", 30 if s.smoke else 100], 120)
+    s.keep(dst, "gemm_efficiency.json")
+
+
+SFT_RUNG_S = 90.0  # per rung of the sft ladder: gpt2-124m compiled, 38 steps of 32 x 512 tokens
+
+
+def part_sft_packing(s: Session) -> None:
+    """Padded against packed chat windows (the ``sft`` ladder) on a chat folder built here with nothing downloaded
+    (benchmarks/chat_corpus.py: needs transformers); tokens/s and learned tokens/s per rung."""
+    folder = s.work / "chat"
+    if s.step("build the chat corpus", [sys.executable, "benchmarks/chat_corpus.py", folder, "--workers", 4,
+                                        "--conversations", 2000 if s.smoke else 20000], 100) != 0:
+        s.results["note"] = "the chat corpus was not built (transformers missing? see the step's log)"
+        return
+    out = s.work / s.part
+    timeout = max(30.0, min(SFT_RUNG_S, (s.left() - 40) / 3))
+    args = ["bench", "ladder", "sft", "--out", out, "--quiet", "--timeout", round(timeout),
+            "--set", f"data.path={folder / 'data'}"]
+    s.tm("ladder sft", args + (["--smoke"] if s.smoke else []), cap_s=3 * timeout + 60)
+    finish_ladder(out, s)
+    for ext in ("json", "md", "png"):
+        s.keep(out / f"ladder.{ext}", f"{s.part}-ladder.{ext}")
+    try:
+        doc = json.loads((out / "ladder.json").read_text())
+        s.results["learned"] = {r["name"]: {k: (r.get("summary") or {}).get(k) for k in
+                                            ("learned_tokens_per_sec", "padding_frac", "learned_frac")}
+                                for r in doc["rungs"]}
+    except (OSError, ValueError, KeyError):
+        pass
+
+
 def smoke_args(s: Session) -> list[str]:
     return TINY if s.smoke else []
 
@@ -558,12 +595,15 @@ PARTS = [
     Part("cuda-tier", "the short CUDA tier: eager switches, resume, memory snapshot, SDPA kernels, chunked loss, "
          "prefetcher, async checkpoints, kernels", "every CUDA path that matters most works", part_cuda_tier,
          est_s=START_S + 15 + CUDA_TIER_CAP_S, budget_s=CUDA_TIER_CAP_S + 40),
+    Part("gemm-efficiency", "the estimator's outside figures on this GPU: torch.matmul by shape (bf16, TF32, fp32), "
+         "bandwidth, fused attention, launch costs, NF4 dequantisation", "the roofline's constants measured, not "
+         "borrowed", part_gemm_efficiency, est_s=START_S + 120 + PACK_S),
     ladder_part("best", "best ladder: baseline, cudnn-attention, compile", _600K, "best", 150,
                 these("baseline", "cudnn-attention", "compile")),
     ladder_part("best-2", "best ladder: vocab-pad-64, batch-32, batch-64 (on top of best)", _600K, "best", 150,
                 these("vocab-pad-64", "batch-32", "batch-64"), BEST_DEFERRED),
-    ladder_part("best-3", "best ladder: chunked-loss, batch-128 (on top of best-2)", _600K, "best", 190,
-                span("chunked-loss", "triton-layernorm", but=_DEF), BEST_DEFERRED),
+    ladder_part("best-3", "best ladder: loss-only, chunked-loss, batch-128 (on top of best-2)", _600K, "best", 190,
+                span("loss-only", "triton-layernorm", but=_DEF), BEST_DEFERRED),
     ladder_part("best-4", "best ladder: triton-layernorm, fp8-tensorwise (FP8 needs torchao) (on top of best-3)",
                 _600K, "best", 190, span("triton-layernorm", RECOMPUTE[0], but=_DEF), BEST_DEFERRED),
     Part("check", "the whole CUDA tier (pytest -m gpu) and nvidia-smi", "every CUDA path works", part_check,
@@ -621,6 +661,11 @@ PARTS = [
     Part("document-mask", "gpt2-124m on the embedded corpus without and with data.document_mask (FlexAttention, "
          "the explicit mask)", "what keeping documents apart costs in tokens/s and memory, and what "
          "FlexAttention gives back", part_document_mask, est_s=START_S + 3 * 130 + PACK_S),
+    Part("sft-packing", "sft ladder: gpt2-124m on a chat folder built here, padded, packed with the explicit mask, "
+         "packed with FlexAttention", "what packing gives a fine-tune in learned tokens/s", part_sft_packing,
+         ladder="sft", rungs=lambda names: list(names), est_s=START_S + 100 + 3 * SFT_RUNG_S + PACK_S),
+    ladder_part("moe", "moe ladder: OLMoE's shapes on 4 layers; the experts as a loop, grouped, at batch 8, compiled",
+                "what the grouped experts, a larger batch and compile buy a mixture of experts", "moe", 100),
     ladder_part("best-autotune", "best ladder: compile-max-autotune on top of every other best rung but the "
                 "checkpointing ones", "what max-autotune adds", "best", 380, these(*BEST_DEFERRED), list(RECOMPUTE),
                 fold_all=True),

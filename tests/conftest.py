@@ -133,3 +133,58 @@ def run_cli(*args, cwd=None) -> subprocess.CompletedProcess:
             traceback.print_exc(file=err)
             rc = 1
     return subprocess.CompletedProcess(["tokenmill", *argv], rc, out.getvalue(), err.getvalue())
+
+
+# ------------------------------------------------------------------------------------------------
+# One torchrun launch for the 2-rank jobs of several files (the module's two_rank_jobs(folder), each in its
+# own folder) and one for the 4-rank jobs (four_rank_jobs): each launch costs every process's torch import
+# (~5 s on a 2-core CI machine). The first pytest-xdist worker to ask runs it; the other waits and reads it.
+
+TWO_RANK = {"gpt2": "test_parallel", "llama": "test_parallel_families", "muon": "test_muon",
+            "lora": "test_lora_cli", "async": "test_async_checkpoint", "moe": "test_moe_everything",
+            "sft_layouts": "test_sft_layouts", "sft": "test_sft_train"}
+FOUR_RANK = {"gpt2": "test_parallel", "llama": "test_parallel_families"}
+_LAUNCH_USERS: dict[int, set[str]] = {2: set(), 4: set()}  # nproc -> the files whose selected tests read its launch
+
+
+def pytest_collection_finish(session):
+    """Only the files with a selected test that reads a shared launch add their jobs to it (a file imported by
+    another, or with its launch tests deselected, adds none)."""
+    for item in session.items:
+        for nproc, fixture in ((2, "two_rank_launch"), (4, "four_rank_launch")):
+            if fixture in getattr(item, "fixturenames", ()) and getattr(item, "module", None) is not None:
+                _LAUNCH_USERS[nproc].add(item.module.__name__)
+
+
+def _shared_launch(tmp_path_factory, nproc: int, modules: dict[str, str]):
+    import fcntl
+    import importlib
+    import shutil
+    import sys
+
+    users = _LAUNCH_USERS[nproc] or set(sys.modules)  # the files this session runs that read this launch
+    present = {folder: m for folder, m in modules.items() if m in sys.modules and m in users}
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # shared by this session's workers
+    tmp = root / f"launch{nproc}"
+    with open(root / f"launch{nproc}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (tmp / "launched").exists():
+            shutil.rmtree(tmp, ignore_errors=True)  # what a failed launch left: launched again
+            tmp.mkdir()
+            name = "two_rank_jobs" if nproc == 2 else "four_rank_jobs"
+            jobs = [job for folder, m in present.items() for job in getattr(sys.modules[m], name)(tmp / folder)]
+            importlib.import_module("test_parallel").launch(tmp, jobs, nproc=nproc, timeout=600)
+            (tmp / "launched").write_text(" ".join(present))
+    return tmp
+
+
+@pytest.fixture(scope="session")
+def two_rank_launch(tmp_path_factory):
+    return _shared_launch(tmp_path_factory, 2, TWO_RANK)
+
+
+@pytest.fixture(scope="session")
+def four_rank_launch(tmp_path_factory):
+    return _shared_launch(tmp_path_factory, 4, FOUR_RANK)

@@ -237,18 +237,25 @@ def test_a_nan_stop_lets_the_save_in_flight_land_before_setting_checkpoints_asid
     assert [p.name for p in moved] == ["step_00000001.pt.nonfinite"] and not ckpt.list_checkpoints(run)
 
 
-@pytest.mark.slow
-def test_sharded_checkpoints_save_in_the_background(tmp_path):
-    """FSDP on 2 gloo processes with dcp.async_save: the same losses and the same DCP checkpoints (every one
-    read whole) as the synchronous run; the async run's step-2 checkpoint resumes to the same losses."""
-    from test_parallel import common, launch, losses
+def two_rank_jobs(tmp) -> list[dict]:
+    """The FSDP runs (synchronous, background saves, a resume of the latter), trained in
+    tests/test_parallel.py's 2-rank launch (conftest.two_rank_launch: one launch's imports for several files)."""
+    from test_parallel import common
 
     over = {"parallel.dp_shard": 2, "checkpoint.every_steps": 2, "checkpoint.keep_last": 5}
-    jobs = [{"cfg": common(**over), "run_dir": str(tmp_path / "sync")},
-            {"cfg": common(**over, **{"checkpoint.async_save": True}), "run_dir": str(tmp_path / "async")},
-            {"cut": {"src": str(tmp_path / "async"), "step": 2}, "run_dir": str(tmp_path / "resumed"),
+    return [{"cfg": common(**over), "run_dir": str(tmp / "sync")},
+            {"cfg": common(**over, **{"checkpoint.async_save": True}), "run_dir": str(tmp / "async")},
+            {"cut": {"src": str(tmp / "async"), "step": 2}, "run_dir": str(tmp / "resumed"),
              "cfg": common(**over, **{"checkpoint.async_save": True}), "resume": True}]
-    launch(tmp_path, jobs)
+
+
+@pytest.mark.slow
+def test_sharded_checkpoints_save_in_the_background(two_rank_launch):
+    """FSDP on 2 gloo processes with dcp.async_save: the same losses and the same DCP checkpoints (every one
+    read whole) as the synchronous run; the async run's step-2 checkpoint resumes to the same losses."""
+    from test_parallel import losses
+
+    tmp_path = two_rank_launch / "async"
     assert losses(tmp_path / "async") == losses(tmp_path / "sync") == losses(tmp_path / "resumed")
     a, b = ckpt.list_checkpoints(tmp_path / "sync"), ckpt.list_checkpoints(tmp_path / "async")
     assert [s for s, _ in a] == [s for s, _ in b] == [2, 4, 6] and all(p.suffix == ".dcp" for _, p in b)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import cpu_env
+from conftest import cpu_env, run_cli
 from tokenmill import config as C
 from tokenmill.bench import report
 from tokenmill.bench.cli import parse_sets, sizing_config
@@ -32,7 +32,8 @@ from tokenmill.cli import build_parser, main
 CPU_ONLY = not torch.cuda.is_available()
 CPU_ENV = {"cuda_available": False, "gpu_count": 0, "gpu_names": [], "torch": torch.__version__, "cuda": None}
 GPU_ENV = {"cuda_available": True, "gpu_count": 1, "gpu_names": ["NVIDIA H100 80GB HBM3"], "torch": "2.x", "cuda": "12.x"}
-SHIPPED = ["best", "book-memory", "book-perf", "document-mask", "llama", "memory", "optimizers", "rasbt", "scale-out"]
+SHIPPED = ["best", "book-memory", "book-perf", "document-mask", "llama", "memory", "moe", "optimizers", "rasbt",
+           "scale-out", "sft"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -547,8 +548,9 @@ SMOKE_RUNGS = {"rasbt": ["baseline", "native-norm-gelu", "batch-32"],
 
 @pytest.fixture(scope="module")
 def smoke_runs(tmp_path_factory):
-    """rasbt and book-memory --smoke through the real CLI, run side by side, each on a few of its rungs (every
-    rung's config is resolved by test_shipped_ladder_parses_and_every_rung_resolves; here the machinery runs)."""
+    """rasbt, book-memory and llama --smoke through the real CLI, run side by side, each on a few of its rungs
+    (every rung's config is resolved by test_shipped_ladder_parses_and_every_rung_resolves; here the machinery
+    runs). Each ladder runs once: test_smoke_llama_through_the_cli reads the llama run made here."""
     root = tmp_path_factory.mktemp("bench-smoke")
     env = dict(cpu_env(), TOKENMILL_CACHE=str(root / "cache"))
     procs = {}
@@ -624,14 +626,10 @@ def test_smoke_book_memory(smoke_runs):
 
 
 @pytest.mark.slow
-def test_smoke_llama_through_the_cli(tmp_path):
+def test_smoke_llama_through_the_cli(smoke_runs):
     """The llama ladder --smoke on a CPU: the Llama forms (RMSNorm, SwiGLU, RoPE, grouped-query attention)
     run rung by rung on tiny shapes, the CUDA rungs are skipped with the reason, the rest carried."""
-    env = dict(cpu_env(), TOKENMILL_CACHE=str(tmp_path / "cache"))
-    cmd = [sys.executable, "-m", "tokenmill", "bench", "ladder", "llama", "--smoke", "--quiet", "--out",
-           str(tmp_path / "llama"), "--rungs", ",".join(SMOKE_RUNGS["llama"])]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-    rungs = _check_smoke((p.returncode, p.stdout, p.stderr, tmp_path / "llama"), "llama")
+    rungs = _check_smoke(smoke_runs["llama"], "llama")
     base = rungs["baseline"]["config"]["model"]
     assert (base["norm_type"], base["norm"], base["mlp"], base["n_head"], base["n_kv_head"]) == (
         "rmsnorm", "manual", "swiglu", 2, 1)
@@ -696,12 +694,12 @@ def test_max_model_search():
 
 
 @pytest.mark.slow
-def test_max_batch_real_probes_on_cpu(tmp_path):
+def test_max_batch_real_probes_on_cpu(tmp_path, monkeypatch):
     out = tmp_path / "mb"
-    cmd = [sys.executable, "-m", "tokenmill", "bench", "max-batch", "--preset", "tiny", "--data.source", "synthetic",
-           "--model.vocab_size", "64", "--train.device", "cpu", "--start", "4", "--max-batch-limit", "4",
-           "--run-dir", str(out)]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=cpu_env(), timeout=300)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the probe's process inherits it (as from conftest.cpu_env)
+    # the search in this process (the probe still runs in its own process): one interpreter start less
+    p = run_cli("bench", "max-batch", "--preset", "tiny", "--data.source", "synthetic", "--model.vocab_size", "64",
+                "--train.device", "cpu", "--start", "4", "--max-batch-limit", "4", "--run-dir", out)
     assert p.returncode == 0, p.stdout + p.stderr
     res = json.loads((out / "max-batch.json").read_text())
     assert res["max_batch"] == 4 and res["hit_limit"]

@@ -428,10 +428,12 @@ RUN_VARIANTS = [
     {"train.eval_every_steps": 5, "train.eval_batches": 20, "checkpoint.every_steps": 10},
     {"train.batch_size": 2, "train.grad_accum_steps": 8}, {"train.init_from": "models/a-hugging-face-folder"},
     {"data.document_mask": True, "model.document_attention": "explicit", "model.block_size": 1024,
-     "train.batch_size": 8},
+     "train.batch_size": 16, "model.n_embd": 256},  # big enough that the step is not host-bound
     {"train.fp8": "tensorwise"}, {"optim.name": "muon", "train.init_from": "models/a-hugging-face-folder"},
     {"data.document_mask": True, "model.block_size": 2048, "train.batch_size": 16, "model.n_embd": 256},
     {"lora.rank": 8, "train.init_from": "models/a-hugging-face-folder"},
+    {"model.mlp": "swiglu", "model.moe_experts": 64, "model.moe_top_k": 2, "model.n_embd": 1024, "model.n_head": 8},
+    {"model.mlp": "swiglu", "model.moe_experts": 4, "model.moe_top_k": 2, "parallel.ep": 2, "parallel.dp_shard": 2},
 ]
 SYNC_SOURCES = [{"call": "cudaStreamSynchronize", "op": "aten::item", "parent": "aten::copy_", "region": r,
                  "python": "", "per_step": 1.0} for r in ("h2d", "forward")]
@@ -461,6 +463,7 @@ PLANTED_CUDA = [
     dict(device_busy_fraction=0.3, device_idle_share=0.7, mean_kernel_us=8.0, kernels_per_step=8000),
     dict(recompute_share=0.3, recompute_ms=30.0, recompute_source="x", peak_reserved_mb=20000.0),
     dict(recompute_share=0.3, recompute_ms=30.0, recompute_source="x", **MEMORY),  # checkpointing while memory is tight
+    dict(moe_load_max=3.0, moe_a2a_share=0.3),  # a mixture of experts (moe_rules): imbalance, the all-to-all
 ]
 
 

@@ -2,6 +2,7 @@
 and the per-GPU matrix-product model: the rules on small graphs, and the modelled memory against real compiled
 training runs measured on the CPU."""
 
+import copy
 import json
 import subprocess
 import sys
@@ -12,7 +13,6 @@ import torch
 
 from tokenmill import config as C
 from tokenmill.estimate import estimate
-from tokenmill.estimate.compiled import returning_logits
 from tokenmill.estimate.inductor import plan_graph
 from tokenmill.estimate.roofline import quantization
 from tokenmill.estimate.timeline import _saved
@@ -64,8 +64,8 @@ def test_inductor_fuses_element_wise_chains_and_pads_misaligned_products():
 
 
 def _head_saved(cfg, returns_logits=True):
-    with returning_logits(returns_logits):
-        p = trace_pieces(C.concrete(cfg, "cpu", False), 4096, "cpu")
+    cfg = C.apply_overrides(copy.deepcopy(cfg), {"model.return_logits": returns_logits})
+    p = trace_pieces(C.concrete(cfg, "cpu", False), 4096, "cpu")
     rnd = p.head.rounds[0]
     return sum(p.head.sizes[s] for s in _saved(rnd.fwd, {rnd.x})), rnd
 

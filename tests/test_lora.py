@@ -161,7 +161,8 @@ def test_config_refuses_what_cannot_work():
         with pytest.raises(ConfigError, match="does not combine with train.fp8"):
             tiny_cfg(**{"lora.rank": 4, "train.fp8": "tensorwise"})
     assert C.lora_roles("all", "gelu") == ("q", "k", "v", "o", "up", "down")
-    assert C.lora_roles("all", "swiglu") == C.LORA_ROLES
+    assert C.lora_roles("all", "swiglu", experts=True) == C.LORA_ROLES  # a mixture of experts: 'experts' too
+    assert C.lora_roles("all", "swiglu") == tuple(r for r in C.LORA_ROLES if r != "experts")
     assert C.lora_roles(" v , q ", "gelu") == ("q", "v")
 
 

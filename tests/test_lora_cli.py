@@ -64,26 +64,32 @@ def test_lora_finetune_of_a_llama_folder_through_the_cli(tmp_path, capsys):
     assert not any("lora" in k for k in exported.state_dict())
 
 
-def test_lora_under_ddp_and_fsdp_matches_one_process(tmp_path):
+LORA = {"lora.rank": 4, "lora.alpha": 8.0, "optim.lr": 1e-2, "checkpoint.every_steps": 6}
+
+
+def two_rank_jobs(tmp) -> list[dict]:
+    """The LoRA runs on 2 gloo processes, trained in tests/test_parallel.py's 2-rank launch
+    (conftest.two_rank_launch: one launch's imports for several files)."""
+    from test_parallel import common
+
+    return [{"cfg": common(**LORA, **over), "run_dir": str(tmp / f"{name}-{preset}"), "preset": preset}
+            for preset in ("tiny", "tiny-llama") for name, over in (("ddp", {}), ("fsdp", {"parallel.dp_shard": 2}))]
+
+
+def test_lora_under_ddp_and_fsdp_matches_one_process(two_rank_launch, tmp_path):
     """2 gloo processes: DDP and FSDP2 (ZeRO-3) with frozen base weights train the adapters as one process
     does (losses within 1e-5 relative), for GPT-2 and the Llama family; the FSDP run's sharded checkpoint
     loads whole in one process, merged, with the adapter model's logits."""
-    from test_parallel import assert_same_losses, common, launch, losses, single
+    from test_parallel import assert_same_losses, losses, single
 
-    lora = {"lora.rank": 4, "lora.alpha": 8.0, "optim.lr": 1e-2, "checkpoint.every_steps": 6}
-    jobs, refs = [], {}
-    for preset in ("tiny", "tiny-llama"):
-        refs[preset] = single(tmp_path, f"ref-{preset}", preset=preset, **lora)
-        for name, over in (("ddp", {}), ("fsdp", {"parallel.dp_shard": 2})):
-            jobs.append({"cfg": common(**lora, **over), "run_dir": str(tmp_path / f"{name}-{preset}"),
-                         "preset": preset})
-    launch(tmp_path, jobs, timeout=300)
+    runs = two_rank_launch / "lora"
+    refs = {preset: single(tmp_path, f"ref-{preset}", preset=preset, **LORA) for preset in ("tiny", "tiny-llama")}
     for preset in refs:
         for name in ("ddp", "fsdp"):
-            assert_same_losses(losses(tmp_path / f"{name}-{preset}"), refs[preset], what=f"{name} {preset}")
-        summary = json.loads((tmp_path / f"fsdp-{preset}" / "summary.json").read_text())
+            assert_same_losses(losses(runs / f"{name}-{preset}"), refs[preset], what=f"{name} {preset}")
+        summary = json.loads((runs / f"fsdp-{preset}" / "summary.json").read_text())
         assert summary["layout"] == "fsdp" and summary["trainable_params"] < 0.3 * summary["params"]
-        merged, _, path = checkpoint.load_model(tmp_path / f"fsdp-{preset}")
+        merged, _, path = checkpoint.load_model(runs / f"fsdp-{preset}")
         assert path.name.endswith(".dcp")
         ref_model, _, _ = checkpoint.load_model(tmp_path / f"ref-{preset}")
         x = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0))

@@ -196,7 +196,7 @@ def test_router_stats_logged():
     ({"model.moe_experts": "4", "model.moe_dense_layers": "0,1"}, r"leave no sparse layer"),
     ({"model.moe_experts": "4", "model.moe_router": "sigmoid"}, r"model\.moe_router: 'sigmoid' is not one of"),
     ({"model.moe_experts": "4", "model.mlp": "gelu"}, r"needs --model\.mlp swiglu"),
-    ({"model.moe_experts": "4", "parallel.tp": "2", "model.fused_qkv": "false"}, r"not yet with parallel\.tp"),
+    ({"model.moe_experts": "4", "parallel.pp": "2"}, r"does not combine with parallel\.pp: the load-balancing loss"),
 ])
 def test_bad_moe_configs_are_refused(overrides, message):
     base = {"model.n_layer": "2", "model.mlp": "swiglu"}
@@ -248,7 +248,7 @@ def test_preset_counts_equal_transformers_and_the_published_ones(preset):
 
 def test_lora_on_attention_with_experts_and_the_estimator():
     """LoRA adapters on q, k, v, o of a model with sparse layers: only they train, the experts stay frozen;
-    'all' is refused naming the field; the estimator traces the MoE preset on meta."""
+    an MLP role no layer has is refused naming the field; the estimator traces the MoE preset on meta."""
     from tokenmill.estimate import estimate
     from tokenmill.model.build import apply_lora
 
@@ -260,8 +260,8 @@ def test_lora_on_attention_with_experts_and_the_estimator():
     x = torch.randint(0, 64, (2, 16))
     model(x, x)[1].backward()
     assert all(p.grad is None for n, p in model.named_parameters() if "experts" in n or "router" in n)
-    with pytest.raises(C.ConfigError, match=r"lora\.targets='all': with a mixture of experts"):
-        C.resolve("tiny-moe", overrides={"lora.rank": "4"})
+    with pytest.raises(C.ConfigError, match=r"lora\.targets names up, but every layer of this model is a mixture"):
+        C.resolve("tiny-moe", overrides={"lora.rank": "4", "lora.targets": "q,up"})
     small = C.resolve("tiny-moe", overrides={"data.source": "synthetic", "model.vocab_size": "64"})
     assert estimate(small, "h100").params == sum(p.numel() for p in GPT(small.model, 64).parameters())
 

@@ -240,25 +240,35 @@ def test_muon_with_another_optimizer_switch_is_refused(flag):
         build_optimizer(model, cfg)
 
 
+MUON = {"optim.name": "muon", "optim.muon_lr": 0.05}
+
+
+def two_rank_jobs(tmp) -> list[dict]:
+    """The Muon runs on 2 gloo processes, trained in tests/test_parallel.py's 2-rank launch
+    (conftest.two_rank_launch: one launch's imports for several files)."""
+    from test_parallel import common
+
+    jobs = {"ddp": {}, "fsdp": {"parallel.dp_shard": 2, "checkpoint.every_steps": 3, "checkpoint.keep_last": 5},
+            "tp": {"parallel.tp": 2, "model.fused_qkv": False}}
+    spec = [{"cfg": common(**MUON, **over), "run_dir": str(tmp / name)} for name, over in jobs.items()]
+    spec.append({"cut": {"src": str(tmp / "fsdp"), "step": 3}, "run_dir": str(tmp / "fsdp_to_ddp"),
+                 "cfg": common(**MUON), "resume": True})
+    return spec
+
+
 @pytest.mark.slow
-def test_data_and_tensor_parallel_muon_match_one_process(tmp_path):
+def test_data_and_tensor_parallel_muon_match_one_process(two_rank_launch, tmp_path):
     """DDP, FSDP2 (the sharded matrices are gathered for the orthogonalisation) and TP on 2 gloo processes
     give the single-process Muon losses, and the FSDP run's step-3 DCP checkpoint resumes under DDP to the
     same losses. Tolerance 1e-4 relative: the all-reduced gradients differ from one process's in the last
     fp32 bits, which the bf16 orthogonalisation can round the other way in a few elements."""
-    from test_parallel import common, launch, losses, single
+    from test_parallel import losses, single
 
-    muon = {"optim.name": "muon", "optim.muon_lr": 0.05}
-    jobs = {"ddp": {}, "fsdp": {"parallel.dp_shard": 2, "checkpoint.every_steps": 3, "checkpoint.keep_last": 5},
-            "tp": {"parallel.tp": 2, "model.fused_qkv": False}}
-    spec = [{"cfg": common(**muon, **over), "run_dir": str(tmp_path / name)} for name, over in jobs.items()]
-    spec.append({"cut": {"src": str(tmp_path / "fsdp"), "step": 3}, "run_dir": str(tmp_path / "fsdp_to_ddp"),
-                 "cfg": common(**muon), "resume": True})
-    launch(tmp_path, spec)
-    ref = single(tmp_path, "ref", **muon)
-    ref_tp = single(tmp_path, "ref_tp", dp=1, **muon, **{"model.fused_qkv": False})
+    runs = two_rank_launch / "muon"
+    ref = single(tmp_path, "ref", **MUON)
+    ref_tp = single(tmp_path, "ref_tp", dp=1, **MUON, **{"model.fused_qkv": False})
     for name, want in (("ddp", ref), ("fsdp", ref), ("fsdp_to_ddp", ref), ("tp", ref_tp)):
-        got = losses(tmp_path / name)
+        got = losses(runs / name)
         assert list(got) == list(want), name
         for s in want:
             assert abs(got[s] - want[s]) <= 1e-4 * want[s], (name, s, got[s], want[s])

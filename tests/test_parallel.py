@@ -4,7 +4,7 @@ Every layout must train on the same global batches as one process: per-step loss
 single-process run with ``batch_size x dp`` within 1e-5 relative (fp32, dropout 0; only the order of
 floating-point sums differs). Several layouts run one after the other inside one torchrun launch (this
 file is also the worker script: ``python -m torch.distributed.run ... test_parallel.py --worker SPEC``)
-to keep the import/launch cost to three launches.
+to keep the import/launch cost down: every 2-rank layout in one launch, every 4-rank layout in another.
 """
 
 from __future__ import annotations
@@ -95,16 +95,26 @@ def ref(tmp_path_factory) -> dict[int, float]:
     return single(tmp_path_factory.mktemp("ref"), "ref")
 
 
-@pytest.fixture(scope="module")
-def two_rank_runs(tmp_path_factory):
-    """One torchrun launch training every layout, then a resume of the FSDP run's step-3 DCP
-    checkpoint under DDP (a different layout) in the same launch."""
-    tmp = tmp_path_factory.mktemp("dist")
+def two_rank_jobs(tmp: Path) -> list[dict]:
+    """Every data-parallel layout, then a resume of the FSDP run's step-3 DCP checkpoint under DDP (a
+    different layout), then the 2-rank tensor and pipeline layouts (MP_2, read through ``mp2_runs``): run in
+    one 2-rank launch with other files' 2-rank jobs (conftest.two_rank_launch, TWO_RANK)."""
     jobs = [{"cfg": common(**over), "run_dir": str(tmp / name)} for name, over in LAYOUTS.items()]
     jobs.append({"cut": {"src": str(tmp / "fsdp_zero3"), "step": 3}, "run_dir": str(tmp / "fsdp_to_ddp"),
                  "cfg": common(), "resume": True})
-    launch(tmp, jobs)
-    return tmp
+    assert not set(MP_2) & {*LAYOUTS, "fsdp_to_ddp"}  # one folder per run
+    return jobs + [{"cfg": common(**over), "run_dir": str(tmp / name)} for name, (over, _, _) in MP_2.items()]
+
+
+def four_rank_jobs(tmp: Path) -> list[dict]:
+    """The 4-rank layouts (MP_4), run in one 4-rank launch with tests/test_parallel_families.py's
+    (conftest.four_rank_launch)."""
+    return [{"cfg": common(**over), "run_dir": str(tmp / name)} for name, (over, _, _) in MP_4.items()]
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(two_rank_launch):
+    return two_rank_launch / "gpt2"
 
 
 @pytest.mark.slow
@@ -193,16 +203,10 @@ def metric(run_dir, key: str) -> dict[int, float]:
     return {r["step"]: r[key] for r in read_metrics(run_dir) if r.get(key) is not None}
 
 
-def run_layouts(tmp_path_factory, layouts: dict, nproc: int) -> Path:
-    tmp = tmp_path_factory.mktemp(f"mp{nproc}")
-    launch(tmp, [{"cfg": common(**over), "run_dir": str(tmp / name)} for name, (over, _, _) in layouts.items()],
-           nproc=nproc, timeout=300)
-    return tmp
-
-
 @pytest.fixture(scope="module")
-def mp2_runs(tmp_path_factory):
-    return run_layouts(tmp_path_factory, MP_2, 2)
+def mp2_runs(two_rank_runs):
+    """The MP_2 runs, trained in the launch of ``two_rank_runs``."""
+    return two_rank_runs
 
 
 @pytest.mark.slow
@@ -249,12 +253,12 @@ def test_model_parallel_checkpoint_resumes_in_one_process(mp2_runs, name, tmp_pa
 
 
 @pytest.mark.slow
-def test_four_rank_combinations_match_single_process(tmp_path_factory, tmp_path):
+def test_four_rank_combinations_match_single_process(four_rank_launch, tmp_path):
     """FSDP x TP, PP x FSDP and PP x TP on 4 processes (2 x 2 meshes): losses and gradient norms.
 
     Under FSDP x TP the column-wise TP weights carry a ``_StridedShard`` placement from FSDP; a norm
     that counted it as replicated would be off by a few 1e-3 relative (and clip wrongly)."""
-    runs = run_layouts(tmp_path_factory, MP_4, 4)
+    runs = four_rank_launch / "gpt2"
     for name, (_, ref_over, dp) in MP_4.items():
         ref = single(tmp_path, name, dp=dp, **ref_over)
         assert_same_losses(losses(runs / name), ref, what=name)

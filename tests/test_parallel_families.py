@@ -8,8 +8,9 @@ validation losses equal the single-process run's within 1e-5 relative. A represe
 CI short (GPT-2 covers every switch): DDP, ZeRO-1, FSDP2, TP (k/v projections of one head per rank),
 PP 1F1B with 4 micro-batches (rotary tables on both stages), FSDP x TP and HSDP, and TP of a model
 with q/k norm (Qwen3); a 2-rank FSDP DCP checkpoint resumes into TP and into one process; the sharded
-FSDP, TP and PP checkpoints, read whole, hold the single-process weights. Two torchrun launches (the
-workers are test_parallel.py's); about 30 s on 2 cores.
+FSDP, TP and PP checkpoints, read whole, hold the single-process weights. No torchrun launch of its own:
+its jobs run in tests/test_parallel.py's 2-rank and 4-rank launches (conftest.two_rank_launch and
+four_rank_launch; the workers are test_parallel.py's).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import json
 import pytest
 import torch
 
-from test_parallel import _cut_run, assert_same_losses, common, launch, losses, metric, preset_cfg, single
+from test_parallel import _cut_run, assert_same_losses, common, losses, metric, preset_cfg, single
 
 PRESET = "tiny-llama"
 # every run: clipping active, evaluation at steps 3 and 6 (the pipeline's eval schedule too). Every rank
@@ -58,17 +59,25 @@ def refs(tmp_path_factory):
     return tmp
 
 
-@pytest.fixture(scope="module")
-def two_rank_runs(tmp_path_factory):
+def two_rank_jobs(tmp) -> list[dict]:
     """Every 2-rank layout, then the FSDP run's step-3 DCP checkpoint resumed under TP (batch 8 on the
-    one data-parallel rank: the FSDP run's global batch), in one launch."""
-    tmp = tmp_path_factory.mktemp("family2")
+    one data-parallel rank: the FSDP run's global batch): run in one 2-rank launch with other files' 2-rank
+    jobs (conftest.two_rank_launch, TWO_RANK)."""
     jobs = [job(name, tmp, dp, **over) for name, (over, dp) in TWO.items()]
     jobs.append(job("tp_qk_norm", tmp, 1, **{"parallel.tp": 2, **QK_NORM}))
     jobs.append({**job("fsdp_to_tp", tmp, 1, **{"parallel.tp": 2, "train.batch_size": 8}), "resume": True,
                  "cut": {"src": str(tmp / "fsdp"), "step": 3}})
-    launch(tmp, jobs, timeout=300)
-    return tmp
+    return jobs
+
+
+def four_rank_jobs(tmp) -> list[dict]:
+    """The 4-rank layouts, run in one 4-rank launch with tests/test_parallel.py's (conftest.four_rank_launch)."""
+    return [job(name, tmp, dp, **over) for name, (over, dp) in FOUR.items()]
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(two_rank_launch):
+    return two_rank_launch / "llama"
 
 
 def assert_like_reference(run, ref, what: str) -> None:
@@ -89,10 +98,9 @@ def test_two_rank_layouts_match_single_process(two_rank_runs, refs):
 
 
 @pytest.mark.slow
-def test_four_rank_layouts_match_single_process(tmp_path_factory, refs):
+def test_four_rank_layouts_match_single_process(four_rank_launch, refs):
     """FSDP x TP (column-wise TP weights carry FSDP's strided shard) and HSDP (2 replicas x 2 shards)."""
-    tmp = tmp_path_factory.mktemp("family4")
-    launch(tmp, [job(name, tmp, dp, **over) for name, (over, dp) in FOUR.items()], nproc=4, timeout=300)
+    tmp = four_rank_launch / "llama"
     for name, (_, dp) in FOUR.items():
         assert_like_reference(tmp / name, refs / f"dp{dp}", name)
         assert json.loads((tmp / name / "summary.json").read_text())["layout"] == LAYOUT[name]

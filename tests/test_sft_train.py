@@ -58,18 +58,25 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
     return path
 
 
+def prepare_data(d: Path) -> Path:
+    """In folder ``d``: a Llama 3 tokenizer folder ``model`` (with its chat template), ``chats.jsonl`` and the
+    chat folder ``data`` prepared from them with it (its path)."""
+    model = _build("llama3", d / "model", (TEMPLATES / "llama3.jinja").read_text())
+    assert model == d / "model"
+    src = write_jsonl(d / "chats.jsonl", conversations(80))
+    return prepare_chat(src, d / "data", ChatTemplate(model), workers=1, progress=False, val_fraction=0.2)
+
+
 @pytest.fixture(scope="module")
 def chat(tmp_path_factory) -> dict[str, Path]:
     """A Llama 3 tokenizer folder (with its chat template), a chat folder prepared with it, and a text folder."""
     from tokenmill.data import prepare
 
     d = tmp_path_factory.mktemp("sft")
-    model = _build("llama3", d / "model", (TEMPLATES / "llama3.jinja").read_text())
-    src = write_jsonl(d / "chats.jsonl", conversations(80))
-    data = prepare_chat(src, d / "data", ChatTemplate(model), workers=1, progress=False, val_fraction=0.2)
+    data = prepare_data(d)
     (d / "text.txt").write_text("plain text, learned everywhere. " * 200)
     text = prepare(d / "text.txt", d / "text", "bytes", workers=1, progress=False)
-    return {"model": model, "data": data, "text": text, "jsonl": src, "dir": d}
+    return {"model": d / "model", "data": data, "text": text, "jsonl": d / "chats.jsonl", "dir": d}
 
 
 def chat_over(folder: Path, **over) -> dict:
@@ -228,30 +235,40 @@ def test_masked_loss_is_the_global_token_mean_for_every_accumulation_split(chat,
     assert max((a - b).abs().max().item() for a, b in zip(ref["naive"], ref["grads"])) > 1e-4  # naive means differ
 
 
-@pytest.mark.slow
-def test_two_processes_give_the_one_process_loss(chat, tmp_path):
-    """DDP with accumulation (plain loss) and FSDP (chunked loss) on 2 gloo processes: the per-step losses of one
-    process with the same global batch."""
-    from test_parallel import assert_same_losses, common, launch, losses, single
+TASKS_2 = {"eval.tasks": "tokenmill_tiny_mc,tokenmill_tiny_ppl", "eval.tasks_limit": 4,
+           "eval.include_path": str(TASKS)} if importlib.util.find_spec("lm_eval") else {}
+RUNS_2 = {"ddp": {"train.grad_accum_steps": 2, **TASKS_2},  # eval.tasks: the ranks split the documents
+          "fsdp": {"parallel.dp_shard": 2, "model.loss_impl": "chunked", "model.loss_chunk_size": 40}}
 
-    tasks = {"eval.tasks": "tokenmill_tiny_mc,tokenmill_tiny_ppl", "eval.tasks_limit": 4,
-             "eval.include_path": str(TASKS)} if importlib.util.find_spec("lm_eval") else {}
-    runs = {"ddp": {"train.grad_accum_steps": 2, **tasks},  # eval.tasks: the ranks split the documents
-            "fsdp": {"parallel.dp_shard": 2, "model.loss_impl": "chunked", "model.loss_chunk_size": 40}}
-    jobs = [{"cfg": common(**chat_over(chat["data"], **over)), "run_dir": str(tmp_path / name)}
-            for name, over in runs.items()]
-    launch(tmp_path, jobs)
-    for name, over in runs.items():
+
+def two_rank_jobs(tmp: Path) -> list[dict]:
+    """DDP and FSDP on 2 gloo processes, on a chat folder prepared here first (in ``tmp/chat``), trained in the
+    shared 2-rank launch (conftest.two_rank_launch: one launch's imports for several files)."""
+    from test_parallel import common
+
+    data = prepare_data(tmp / "chat")
+    return [{"cfg": common(**chat_over(data, **over)), "run_dir": str(tmp / name)} for name, over in RUNS_2.items()]
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_one_process_loss(two_rank_launch, tmp_path):
+    """DDP with accumulation (plain loss) and FSDP (chunked loss) on 2 gloo processes (the shared torchrun launch):
+    the per-step losses of one process with the same global batch."""
+    from test_parallel import assert_same_losses, losses, single
+
+    runs, tasks = two_rank_launch / "sft", TASKS_2
+    data = runs / "chat" / "data"
+    for name, over in RUNS_2.items():
         over = {k: v for k, v in over.items() if not k.startswith(("parallel.", "eval."))}
-        ref = single(tmp_path, f"ref-{name}", **chat_over(chat["data"], **over))
-        assert_same_losses(losses(tmp_path / name), ref, what=name)
-        rows = [r for r in read_metrics(tmp_path / name) if "loss" in r]
+        ref = single(tmp_path, f"ref-{name}", **chat_over(data, **over))
+        assert_same_losses(losses(runs / name), ref, what=name)
+        rows = [r for r in read_metrics(runs / name) if "loss" in r]
         assert all(0 < r["learned_frac"] < 1 for r in rows)
     if tasks:  # the scores two ranks gathered at the end equal one process scoring the same final weights
-        split = {k: v for k, v in json.loads((tmp_path / "ddp" / "summary.json").read_text()).items()
+        split = {k: v for k, v in json.loads((runs / "ddp" / "summary.json").read_text()).items()
                  if k.startswith("tasks/")}
         out = tmp_path / "one.json"
-        r = run_cli("eval", tmp_path / "ddp", "--tasks", tasks["eval.tasks"], "--limit", 4, "--include-path", TASKS,
+        r = run_cli("eval", runs / "ddp", "--tasks", tasks["eval.tasks"], "--limit", 4, "--include-path", TASKS,
                     "--device", "cpu", "--out", out)
         assert r.returncode == 0, r.stderr
         one = scores(json.loads(out.read_text()))

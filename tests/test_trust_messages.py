@@ -294,12 +294,22 @@ set = { "train.batch_size" = 2 }
 
 
 @pytest.mark.slow
-def test_a_ladder_says_the_threads_note_once_and_its_rungs_never(tmp_path):
+def test_a_ladder_says_the_threads_note_once_and_its_rungs_never(tmp_path, monkeypatch):
+    import torch
+
     (tmp_path / "noise.toml").write_text(LADDER)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    env = dict(cpu_env(), OMP_NUM_THREADS=str(max(4, 2 * cores)))  # more threads than cores: the note applies
-    env.pop(D.NOTED_ENV, None)
-    out = _tokenmill("bench", "ladder", tmp_path / "noise.toml", "--out", tmp_path / "out", env=env)
+    threads = max(4, 2 * cores)  # more threads than cores: the note applies
+    monkeypatch.setenv("OMP_NUM_THREADS", str(threads))  # the rungs' processes start with as many
+    monkeypatch.setenv(D.NOTED_ENV, "")  # recorded, so that the ladder's note does not outlive the test
+    monkeypatch.delenv(D.NOTED_ENV)
+    # the ladder in this process (its rungs in their own), with the threads its interpreter would have taken
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = run_cli("bench", "ladder", tmp_path / "noise.toml", "--out", tmp_path / "out")
+    finally:
+        torch.set_num_threads(before)
     assert out.returncode == 0, out.stdout + out.stderr
     assert (out.stdout + out.stderr).count("OMP_NUM_THREADS=") == 1, out.stdout
     logs = [p.read_text() for p in (tmp_path / "out" / "rungs").glob("*/std*.log")]

@@ -61,12 +61,16 @@ INERT: tuple[Needs, ...] = (
           lambda c: _embedded(c) or c.data.source != "tokens"),
     Needs(("model.moe_top_k", "model.moe_intermediate_size", "model.moe_shared_experts", "model.moe_every",
            "model.moe_dense_layers", "model.moe_router", "model.moe_aux_loss_coef", "model.moe_z_loss_coef",
-           "model.moe_impl"), "--model.moe_experts > 0", lambda c: c.model.moe_experts > 0),
+           "model.moe_impl", "model.moe_bias_update_rate"), "--model.moe_experts > 0", lambda c: c.model.moe_experts > 0),
     Needs(("model.moe_shared_intermediate_size", "model.moe_shared_gate"),
           "--model.moe_shared_experts > 0 (with --model.moe_experts > 0)",
           lambda c: c.model.moe_experts > 0 and c.model.moe_shared_experts > 0),
     Needs(("model.qk_norm_width",), "--model.qk_norm true", lambda c: c.model.qk_norm),
     Needs(("model.loss_chunk_size",), "--model.loss_impl chunked", lambda c: c.model.loss_impl == "chunked"),
+    Needs(("model.return_logits",), "the loss compiled with the whole model (--compile.enabled true, "
+          "compile.scope 'model', no compile.loss_outside, model.loss_impl 'full', parallel.pp 1)",
+          lambda c: (c.compile.enabled and c.compile.scope == "model" and not c.compile.loss_outside
+                     and c.model.loss_impl == "full" and c.parallel.pp == 1)),
     Needs(("model.causal_mask",), "--model.attention manual", lambda c: c.model.attention == "manual"),
     Needs(("model.sdpa_backend",), "--model.attention sdpa", lambda c: c.model.attention == "sdpa"),
     Needs(("model.gelu",), "--model.mlp gelu", lambda c: c.model.mlp == "gelu"),

@@ -7,19 +7,35 @@ from dataclasses import dataclass
 from typing import Literal
 
 from tokenmill.config.field import F
+from tokenmill.config.model import ModelConfig
+from tokenmill.errors import ConfigError
 
-__all__ = ["LORA_ROLES", "LoraConfig", "lora_roles"]
+__all__ = ["LORA_ROLES", "LoraConfig", "check_expert_targets", "lora_roles"]
 
-LORA_ROLES = ("q", "k", "v", "o", "gate", "up", "down")  # the projections lora.targets may name
+LORA_ROLES = ("q", "k", "v", "o", "gate", "up", "down", "experts")  # the projections lora.targets may name
 
 
-def lora_roles(targets: str, mlp: str) -> tuple[str, ...]:
+def lora_roles(targets: str, mlp: str, experts: bool = False) -> tuple[str, ...]:
     """The roles ``lora.targets`` names, in block order (``'all'``: every projection a block of this MLP
-    kind has). Unknown names, or ``gate`` without a SwiGLU MLP, are left to :func:`tokenmill.config.validate`."""
+    kind has, and the routed experts when ``experts``: a mixture of experts). Unknown names, ``gate`` without a
+    SwiGLU MLP, or ``experts`` without experts, are left to :func:`tokenmill.config.validate`."""
     names = [t.strip() for t in targets.split(",") if t.strip()]
     if "all" in names:
-        return tuple(r for r in LORA_ROLES if r != "gate" or mlp == "swiglu")
+        return tuple(r for r in LORA_ROLES if (r != "gate" or mlp == "swiglu") and (r != "experts" or experts))
     return tuple(r for r in LORA_ROLES if r in names)
+
+
+def check_expert_targets(lora: LoraConfig, m: ModelConfig) -> None:
+    """``lora.targets`` and a mixture of experts: no 'experts' in a dense model, no MLP role in a model whose
+    every layer is sparse without shared experts (one line naming the field)."""
+    names = {t.strip() for t in lora.targets.split(",")}
+    if "experts" in names and not m.moe_experts:
+        raise ConfigError("lora.targets names 'experts', but this model has no mixture of experts "
+                          "(model.moe_experts = 0); its projections are q, k, v, o, gate, up, down.")
+    mlp = sorted({"gate", "up", "down"} & names)
+    if mlp and m.moe_experts and len(m.sparse_layers()) == m.n_layer and not m.moe_shared_experts:
+        raise ConfigError(f"lora.targets names {', '.join(mlp)}, but every layer of this model is a mixture of "
+                          "experts without shared experts: name 'experts' for the routed experts.")
 
 
 @dataclass
@@ -41,8 +57,10 @@ class LoraConfig:
         "all",
         "The projections of every block that get adapters, comma-separated: q, k, v (query, key, value; parts "
         "of the fused q/k/v matrix with model.fused_qkv, each with its own adapter), o (attention output), "
-        "gate, up, down (the MLP: gate only in a SwiGLU MLP; up/down are GPT-2's c_fc/c_proj), or 'all' "
-        "(every projection the block has).",
+        "gate, up, down (the MLP: gate only in a SwiGLU MLP; up/down are GPT-2's c_fc/c_proj; in a sparse layer, "
+        "the shared experts' projections), experts (the routed experts of a mixture of experts: a low-rank pair "
+        "per expert on its gate/up and down weights), or 'all' (every projection the model has; a role a block "
+        "lacks is skipped there).",
     )
     dropout: float = F(0.0, "Dropout on the adapters' input (the frozen path sees x unchanged).", ge=0, lt=1)
     quantize_base: Literal["none", "nf4"] = F(
@@ -51,7 +69,7 @@ class LoraConfig:
         "NF4: blocks of 64 weights with an int8 scale each, the scales double-quantised in groups of up to 256; "
         "about 4.13 bits per weight), dequantised to the input's dtype in each forward and backward; the adapters, "
         "embeddings, norms and head keep the compute dtype. Needs torchao and lora.rank > 0; each adapted "
-        "matrix's size must be a multiple of 64. Checkpoints keep the NF4 base exactly (codes and scales: resume "
-        "is exact); sample, eval and export merge the adapters into the dequantised base. One process or DDP "
+        "matrix's size must be a multiple of 64 (the routed experts: each stack of E matrices is one NF4 tensor). "
+        "Checkpoints keep the NF4 base exactly (codes and scales: resume is exact); sample, eval and export merge the adapters into the dequantised base. One process or DDP "
         "(not FSDP).",
     )

@@ -48,6 +48,12 @@ def _optimizer_alternative_free(get: Get) -> bool:
     return not any(get(f"memory.{k}") for k in ("optimizer_8bit", "optimizer_offload", "optimizer_in_backward"))
 
 
+def _loss_compiled_with_model(get: Get) -> bool:
+    """The loss is inside one whole-model compiled graph (where ``model.return_logits`` acts)."""
+    return (get("compile.enabled") and get("compile.scope") == "model" and not get("compile.loss_outside")
+            and get("parallel.pp") == 1)
+
+
 def _activation_switches(get: Get) -> list[MemorySwitch]:
     out = []
     if get("memory.activation_checkpointing") != 1:
@@ -69,6 +75,10 @@ def _activation_switches(get: Get) -> list[MemorySwitch]:
                                 frozenset({ACTIVATIONS})))
     if get("model.attention") == "manual":
         out.append(MemorySwitch({"model.attention": "sdpa"}, "no T x T attention matrix", frozenset({ACTIVATIONS})))
+    if get("model.loss_impl") == "full" and get("model.return_logits") and _loss_compiled_with_model(get):
+        out.append(MemorySwitch({"model.return_logits": False}, "the compiled model returns only the loss: no zero "
+                                "gradient for the unused logits, backward overwrites them in place",
+                                frozenset({LOGITS})))
     if get("model.loss_impl") == "full":
         out.append(MemorySwitch({"model.loss_impl": "chunked"}, "no full vocabulary logits", frozenset({LOGITS})))
     return out

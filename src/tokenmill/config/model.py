@@ -80,6 +80,15 @@ class ModelConfig:
         "the full logits are never materialised (training returns no logits). Same loss and gradients.",
     )
     loss_chunk_size: int = F(1024, "Tokens per chunk for model.loss_impl='chunked'.", ge=1)
+    return_logits: bool = F(
+        True,
+        "With targets (training, evaluation), return the logits beside the loss. False: the forward returns "
+        "(None, loss). Under whole-model compile (compile.scope='model' with the loss inside) the logits are "
+        "then no output of the compiled graph: backward needs no zero gradient for them and the graph keeps "
+        "one (batch x seq x vocab) buffer fewer (several GiB at batch 64 for GPT-2). Nothing to save eagerly, "
+        "per block or with the loss outside the graph (the trainer drops the logits at once) nor with the "
+        "chunked loss (no logits). Same loss and gradients.",
+    )
     fp32_islands: bool = F(
         True,
         "Compute the numerically sensitive ops in fp32 when the model runs in bf16/fp16 weights: the "
@@ -193,6 +202,18 @@ class ModelConfig:
         "Router z-loss coefficient (ST-MoE): coef x the mean over sparse layers and tokens of "
         "logsumexp(router logits)^2 is added to the training loss, keeping router logits small. 0 = off "
         "(OLMoE trained with 0.001).",
+        ge=0,
+    )
+    moe_bias_update_rate: float = F(
+        0.0,
+        "DeepSeek-V3's auxiliary-loss-free load balancing: each sparse layer keeps a per-expert bias (a buffer, "
+        "saved in checkpoints, never trained by the optimizer) added to the routing scores only to choose each "
+        "token's experts (the weights stay the unbiased scores; the scores are the router probabilities, or the "
+        "logits under 'topk-softmax'); after every optimizer step each expert's bias moves by rate x "
+        "sign(mean load - its load) over the step's routed slots of all data-parallel ranks. 0 = off; "
+        "DeepSeek-V3 used 0.001 (usually with model.moe_aux_loss_coef 0 or tiny). Export to a Hugging Face "
+        "class without such a bias is refused once the bias is non-zero. Under train.precision 'bf16' the bias is "
+        "bf16 like every buffer (a step of 0.001 is lost once the bias reaches 0.5).",
         ge=0,
     )
     moe_impl: Literal["auto", "grouped", "loop"] = F(

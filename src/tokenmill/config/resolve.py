@@ -21,7 +21,7 @@ else:  # pragma: no cover
 
 from tokenmill import atomic
 from tokenmill.config.inert import warn_inert
-from tokenmill.config.lora import LORA_ROLES
+from tokenmill.config.lora import LORA_ROLES, check_expert_targets
 from tokenmill.config.model import check_moe
 from tokenmill.config.schema import Config, describe_range, field_ranges, field_specs, sections
 from tokenmill.config.size import check_size
@@ -244,11 +244,10 @@ def validate(cfg: Config) -> Config:
 
 
 def check_lora_targets(cfg: Config) -> None:
-    """``lora.targets`` names only projections the model has: no 'gate' in a GELU MLP."""
+    """``lora.targets`` names only projections the model has: no 'gate' in a GELU MLP, no 'experts' in a dense
+    model, no MLP role in a model whose every layer is sparse without shared experts; QLoRA not on experts."""
     names = [t.strip() for t in cfg.lora.targets.split(",")]
-    if cfg.lora.rank and cfg.model.moe_experts and {"all", "gate", "up", "down"} & set(names):
-        raise ConfigError(f"lora.targets={cfg.lora.targets!r}: with a mixture of experts (model.moe_experts) the "
-                          "adapters go on attention only for now: --lora.targets q,k,v,o.")
+    check_expert_targets(cfg.lora, cfg.model)  # config/lora.py: the roles of a mixture of experts
     if "gate" in names and cfg.model.mlp != "swiglu":
         raise ConfigError("lora.targets names 'gate', but a GELU MLP (model.mlp='gelu') has no gate projection; "
                           "its projections are up (c_fc) and down (c_proj).")
@@ -331,6 +330,29 @@ def _validate_memory_and_parallel(cfg: Config) -> None:
     if p.zero1 and p.dp_shard != 1:
         raise ConfigError("parallel.zero1 shards optimizer state over DDP; with dp_shard > 1 FSDP already does.")
     _validate_model_parallel(cfg)
+    _validate_expert_parallel(cfg)
+
+
+def _validate_expert_parallel(cfg: Config) -> None:
+    """``parallel.ep``: experts to split, evenly, over data-parallel ranks (the world size is checked at launch)."""
+    m, p = cfg.model, cfg.parallel
+    if p.ep > 1 and not m.moe_experts:
+        raise ConfigError(f"parallel.ep={p.ep} splits a mixture of experts over ranks, but this model has none "
+                          "(model.moe_experts = 0): leave parallel.ep at 1.")
+    if p.ep == 1:
+        return
+    if m.moe_experts % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} must divide model.moe_experts ({m.moe_experts}): each rank keeps "
+                          "an equal share of the experts.")
+    if p.dp_replicate * p.dp_shard > 0 and p.dp_replicate * p.dp_shard % p.ep:  # -1 (the rest): at launch
+        raise ConfigError(f"parallel.ep={p.ep} must divide the data-parallel world size (parallel.dp_replicate x "
+                          f"dp_shard = {p.dp_replicate * p.dp_shard}).")
+    if p.tp > 1 or p.pp > 1 or p.zero1:
+        raise ConfigError(f"parallel.ep={p.ep} splits the experts over data-parallel ranks; it does not combine "
+                          "with parallel.tp, parallel.pp or parallel.zero1 yet.")
+    if cfg.lora.rank and {"all", "experts"} & {t.strip() for t in cfg.lora.targets.split(",")}:
+        raise ConfigError(f"parallel.ep={p.ep} does not split LoRA adapters on the experts: leave 'experts' out "
+                          "of lora.targets (e.g. --lora.targets q,k,v,o) or use parallel.ep 1.")
 
 
 def _validate_model_parallel(cfg: Config) -> None:
@@ -339,9 +361,10 @@ def _validate_model_parallel(cfg: Config) -> None:
     if p.tp > 1 and m.qk_norm and m.qk_norm_width == "all":
         raise ConfigError("model.qk_norm_width='all' normalises q and k over all heads together, which "
                           "parallel.tp (heads split over ranks) cannot compute; use parallel.dp_shard instead.")
-    if m.moe_experts and (p.tp > 1 or p.pp > 1 or getattr(t, "fp8", "off") != "off"):
-        raise ConfigError("model.moe_experts > 0 (a mixture of experts) works with one process, DDP and FSDP "
-                          "(parallel.dp_replicate / dp_shard), not yet with parallel.tp, parallel.pp or train.fp8.")
+    if m.moe_experts and p.pp > 1:
+        raise ConfigError("model.moe_experts > 0 does not combine with parallel.pp: the load-balancing loss pools "
+                          "every layer's routing, so each stage's router gradient needs the other stages' routing, "
+                          "which the pipeline schedule does not pass; use parallel.dp_shard, tp or ep.")
     if p.tp > 1:
         if m.fused_qkv:
             raise ConfigError(

@@ -46,7 +46,9 @@ class TrainConfig:
         "with FP8 tensor cores: H100/H200, L4, RTX 4090 and newer): inputs, weights and output gradients are "
         "cast to float8 with dynamic scales, one per tensor ('tensorwise', the fastest) or one per row "
         "('rowwise', more accurate); weights stay in their precision. Approximate (a few tenths of a percent "
-        "per matmul). Embeddings, the head and layers whose sizes are not multiples of 16 stay as they are.",
+        "per matmul). Embeddings, the head and layers whose sizes are not multiples of 16 stay as they are. On a "
+        "mixture of experts the router (and a shared-expert gate) and the routed experts stay in high precision "
+        "(the shared experts' linears are converted).",
     )
     fp8_all_gather: bool = F(
         False,
@@ -164,8 +166,8 @@ class MemoryConfig:
         "full",
         "What a block checkpointed by memory.activation_checkpointing keeps for backward: 'full' = only its "
         "input, backward recomputes its whole forward; 'save-matmuls' = selective (op-level) checkpointing "
-        "(torch.utils.checkpoint.create_selective_checkpoint_contexts): the outputs of its matrix products and "
-        "fused attention are kept too, so backward recomputes only the cheap element-wise ops (norms, GELU/SiLU, "
+        "(torch.utils.checkpoint.create_selective_checkpoint_contexts): the outputs of its matrix products (a "
+        "mixture of experts' grouped expert products too) and fused attention are kept too, so backward recomputes only the cheap element-wise ops (norms, GELU/SiLU, "
         "RoPE, dropout, residual adds): memory between 'full' and no checkpointing, most of the recompute time "
         "saved. The same gradients, bit for bit.",
     )

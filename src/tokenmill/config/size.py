@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from tokenmill.config.matrices import block_matrices
 from tokenmill.config.model import ModelConfig
 from tokenmill.errors import ConfigError
 
@@ -43,22 +44,18 @@ def padded_vocab(m: ModelConfig, vocab_size: int) -> int:
     return -(-vocab_size // k) * k
 
 
-def block_params(m: ModelConfig) -> int:
-    """Parameters of one block, from the shape fields (the layout of ``model/layers.py Block``)."""
-    C, hd, inner = m.n_embd, m.head_width, m.mlp_width
-    q, kv = m.n_head * hd, m.kv_heads * hd
-    attn = C * (q + 2 * kv) + (q + 2 * kv if m.qkv_bias else 0) + q * C + (C if m.bias else 0)
-    attn += (2 * _norm(m, hd) if m.qk_norm_width == "head" else _norm(m, q) + _norm(m, kv)) if m.qk_norm else 0
-    n_in = 2 if m.mlp == "swiglu" else 1  # gate and up, or up
-    mlp = n_in * (C * inner + (inner if m.bias else 0)) + inner * C + (C if m.bias else 0)
-    return 2 * _norm(m, C) + attn + mlp
+def block_params(m: ModelConfig, sparse: bool = False) -> int:
+    """Parameters of one block (a sparse layer's with ``sparse``): its matrices (``config/matrices.py``) and
+    its norms (the layout of ``model/layers.py Block``)."""
+    hd, q, kv = m.head_width, m.n_head * m.head_width, m.kv_heads * m.head_width
+    norms = 2 * _norm(m, m.n_embd)
+    norms += (2 * _norm(m, hd) if m.qk_norm_width == "head" else _norm(m, q) + _norm(m, kv)) if m.qk_norm else 0
+    return norms + sum(x.params for x in block_matrices(m, sparse))
 
 
 def moe_extra_params(m: ModelConfig) -> int:
     """Parameters a sparse layer's mixture of experts (model/moe.py) adds over the dense MLP it replaces."""
-    C, inner, E, Ie, S = m.n_embd, m.mlp_width, m.moe_experts, m.expert_width, m.shared_width
-    dense = 3 * C * inner + (2 * inner + C if m.bias else 0)  # model.mlp='swiglu' (check_moe)
-    return C * E + 3 * E * C * Ie + 3 * C * S + (C if S and m.moe_shared_gate else 0) - dense
+    return block_params(m, sparse=True) - block_params(m)
 
 
 def param_count(m: ModelConfig, vocab_size: int) -> int:

@@ -130,6 +130,9 @@ def format_estimate(est, cfg: C.Config, advice: str | None = None) -> str:
         lines.append(f"  expected error +-{100 * u['speed']:.0f}%: {lo:,.0f}-{hi:,.0f} tokens/s ({u['speed_basis']})")
     parts = ", ".join(f"{k[:-3].replace('_', ' ')} {v:,.1f} ms" for k, v in est.time_breakdown_ms.items() if v >= 0.05)
     lines.append(f"  {parts}")
+    from tokenmill.estimate.moe import format_moe
+
+    lines += format_moe(est)  # a mixture of experts: its parts
     for n in est.notes:
         lines.append(f"note: {n}")
     if advice:

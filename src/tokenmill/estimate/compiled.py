@@ -38,7 +38,7 @@ from torch import nn
 
 from tokenmill.estimate.device import DeviceModel
 from tokenmill.estimate.inductor import GraphPlan, plan_graph
-from tokenmill.estimate.pieces import PieceTrace, Round, logits_returned, returning_logits  # noqa: F401
+from tokenmill.estimate.pieces import PieceTrace, Round  # noqa: F401
 
 
 class _Call(nn.Module):
@@ -325,12 +325,12 @@ def compiled_block(model: nn.Module, block: nn.Module, shape: tuple, act_dtype: 
 def compiled_head(model: nn.Module, shape: tuple, act_dtype: torch.dtype, devmode: DeviceModel,
                   rounds: int) -> PieceTrace:
     """The final norm, the head and the loss compiled with the model: the logits are returned (and get a
-    zero gradient), the cross-entropy fused."""
+    zero gradient) unless ``model.return_logits`` is off, the cross-entropy fused."""
     params = {n: p for n, p in model.named_parameters() if n.startswith(("ln_f.", "lm_head."))}
     if model.cfg.tie_embeddings:
         params["wte.weight"] = model.wte.weight
     acts = [("x", shape, act_dtype, True), ("aux", shape[:2], torch.long, False)]
-    keep = logits_returned()
+    keep = model.cfg.return_logits
 
     def fn(x, t):
         logits, loss = model.head_loss(model.ln_f(x), t)

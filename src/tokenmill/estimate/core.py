@@ -15,6 +15,7 @@ from tokenmill import config as C
 from tokenmill.config.size import check_size
 from tokenmill.errors import ConfigError, ParallelError
 from tokenmill.estimate.gpus import GPU, gpu_spec
+from tokenmill.estimate.moe import apply_moe
 from tokenmill.estimate.sft import add_learned_rate
 from tokenmill.estimate.step import PipelineStep, Plan, Step, rank_params
 from tokenmill.estimate.techniques import nf4_base_bytes
@@ -53,6 +54,7 @@ class Estimate:
     memory_range_mb: tuple = ()  # peak reserved (allocated on a CPU) +- the memory error
     tokens_per_sec_range: tuple = ()
     chat: Optional[dict[str, Any]] = None  # a chat fine-tune: padding and learned shares, learned tokens/s (sft.py)
+    moe: Optional[dict[str, Any]] = None  # a mixture of experts: its parts, expert parallelism (moe.py)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -150,6 +152,7 @@ def estimate(cfg: C.Config, gpu: str | GPU = "h100-sxm", nproc: int = 1) -> Esti
         precision=cfg.train.precision + (" + tf32" if cfg.train.tf32 else ""),
     )
     _nf4_base(est, cfg, vocab)
+    apply_moe(est, cfg, lay, spec, plan)  # experts sharded by parallel.ep, grouped matmuls, all-to-all
     add_learned_rate(est, cfg)
     if cuda:
         _ranges(est, cfg, nproc)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from tokenmill import config as C
 from tokenmill.estimate.core import MB, estimate, vocab_size_of
 from tokenmill.estimate.gpus import GPUS
+from tokenmill.estimate.sft import finetune_chat_lines
 from tokenmill.estimate.techniques import nf4_base_bytes
 
 GB = 1024 * MB
@@ -96,14 +97,14 @@ def finetune_rows(cfg: C.Config, nproc: int = 1) -> tuple[list[FinetuneRow], C.C
 def format_finetune(cfg: C.Config, nproc: int = 1, chosen: Iterable[str] = ()) -> str:
     """The report: the recipe, a line per GPU, then the smallest GPU that fits each way. ``chosen``: the keys
     the user set, which the recipe leaves as they are (:func:`with_recipe`)."""
-    from tokenmill.model.build import count_params, trainable_params
+    from tokenmill.model.build import count_params, lora_model_roles, trainable_params
 
     cfg, taken = with_recipe(cfg, chosen)
     rows, lora = finetune_rows(cfg, nproc)
     vocab = vocab_size_of(cfg)
     total, trained = count_params(cfg.model, vocab), trainable_params(lora.model, vocab, lora.lora)
     t, m, lo = cfg.train, cfg.model, lora.lora
-    roles = ",".join(C.lora_roles(lo.targets, m.mlp))
+    roles = ",".join(lora_model_roles(lora.model, lo))  # the roles the blocks have (MoE: 'experts', no dense MLP)
     lines = [
         f"fine-tuning {total / 1e6:,.1f}M parameters, micro-batch {t.batch_size} x {m.block_size} tokens, "
         f"{nproc} process(es) per run, precision {C.concrete(cfg, 'cuda').train.precision}",
@@ -129,6 +130,8 @@ def format_finetune(cfg: C.Config, nproc: int = 1, chosen: Iterable[str] = ()) -
                                          "search the memory switches for one GPU (`tokenmill estimate --advice --gpu "
                                          "KEY`), or shard with --nproc N --parallel.dp_shard -1"))
     lines.append("(peak reserved memory per GPU, estimated; `tokenmill estimate --gpu KEY` details one)")
+    fit = next((r for r in rows if r.lora_fits), rows[-1])
+    lines += finetune_chat_lines(lora, GPUS[fit.gpu], nproc)  # a chat folder: padded and packed, learned tokens/s
     return "\n".join(lines)
 
 

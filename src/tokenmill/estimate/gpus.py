@@ -1,13 +1,9 @@
-"""The GPUs ``tokenmill estimate`` knows: memory, memory bandwidth and link bandwidth per GPU.
+"""The GPUs ``tokenmill estimate`` knows: the rows of the one GPU table (:data:`tokenmill.model.gpus.GPU_TABLE`)
+that have a ``key`` (memory, memory and link bandwidth, SMs, compute capability), and the CPU.
 
-Compute peaks are not repeated here: each GPU's ``device_name`` (what ``torch.cuda.get_device_name()``
-reports) is looked up in the MFU peak table, :data:`tokenmill.model.flops.PEAK_FLOPS`, so the estimate
-and the trainer's MFU use the same figures.
-
-Figures are datasheet values: ``memory_mb`` is the memory CUDA reports as total (MiB); ``hbm_gbs`` the
-memory bandwidth; ``link_gbs`` the bandwidth one GPU can send to its peers in one direction (NVLink
-for the SXM parts, else PCIe), which collectives are charged against; ``sm`` the streaming multiprocessors
-and ``cc`` the compute capability (NVIDIA's datasheets and CUDA's compute-capability table).
+Compute peaks and FP8 are read from the same table through the name torch reports (``GPU.peak``, ``GPU.fp8``:
+:func:`tokenmill.model.flops.peak_flops`, :func:`tokenmill.model.fp8.has_fp8`), so the estimate, the trainer's MFU
+and the FP8 check use the same figures; docs/estimate.md lists them.
 """
 
 from __future__ import annotations
@@ -18,6 +14,8 @@ from typing import Optional
 
 from tokenmill.errors import ConfigError
 from tokenmill.model.flops import peak_flops
+from tokenmill.model.fp8 import has_fp8
+from tokenmill.model.gpus import GPU_TABLE
 
 
 @dataclass(frozen=True)
@@ -39,18 +37,17 @@ class GPU:
         return 4096 * 8 * 1024 if self.cc[0] >= 9 else 4096 * 1024 * 2 + 16 * 1024 * 8
 
     def peak(self, mode: str) -> Optional[float]:
-        """Dense peak FLOP/s for a math mode ('fp32', 'tf32', 'bf16', 'fp16'), from the MFU table."""
+        """Dense peak FLOP/s for a math mode ('fp32', 'tf32', 'bf16', 'fp16'), from the one GPU table (MFU's)."""
         return peak_flops(self.name, mode) if self.key != "cpu" else None
+
+    @property
+    def fp8(self) -> bool:
+        """FP8 tensor cores, from the one GPU table (what ``train.fp8``'s check reads)."""
+        return self.key != "cpu" and has_fp8(self.name)
 
 
 GPUS: dict[str, GPU] = {g.key: g for g in (
-    GPU("a100-40gb", "NVIDIA A100-SXM4-40GB", 40_536, 1_555, 300, "NVLink 3 (600 GB/s both ways)", 108, (8, 0)),
-    GPU("a100-80gb", "NVIDIA A100-SXM4-80GB", 81_038, 2_039, 300, "NVLink 3 (600 GB/s both ways)", 108, (8, 0)),
-    GPU("h100-sxm", "NVIDIA H100 80GB HBM3", 81_079, 3_350, 450, "NVLink 4 (900 GB/s both ways)", 132, (9, 0)),
-    GPU("h100-pcie", "NVIDIA H100 PCIe", 81_079, 2_000, 64, "PCIe 5.0 x16", 114, (9, 0)),
-    GPU("h200", "NVIDIA H200", 143_771, 4_800, 450, "NVLink 4 (900 GB/s both ways)", 132, (9, 0)),
-    GPU("l4", "NVIDIA L4", 22_491, 300, 32, "PCIe 4.0 x16", 58, (8, 9)),
-    GPU("rtx-4090", "NVIDIA GeForce RTX 4090", 24_217, 1_008, 32, "PCIe 4.0 x16", 128, (8, 9)),
+    *(GPU(r.key, r.name, r.memory_mb, r.hbm_gbs, r.link_gbs, r.link, r.sm, r.cc) for r in GPU_TABLE if r.key),
     GPU("cpu", "cpu", 0, 50, 10, "shared memory"),
 )}
 _ALIASES = {"a100": "a100-80gb", "h100": "h100-sxm", "4090": "rtx-4090", "rtx4090": "rtx-4090"}

@@ -24,6 +24,15 @@ three runs: 4.1-4.9, 7.5-9.2 and 21-23 us; a faster host is faster, run the scri
 is CUDA.jl's published measurement of launch cost (cuda.juliagpu.org/dev/usage/graphs: 80 small kernels in
 260 us when launched one by one, 3.3 us each; 70 us as one CUDA graph), whose graph figure also gives
 ``GRAPH_KERNEL_US``, the GPU-side time of a tiny kernel (70 / 80 us).
+
+What the CPU stand-in assumes, until a GPU host measures its own (``benchmarks/validation/gemm_efficiency.py``,
+the ``gemm-efficiency`` part of ``benchmarks/session.py``, writes ``launch``: host microseconds per eager op on
+the CUDA path and GPU microseconds per tiny kernel in a CUDA graph): that Python, the dispatcher and autograd
+cost per op what they cost on the 2-core CI CPU with CPU tensors (held-out eager batch-1 runs came out 9-24% too
+fast, issue 32: the CUDA path seems to cost more per op than this stand-in), that a CUDA launch adds ``CUDA_LAUNCH_US`` on top
+and that an Inductor kernel's wrapper call on the GPU costs what the CPU Inductor's does. QLoRA's eager NF4
+dequantisation is charged ``HOST_OP_US`` per ATen op it dispatches (``roofline.NF4_EAGER_OPS``), not its
+tensor subclass's Python dispatch, which nothing here has measured.
 """
 
 from __future__ import annotations

@@ -328,6 +328,7 @@ class _Graph:
         batch = a.shape[0] if a.dim() == 3 else 1
         m, k, n = int(a.shape[-2]), int(a.shape[-1]), int(b.shape[-1])
         pm, pk, pn = (-(-d // align) * align for d in (m, k, n))
+        # is_mm_compute_bound: intensity over half the machine balance (the 0.5 is pad_mm.py's own)
         if (pm, pk, pn) == (m, k, n) or m * n * k <= 0.5 * self.pad_balance * (m * k + k * n + m * n):
             return None
         size = a.element_size()

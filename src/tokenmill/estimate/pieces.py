@@ -1,10 +1,8 @@
-"""What a traced piece is (:class:`Round`, :class:`PieceTrace`) and whether the compiled model returns its
-logits: shared by the eager trace (:mod:`.trace`) and the compiled one (:mod:`.compiled`), below both."""
+"""What a traced piece is (:class:`Round`, :class:`PieceTrace`): shared by the eager trace (:mod:`.trace`) and
+the compiled one (:mod:`.compiled`), below both."""
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -12,7 +10,7 @@ import torch
 
 from tokenmill.estimate.recorder import OpCost
 
-__all__ = ["PieceTrace", "Round", "logits_returned", "returning_logits"]
+__all__ = ["PieceTrace", "Round"]
 
 
 @dataclass
@@ -50,24 +48,3 @@ class PieceTrace:
     harness: set[int] = field(default_factory=set)  # storages made by the harness, not the model
     buffer_bytes: int = 0
     host_bytes: int = 0  # saved tensors moved to the host by memory.offload_activations, per forward
-
-
-# Whether the compiled model returns its logits beside the loss. tokenmill's GPT does (``forward`` returns
-# ``(logits, loss)``); code that returns only the loss (``return_logits=False`` in nanoGPT-style models)
-# saves the zero gradient and lets backward overwrite the logits in place. The validation set estimates such
-# sources with ``returning_logits(False)``.
-_LOGITS_RETURNED: contextvars.ContextVar[bool] = contextvars.ContextVar("logits_returned", default=True)
-
-
-def logits_returned() -> bool:
-    return _LOGITS_RETURNED.get()
-
-
-@contextlib.contextmanager
-def returning_logits(flag: bool):
-    """Estimate a compiled head whose model does (True, tokenmill's) or does not return the logits."""
-    token = _LOGITS_RETURNED.set(flag)
-    try:
-        yield
-    finally:
-        _LOGITS_RETURNED.reset(token)

@@ -2,17 +2,22 @@
 
 Every kernel the trace records (:class:`~tokenmill.estimate.trace.OpCost`) costs the larger of:
 
-- matrix products (and fused attention): FLOPs / (dense peak of its math mode x efficiency). The
-  efficiency of a product whose smallest dimension is ``d`` is ``MATMUL_EFFICIENCY x d / (d + D0)``
-  (``D0`` = ``TENSOR_CORE_D0`` on tensor cores, ``SIMT_D0`` for plain fp32): large products reach
-  ``MATMUL_EFFICIENCY`` of the peak, GPT-2-small-sized ones (d = 768) about 60% of that on tensor
-  cores, and ``UNALIGNED`` of it when a dimension is not a multiple of 8 (an unpadded vocabulary:
-  cuBLAS falls back to slower kernels); fused attention kernels run at ``ATTENTION_EFFICIENCY``. The
-  math mode is the operands' dtype
-  (bf16/fp16); fp32 matmuls run on TF32 tensor cores with ``train.tf32``. Peaks:
-  :data:`tokenmill.model.flops.PEAK_FLOPS`;
+- matrix products: the larger of their math time, FLOPs / (dense peak of its math mode x efficiency), and their
+  memory time, the bytes of both operands and the output / (memory bandwidth x ``MEMORY_EFFICIENCY``), so a
+  skinny product (a LoRA adapter's rank-8 factor) is priced by the bytes it moves, not as compute. The
+  efficiency is not a hand-set curve: it is what large products reach (``MATMUL_EFFICIENCY``, measured) times
+  the share of the SMs the product's tiles keep busy (:func:`quantization`: tile and wave quantization over the
+  GPU's SM count, NVIDIA's "Matrix Multiplication Background User's Guide"), times ``UNALIGNED`` when a
+  dimension is not a multiple of 8 (an unpadded vocabulary: cuBLAS falls back to slower kernels); fused
+  attention kernels run at ``ATTENTION_EFFICIENCY``. The math mode is the operands' dtype (bf16/fp16); fp32
+  matmuls run on TF32 tensor cores with ``train.tf32``. Peaks: :data:`tokenmill.model.flops.PEAK_FLOPS`;
+  ``benchmarks/validation/gemm_efficiency.py`` measures all of it on a lent GPU (``benchmarks/session.py``);
+- QLoRA's base (``lora.quantize_base='nf4'``): torchao dequantises every adapted weight in the forward and
+  again in the backward (:func:`nf4_dequant_costs`: its kernels and the bytes they move);
 - everything else: bytes read and written / (memory bandwidth x ``MEMORY_EFFICIENCY``);
 - ``KERNEL_MIN_US`` (a kernel never takes less).
+
+Each constant below names its source; ``docs/estimate.md`` lists those still awaiting a measurement.
 
 The host issues the step while the GPU runs it, so a step takes the longer of the GPU's time and the host's
 (:mod:`.host`: per dispatched eager op, per compiled kernel, per graph call, per optimizer call, with their
@@ -38,6 +43,10 @@ from typing import Any
 from tokenmill import config as C
 from tokenmill.estimate.gpus import GPU
 from tokenmill.estimate.host import (
+    COMPILED_KERNEL_US,
+    CUDA_LAUNCH_US,
+    GRAPH_KERNEL_US,
+    HOST_OP_US,
     graph_call_seconds,
     optimizer_host_seconds,
     overlap,
@@ -56,29 +65,40 @@ from tokenmill.estimate.techniques import (
 from tokenmill.estimate.timeline import Layout
 from tokenmill.estimate.trace import Pieces
 
-MATMUL_EFFICIENCY = 0.82  # share of the dense peak that large GEMMs reach (790-800 of 989 TFLOPS on H100)
-TENSOR_CORE_D0 = 512  # a tensor-core product with smallest dimension d reaches d / (d + D0) of that
-SIMT_D0 = 64
-UNALIGNED = 0.6
-ATTENTION_EFFICIENCY = 0.45  # fused (flash / memory-efficient) attention kernels, forward and backward
-MEMORY_EFFICIENCY = 0.70  # share of the datasheet bandwidth element-wise kernels reach
+# Every constant names its source: a published measurement, a count read from the code that runs, or one still
+# to be measured (benchmarks/validation/gemm_efficiency.py, a part of benchmarks/session.py; docs/estimate.md lists
+# those). None is chosen by its score on the validation set.
+# Share of the dense peak a large product reaches when its tiles fill every SM: 780 TFLOPS of the H100 SXM's 989
+# for a bf16 4224 x 8192 x 2048 product (two full waves of 128 x 256 tiles on 132 SMs), H. He's measurement
+# (gist.github.com/Chillee/2ec89696db8b7ed1c24461159e325405, with Inductor's CUTLASS autotuning: an upper end for
+# cuBLAS); to be replaced by gemm_efficiency.py's own figure per GPU.
+MATMUL_EFFICIENCY = 780 / 989
+UNALIGNED = 0.6  # not sourced: cuBLAS's kernels for a dimension not a multiple of 8; gemm_efficiency.py measures it
+# not sourced per shape: FlashAttention-2 (T. Dao, 2023, arXiv:2307.08691) reports 50-73% of the A100's peak in
+# forward and less in backward; 0.45 is a hand value below that range, measured by gemm_efficiency.py
+ATTENTION_EFFICIENCY = 0.45
+MEMORY_EFFICIENCY = 0.70  # not sourced: element-wise kernels' share of the datasheet bandwidth (gemm_efficiency.py)
 # multi-tensor-apply kernels (foreach and fused AdamW, clip_grad_norm_'s foreach norm and scale) launch at most 320
 # blocks per kernel (MultiTensorApply.cuh before CUDA 13): PyTorch PR #134373 measured 1,458 GB/s for
 # _foreach_copy_ on an H100 SXM (3,350 GB/s datasheet) through them
 FOREACH_MEMORY_EFFICIENCY = 1458 / 3350
-LINK_EFFICIENCY = 0.80  # NCCL bus bandwidth / link bandwidth
-KERNEL_MIN_US = 2.0  # GPU-side floor of a kernel (kept: CUDA.jl's 0.875 us graph figure, host.GRAPH_KERNEL_US,
-# raised the mean tokens/s error of the validation set from 14.57% to 14.69%; 8.96% to 9.00% with the
-# multi-tensor-apply bandwidth)
-LAUNCH_US = 6.0  # host time per kernel of Muon's step (estimate/techniques.py)
-ADAMW_PASSES = 19  # foreach / for-loop AdamW: reads and writes of parameter-sized tensors
+LINK_EFFICIENCY = 0.80  # not sourced: NCCL bus bandwidth / link bandwidth
+# GPU-side floor of a kernel: CUDA.jl's measurement, 80 tiny kernels replayed as one CUDA graph in 70 us
+# (host.GRAPH_KERNEL_US); the 2.0 us used before was kept for its validation score, which is no source
+KERNEL_MIN_US = GRAPH_KERNEL_US
+LAUNCH_US = HOST_OP_US + CUDA_LAUNCH_US  # host time per op of Muon's step (estimate/techniques.py): one op, one launch
+# reads and writes of parameter-sized tensors, counted from torch/optim/adamw.py: foreach / for-loop AdamW's
+# _foreach_* calls, the fused kernel's one pass over parameter, gradient and both moments
+ADAMW_PASSES = 19
 FUSED_ADAMW_PASSES = 7
-CPU_FLOPS_PER_THREAD = 3e10  # a rough CPU guide (fp32, one thread)
+CPU_FLOPS_PER_THREAD = 3e10  # not sourced: a rough CPU guide (fp32, one thread); the CPU is no prediction target
 
 
 QUANTIZATION = True
-TILES = ((256, 128), (128, 256), (128, 128))  # large cuBLAS tiles (NVIDIA, "Matrix Multiplication Background")
-SPLIT_K_MIN = 256  # the shallowest K slice a split-K product keeps (two 128-deep main-loop stages)
+# the large cuBLAS tiles of NVIDIA's "Matrix Multiplication Background User's Guide" (DU-09799-001, 2023, section
+# 2.3: 256x128 and 128x256 the most efficient, 128x128 next)
+TILES = ((256, 128), (128, 256), (128, 128))
+SPLIT_K_MIN = 256  # assumed, not measured: the shallowest K slice a split-K product keeps (two 128-deep stages)
 
 
 def quantization(dims: tuple, sm: int) -> float:
@@ -100,27 +120,95 @@ def quantization(dims: tuple, sm: int) -> float:
     return min(best, 1.0)
 
 
+def matmul_bytes(c: OpCost) -> float:
+    """Bytes a matrix product moves at least: both operands read once and the output written once, in its math
+    dtype (bf16/fp16: 2 bytes, fp32: 4)."""
+    if not c.dims:
+        return c.bytes
+    batch, m, k, n = c.dims
+    return float(batch * (m * k + k * n + m * n) * (2 if c.math in ("bf16", "fp16") else 4))
+
+
+def matmul_efficiency(c: OpCost, mode: str, gpu: GPU) -> float:
+    """Share of the dense peak a product runs at: ``MATMUL_EFFICIENCY`` x the SMs its tiles keep busy
+    (:func:`quantization`), x ``UNALIGNED`` for a misaligned tensor-core product."""
+    eff = MATMUL_EFFICIENCY
+    if mode != "fp32" and not c.aligned:
+        eff *= UNALIGNED
+    if QUANTIZATION and c.dims and gpu.sm:
+        eff *= quantization(c.dims, gpu.sm)
+    return eff
+
+
 def _op_seconds(c: OpCost, cfg: C.Config, gpu: GPU, cpu_threads: int) -> float:
     if gpu.key == "cpu":
         if c.flops:
             return c.flops / (CPU_FLOPS_PER_THREAD * cpu_threads)
         return c.bytes / (gpu.hbm_gbs * 1e9)
+    bw = gpu.hbm_gbs * 1e9 * MEMORY_EFFICIENCY
     if c.flops:
         mode = c.math if c.math != "fp32" else ("tf32" if cfg.train.tf32 else "fp32")
         peak = gpu.peak(mode) or gpu.peak("fp32") or 1e13
-        if c.attention:
-            eff = ATTENTION_EFFICIENCY
-        else:
-            d0 = SIMT_D0 if mode == "fp32" else TENSOR_CORE_D0
-            eff = MATMUL_EFFICIENCY * c.min_dim / (c.min_dim + d0) if c.min_dim else MATMUL_EFFICIENCY
-            if mode != "fp32" and not c.aligned:
-                eff *= UNALIGNED
-            if QUANTIZATION and c.dims and gpu.sm:
-                eff *= quantization(c.dims, gpu.sm)
-        t = c.flops / (peak * eff)
+        eff = ATTENTION_EFFICIENCY if c.attention else matmul_efficiency(c, mode, gpu)
+        # the roofline: a product is as slow as its math or its memory traffic, whichever is longer
+        t = max(c.flops / (peak * eff), (c.bytes if c.attention else matmul_bytes(c)) / bw)
     else:  # a compiled piece's costs are already Inductor's fused kernels (estimate/inductor.py)
-        t = c.bytes / (gpu.hbm_gbs * 1e9 * MEMORY_EFFICIENCY)
+        t = c.bytes / bw
     return max(t, KERNEL_MIN_US * 1e-6) if c.launches else t  # a kernel fused into the previous one: no floor
+
+
+# QLoRA (lora.quantize_base='nf4'): torchao's NF4 linear (LinearNF4) dequantises the adapted weight to the input's
+# dtype in the forward and again in the backward; eagerly through NF4Tensor.get_original_weight, whose ATen
+# operations (torchao 0.18, counted by the recorder: tests/test_estimate_physics.py) are listed below. Compiled,
+# Inductor fuses that element-wise chain into one kernel (assumed, not traced: the estimator's compiled capture
+# runs on plain weights): it reads the codes and scales and writes the weight.
+NF4_EAGER_OPS = 25  # ATen operations dispatched per dequantisation, views included
+
+
+def nf4_dequant_costs(numel: int, elem: int, compiled: bool = False) -> list[OpCost]:
+    """The kernels that dequantise one NF4 weight of ``numel`` elements into a dtype of ``elem`` bytes."""
+    from tokenmill.model.lora import NF4_BLOCK, nf4_bytes, nf4_groups
+
+    if compiled:
+        return [OpCost("nf4_dequant", bytes=float(nf4_bytes(numel) + numel * elem))]
+    half, blocks = numel // 2, numel // NF4_BLOCK
+    codes = [("__rshift__", 2 * half), ("_to_copy", half + 8 * half), ("bitwise_and", 2 * half),
+             ("_to_copy", half + 8 * half)]  # the two 4-bit halves of each byte, widened to int64 indices
+    lookup = [("index", 8 * half + half * elem + 16 * elem)] * 2  # the 16-entry code table, gathered
+    groups = blocks // nf4_groups(numel)[1]  # the scales' factors, in the weight's dtype
+    scalers = [("div", blocks * (1 + elem) + groups * elem), ("add", 2 * blocks * elem + elem)]
+    scale = [("clone", blocks * elem + half * elem), ("mul", 3 * half * elem)] * 2  # absmax repeated, multiplied
+    stack = [("stack", 4 * half * elem)]  # the two halves interleaved into the weight
+    return [OpCost(n, bytes=float(b)) for n, b in codes + lookup + scalers + scale + stack]
+
+
+def nf4_weights(trace) -> list[tuple[int, int]]:
+    """(elements, bytes per element) of every adapted (LoRA) weight of a traced piece: a QLoRA base's NF4
+    weights."""
+    adapted = {n.rsplit(".lora_A.", 1)[0] for n in trace.param_shape if ".lora_A." in n}
+    out = []
+    for prefix in sorted(adapted):
+        shape, dtype = trace.param_shape.get(prefix + ".weight"), trace.param_dtype.get(prefix + ".weight")
+        if shape is not None:
+            numel = 1
+            for d in shape:
+                numel *= d
+            out.append((numel, dtype.itemsize))
+    return out
+
+
+def nf4_dequant_seconds(trace, compiled: bool, cfg: C.Config, gpu: GPU, threads: int
+                        ) -> tuple[float, float, int]:
+    """(GPU seconds, host seconds, kernels) of one dequantisation of every NF4 weight of a traced block."""
+    gpu_s = host_s = 0.0
+    kernels = 0
+    for numel, elem in nf4_weights(trace):
+        costs = nf4_dequant_costs(numel, elem, compiled)
+        gpu_s += sum(_op_seconds(c, cfg, gpu, threads) for c in costs)
+        kernels += len(costs)
+        host_s += (len(costs) * (COMPILED_KERNEL_US + CUDA_LAUNCH_US) if compiled
+                   else NF4_EAGER_OPS * HOST_OP_US + len(costs) * CUDA_LAUNCH_US) * 1e-6
+    return gpu_s, host_s, kernels
 
 
 def _pieces_time(pieces: Pieces, plan: Plan, cfg: C.Config, gpu: GPU, threads: int) -> dict[str, float]:
@@ -133,7 +221,7 @@ def _pieces_time(pieces: Pieces, plan: Plan, cfg: C.Config, gpu: GPU, threads: i
         total = 0.0
         for c in costs:
             s = _op_seconds(c, cfg, gpu, threads)
-            if block and fp8 and fp8_linear_op(c):
+            if block and fp8 and fp8_linear_op(c, cfg):
                 bf16 = _op_seconds(dataclasses.replace(c, math="bf16"), cfg, gpu, threads)
                 f8, k = fp8_op_seconds(bf16, c, cfg, gpu.hbm_gbs * 1e9 * MEMORY_EFFICIENCY, KERNEL_MIN_US * 1e-6)
                 s, out["kernels"] = f8, out["kernels"] + (k - 1)
@@ -146,10 +234,19 @@ def _pieces_time(pieces: Pieces, plan: Plan, cfg: C.Config, gpu: GPU, threads: i
             total += s
         return total
 
-    def piece(rnd, block: bool = False) -> tuple[tuple[float, float], tuple[float, float]]:
+    qlora = bool(cfg.lora.rank) and cfg.lora.quantize_base == "nf4"
+
+    def piece(rnd, block: bool = False, kind: str = "") -> tuple[tuple[float, float], tuple[float, float]]:
         h_f, h_b = round_host_seconds(rnd, cfg)
+        g_f, g_b = add(rnd.fwd_costs, block), add(rnd.bwd_costs, block)
+        if block and qlora:  # the NF4 base dequantised in forward, in backward, and in a checkpoint's recompute
+            g, h, k = nf4_dequant_seconds(pieces.blocks[kind], rnd.compiled, cfg, gpu, threads)
+            again = 2 if kind.startswith("checkpointed") else 1  # trace.py block_kind
+            h_f, g_f, h_b, g_b = h_f + h, g_f + g, h_b + again * h, g_b + again * g
+            out["memory"] += (1 + again) * g
+            out["kernels"] += (1 + again) * k
         out["host"] += h_f + h_b
-        return (h_f, add(rnd.fwd_costs, block)), (h_b, add(rnd.bwd_costs, block))
+        return (h_f, g_f), (h_b, g_b)
 
     fwd, bwd = [], []  # (host, GPU) seconds of each piece in the order the step issues them
     if plan.has_embed:
@@ -157,7 +254,7 @@ def _pieces_time(pieces: Pieces, plan: Plan, cfg: C.Config, gpu: GPU, threads: i
         fwd.append(f)
         bwd.append(b)
     for i in plan.stage_blocks:
-        f, b = piece(pieces.blocks[pieces.kinds[i]].rounds[0], block=True)
+        f, b = piece(pieces.blocks[pieces.kinds[i]].rounds[0], block=True, kind=pieces.kinds[i])
         fwd.append(f)
         bwd.insert(0, b)
     if plan.has_head:
@@ -241,8 +338,8 @@ def _adamw_seconds(cfg: C.Config, gpu: GPU, param_bytes: float, n_tensors: int) 
     mem, impl = cfg.memory, cfg.optim.impl
     if mem.optimizer_offload or cfg.parallel.fsdp_cpu_offload:  # the step runs on the host; copies both ways
         elems = param_bytes / 4
-        host = elems * 4 * ADAMW_PASSES / 20e9  # a multi-threaded CPU AdamW, ~20 GB/s
-        pcie = 2 * param_bytes / 25e9
+        host = elems * 4 * ADAMW_PASSES / 20e9  # not sourced: a multi-threaded CPU AdamW, ~20 GB/s
+        pcie = 2 * param_bytes / 25e9  # not sourced: PCIe 4.0 x16's 32 GB/s less its protocol overhead
         return host + pcie, 0
     passes = FUSED_ADAMW_PASSES if impl == "fused" else ADAMW_PASSES
     if mem.optimizer_8bit:
@@ -279,13 +376,13 @@ def _comm_seconds(cfg: C.Config, lay: Layout, gpu: GPU, plan: Plan, pieces: Piec
         ag = gathers * accum * (2 * numel if mixed else param_bytes) * (n - 1) / n / bw
         rs = (4 * grad_numel if mixed else grad_bytes) * (n - 1) / n / bw
         total += ag + rs
-        exposed += max(0.0, ag + rs - 0.9 * compute_s)
+        exposed += max(0.0, ag + rs - 0.9 * compute_s)  # not sourced: the share of compute the gathers hide
     if lay.dp_replicate > 1:
         n = lay.dp_replicate
         share = 1.0 / lay.dp_shard
         ar = 2 * grad_bytes * share * (n - 1) / n / bw
         total += ar
-        exposed += max(0.0, ar - 0.6 * compute_s)  # buckets overlap with the rest of backward
+        exposed += max(0.0, ar - 0.6 * compute_s)  # buckets overlap with the rest of backward (0.6: not sourced)
     if lay.tp > 1:
         n = lay.tp
         # the row-wise projections' outputs (and in backward the column-wise ones' input gradients), (B, T, C)
@@ -300,5 +397,5 @@ def _comm_seconds(cfg: C.Config, lay: Layout, gpu: GPU, plan: Plan, pieces: Piec
         n_mb = cfg.parallel.pp_microbatches or lay.pp
         p2p = 2 * act * n_mb * accum / bw
         total += p2p
-        exposed += p2p * 0.5
+        exposed += p2p * 0.5  # not sourced: half the sends hidden behind compute
     return exposed, total

@@ -6,10 +6,16 @@ costs, so the step time (and tokens/s) is that of full windows, and what the run
 targets only. From the folder's train split: the expected padding share of a window (exact: the windows are
 planned as the trainer plans them) and the learned share (the split's learned targets spread over its windows;
 exact unless conversations longer than the window are cut), hence learned tokens/s = tokens/s x learned share.
+
+Packed windows (``data.chat_packing='pack'``, :func:`packs_chat`) keep their conversations apart as
+``data.document_mask`` keeps documents apart, positions restarting: the estimator counts the same mask
+(:func:`tokenmill.estimate.techniques.docmask_bytes`: FlexAttention's block mask, or the explicit (B, 1, T, T)
+mask and its slower kernel where that path is used); padded windows need none.
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any, Optional
 
@@ -17,6 +23,25 @@ from tokenmill import config as C
 from tokenmill.data.chat_windows import ChatWindows
 from tokenmill.data.dataset import open_token_data
 from tokenmill.data.meta import read_meta
+from tokenmill.errors import TokenmillError
+
+
+@functools.lru_cache(maxsize=16)
+def _chat_folder(path: str) -> bool:
+    """Whether ``path`` holds a prepared chat folder (its meta.json has a ``chat`` entry); False when unreadable."""
+    try:
+        return isinstance(read_meta(Path(path)).get("chat"), dict)
+    except (TokenmillError, OSError):
+        return False
+
+
+def packs_chat(cfg: C.Config) -> bool:
+    """Whether ``cfg`` trains on packed chat windows (as ``train/parallelize.packs_chat`` decides): a chat folder
+    learned through its mask with ``data.chat_packing='pack'``."""
+    d = cfg.data
+    if d.chat_packing != "pack" or d.loss_mask is False or d.mixture or d.source != "tokens" or d.path is None:
+        return False
+    return _chat_folder(str(d.path))
 
 
 def chat_shares(cfg: C.Config) -> Optional[dict[str, Any]]:
@@ -51,3 +76,28 @@ def format_chat(est: Any) -> list[str]:
     return [f"  chat windows ({c['packing']}): {100 * c['padding_share']:.0f}% padding, {100 * c['learned_share']:.0f}% "
             f"learned targets -> {c['learned_tokens_per_sec']:,.0f} learned tokens/s"
             + (" (data.chat_packing pack: less padding)" if c["packing"] == "pad" and c["padding_share"] > 0.2 else "")]
+
+
+def finetune_chat_lines(lora: C.Config, gpu: Any, nproc: int = 1) -> list[str]:
+    """``estimate --finetune`` on a chat folder: the LoRA fine-tune on ``gpu`` with its windows padded and packed,
+    tokens/s beside learned tokens/s for each (padding costs compute and teaches nothing; packing keeps the
+    conversations apart with FlexAttention's block mask on CUDA, or the explicit mask where that path is used);
+    none for other data."""
+    from tokenmill.estimate.core import estimate
+
+    if chat_shares(lora) is None:
+        return []
+    lines = [f"chat windows, LoRA on {gpu.key} (data.chat_packing; tokens/s, and the learned targets' share of them):"]
+    for packing in ("pad", "pack"):
+        cfg = C.from_dict(lora.to_dict())
+        cfg.data.chat_packing = packing
+        est = estimate(C.validate(cfg), gpu, nproc)
+        c = est.chat
+        mask = ""
+        if packing == "pack":
+            from tokenmill.estimate.techniques import docmask_flex
+
+            mask = ", FlexAttention block mask" if docmask_flex(cfg, True) else ", explicit (B, 1, T, T) mask"
+        lines.append(f"  {packing:<5}{100 * c['padding_share']:>4.0f}% padding{mask}: {est.tokens_per_sec:,.0f} tokens/s, "
+                     f"{c['learned_tokens_per_sec']:,.0f} learned tokens/s ({100 * c['learned_share']:.0f}% learned)")
+    return lines

@@ -170,8 +170,8 @@ class Step:
         self.by_name = {p.name: p for p in plan.params}
         self.first_step = True
         # optim.zero_grad='after_forward': the last step's gradients live on into the next forward
-        self.late_zero = getattr(self.cfg.optim, "zero_grad", "after_step") == "after_forward"
-        self.sync_every = bool(getattr(self.cfg.parallel, "sync_every_microbatch", False))
+        self.late_zero = self.cfg.optim.zero_grad == "after_forward"
+        self.sync_every = self.cfg.parallel.sync_every_microbatch
         self.stale: list[int] = []
 
     # set-up -----------------------------------------------------------------------------------
@@ -192,7 +192,7 @@ class Step:
             tl.alloc(sum(p.nbytes for p in plan.params if p.trainable), "communication buffers")
         if plan.cuda:
             tl.alloc(plan.workspace, "temporaries")
-            if getattr(cfg.data, "cuda_prefetch", False):  # the next batch is already on the device
+            if cfg.data.cuda_prefetch:  # the next batch is already on the device
                 B, T = self.pieces.batch, self.pieces.seq
                 tl.alloc(2 * B * T * 8, "batch")
 

@@ -9,7 +9,8 @@ dimensions: what ``GPT.hidden_matrices`` lists) and leaves the rest to AdamW:
 - time: the momentum's memory traffic (``MUON_PASSES`` passes over the matrix), five Newton-Schulz
   iterations of ``4 s^2 l + 2 s^3`` FLOPs (``s``, ``l``: the smaller and larger size) in bf16 on tensor cores,
   about ``MUON_KERNELS`` launches per matrix (the loop is per matrix, not multi-tensor); sharded, every rank
-  orthogonalises every whole matrix and all-gathers its update first.
+  orthogonalises every whole matrix and all-gathers its update first. A fused q/k/v matrix is three (its q, k
+  and v rows, each orthogonalised on its own), the experts' ``gate_up`` two (:func:`muon_matrices`).
 
 **FP8** (:mod:`tokenmill.model.fp8`): the block linears' matrix products (not attention's) run at twice
 the bf16 rate on a GPU with FP8 tensor cores, plus the casts' memory traffic
@@ -27,27 +28,59 @@ computes every tile of the T x T scores, not the causal half: twice the fused at
 the mask, once in the forward and once in the backward (heads share it through the cache). On CUDA with
 grouped-query attention the keys and values are repeated per query head for that kernel, and kept for backward
 (:func:`docmask_bytes`). With FlexAttention (``model.document_attention``: 'flex', or 'auto' on CUDA without
-dropout; :func:`docmask_flex`) none of that: the block mask is a few block indices (B x (T/128)^2, not counted),
-grouped heads stay grouped, and the kernel skips the tiles outside the causal half like flash does; its time is
-counted as the fused causal kernel's (the further tiles it skips across documents, and its lower throughput than
-flash, are not modelled). The positions' angles stay.
+dropout; :func:`docmask_flex`) none of that: the block mask is block indices only (:func:`block_mask_bytes`:
+eight int32 tables of B x n or B x n x n, n = T/128 tiles, plus each token's document start), grouped heads stay
+grouped, and the kernel skips the tiles outside the causal half like flash does; its time is counted as the fused
+causal kernel's (the further tiles it skips across documents, and its lower throughput than flash, are not
+modelled). The positions' angles stay. Packed chat windows (``data.chat_packing='pack'`` on a
+chat folder, :func:`~tokenmill.estimate.sft.packs_chat`) are kept apart the same way, positions restarting.
 """
 
 from __future__ import annotations
 
 from tokenmill import config as C
+from tokenmill.estimate.sft import packs_chat
 from tokenmill.estimate.timeline import Param
 from tokenmill.model.build import checkpointed_blocks
-from tokenmill.model.fp8 import fp8_matmul_seconds, has_fp8
+from tokenmill.model.fp8 import block_linear_shapes, fp8_matmul_seconds, has_fp8
 
 NS_STEPS = 5
 MUON_PASSES = 12  # fp32 reads and writes per element: momentum and Nesterov lerps, bf16 cast, decay, update
 MUON_KERNELS = 25  # launches per matrix: 2 lerps, cast, norm, divide, 5 x 3 products, decay, update, ...
+MUON_PART_KERNELS = 20  # launches per further part of a split matrix (fused q/k/v, gate_up): cast, norm, clamp,
+# divide, 5 x 3 products, update (optim/muon.py newton_schulz and orthogonal_parts)
+
+
+# a mixture of experts' gates, AdamW's under Muon (optim/muon.py ``_moe_parameters``; the estimator may not import
+# optim/, its sibling floor: tests/test_moe_loose_ends.py checks these against a real step of MuonWithAdamW)
+MUON_GATES = (".mlp.router.weight", ".mlp.shared_gate.weight")
 
 
 def muon_hidden(cfg: C.Config, p: Param) -> bool:
-    """Whether Muon steps ``p``: a trainable 2-D parameter of a block."""
-    return cfg.optim.name == "muon" and p.trainable and p.piece == "block" and len(p.shape) == 2
+    """Whether Muon steps ``p``, as ``optim/muon.py build_muon`` decides: a trainable 2-D matrix of a block other
+    than a mixture of experts' router and shared-expert gate (AdamW's), or a routed experts' 3-D stack (its
+    ``gate_up``/``down`` and their per-expert LoRA adapters: E matrices, each orthogonalised on its own)."""
+    if not (cfg.optim.name == "muon" and p.trainable and p.piece == "block"):
+        return False
+    if len(p.shape) == 3:
+        return ".mlp.experts." in p.name
+    return len(p.shape) == 2 and not p.name.endswith(MUON_GATES)
+
+
+def muon_matrices(cfg: C.Config, p: Param) -> list[tuple[int, tuple[int, int]]]:
+    """The parts Muon orthogonalises in ``p``, one after another, as optim/muon.py ``orthogonal_parts`` splits it:
+    each (how many matrices at once, each one's (rows, cols)). A 2-D matrix is one part, but the fused q/k/v
+    ``c_attn`` three (its q, k and v rows: ``GPT.hidden_matrices``); an expert stack is one batched part of E
+    matrices, the experts' ``gate_up`` two (its gate rows, then its up rows)."""
+    if len(p.shape) == 2:
+        rows, cols = p.shape
+        if p.name.endswith("c_attn.weight"):  # rows q : k : v = n_head : kv_heads : kv_heads (any TP share alike)
+            m = cfg.model
+            q = rows * m.n_head // (m.n_head + 2 * m.kv_heads)
+            return [(1, (q, cols)), (1, ((rows - q) // 2, cols)), (1, ((rows - q) // 2, cols))]
+        return [(1, (rows, cols))]
+    e, rows, cols = p.shape
+    return [(e, (rows // 2, cols))] * 2 if p.name.endswith("experts.gate_up") else [(e, (rows, cols))]
 
 
 def state_buffers(cfg: C.Config, p: Param) -> int:
@@ -63,12 +96,13 @@ def ns_flops(shape: tuple) -> float:
 
 def muon_temp_bytes(cfg: C.Config, params: list[Param], sharded: bool) -> int:
     """The largest hidden matrix's step temporaries: the fp32 update, its bf16 copy, the bf16 iterate and
-    the new one, two bf16 Gram matrices (``s x s``), and the gathered fp32 matrix when sharded."""
-    sizes = [(p.numel, min(p.shape)) for p in params if muon_hidden(cfg, p)]
+    the new one, two bf16 Gram matrices (``s x s``) of the part being orthogonalised (:func:`muon_matrices`), and
+    the gathered fp32 matrix when sharded."""
+    sizes = [(p.numel, max(2 * 2 * k * min(shape) ** 2 for k, shape in muon_matrices(cfg, p)))
+             for p in params if muon_hidden(cfg, p)]
     if not sizes:
         return 0
-    n, s = max(sizes)
-    return int(n * (4 + 3 * 2) + 2 * 2 * s * s + (4 * n if sharded else 0))
+    return max(int(n * (4 + 3 * 2) + gram + (4 * n if sharded else 0)) for n, gram in sizes)
 
 
 def muon_seconds(cfg: C.Config, params: list[Param], peak_bf16: float, matmul_eff: float, hbm_bytes_s: float,
@@ -78,10 +112,11 @@ def muon_seconds(cfg: C.Config, params: list[Param], peak_bf16: float, matmul_ef
     orthogonalisation of every whole matrix on every rank, the update's all-gather when sharded."""
     hidden = [p for p in params if muon_hidden(cfg, p)]
     traffic = sum(p.numel * 4 * MUON_PASSES for p in hidden) / shard / hbm_bytes_s
-    flops = sum(ns_flops(p.shape) for p in hidden)
-    mm = sum(ns_flops(p.shape) / (peak_bf16 * matmul_eff * min(p.shape) / (min(p.shape) + 512)) for p in hidden)
+    mats = [part for p in hidden for part in muon_matrices(cfg, p)]  # an expert stack: E matrices (batched)
+    flops = sum(k * ns_flops(shape) for k, shape in mats)
+    mm = sum(k * ns_flops(shape) / (peak_bf16 * matmul_eff * min(shape) / (min(shape) + 512)) for k, shape in mats)
     gather = sum(p.numel * 4 for p in hidden) * (shard - 1) / shard / link_bytes_s if shard > 1 else 0.0
-    kernels = MUON_KERNELS * len(hidden)
+    kernels = MUON_KERNELS * len(hidden) + MUON_PART_KERNELS * (len(mats) - len(hidden))
     gpu = traffic + (mm if flops else 0.0) + gather
     return max(gpu, kernels * launch_s), kernels
 
@@ -90,10 +125,22 @@ def fp8_on(cfg: C.Config, gpu_name: str) -> bool:
     return cfg.train.fp8 != "off" and has_fp8(gpu_name)
 
 
-def fp8_linear_op(op) -> bool:
-    """Whether a traced block op is a linear layer's product that FP8 converts (``mm``/``addmm``; not
-    attention's ``bmm`` or fused kernels)."""
-    return bool(op.flops) and not op.attention and "bmm" not in op.name
+def fp8_linear_op(op, cfg: C.Config) -> bool:
+    """Whether a traced block op is a product of a linear layer that FP8 converts (``mm``/``addmm``; not
+    attention's ``bmm`` or fused kernels): two of its sizes (M, K, N) are the ``(in, out)`` of one of the block's
+    matrices FP8 takes (``model/fp8.py block_linear_shapes``, from ``config/matrices.py``), either size split
+    over ``parallel.tp``; a product without recorded sizes counts."""
+    if not op.flops or op.attention or "bmm" in op.name:
+        return False
+    if not op.dims:
+        return True
+    sizes, tp = list(op.dims[1:]), cfg.parallel.tp
+    for i, o in block_linear_shapes(cfg.model):
+        for a, b in {(i, o), (i // tp, o), (i, o // tp)}:
+            rest = list(sizes)
+            if a in rest and (rest.remove(a) or b in rest):
+                return True
+    return False
 
 
 FP8_CAST_KERNELS = 3  # eager: an amax, a scale and a cast kernel per product's token-sized operand
@@ -116,18 +163,29 @@ def docmask_flex(cfg: C.Config, cuda: bool) -> bool:
                                                                          and m.dropout == 0))
 
 
+def block_mask_bytes(batch: int, seq: int) -> int:
+    """FlexAttention's block mask of a (batch, seq) micro-batch (``model.layers.document_block_mask``): for n =
+    seq/128 tiles a side, four int32 tables of (batch, 1, n) visible-tile counts and four of (batch, 1, n, n) tile
+    indices (partial and full tiles, by row and by column for the backward), and each token's document start
+    (int64) that its mask function reads. No T x T term."""
+    n = -(-seq // 128)
+    return 16 * batch * n * (n + 1) + 8 * batch * seq
+
+
 def docmask_bytes(cfg: C.Config, batch: int, seq: int, cuda: bool = False) -> int:
     """Device bytes ``data.document_mask`` holds from a micro-batch's first block to its last block's backward
     (module doc); 0 when off. On CUDA with grouped key/value heads and SDPA, the keys and values repeated per
     query head (the kernel that takes a mask has no grouped form) are kept for backward by every block that is
     not recomputed: counted here for the whole span, which leaves the peak at the forward's end unchanged."""
-    if not cfg.data.document_mask:
+    packed = packs_chat(cfg)  # packed chat windows: the same mask, positions restarting
+    if not cfg.data.document_mask and not packed:
         return 0
     m = cfg.model
     size = 2 if cfg.train.precision in ("bf16", "bf16-autocast", "fp16-autocast") else 4
-    angles = 2 * batch * seq * m.head_width * 4 if cfg.data.document_positions and m.pos_emb == "rope" else 0
+    restart = cfg.data.document_positions or packed
+    angles = 2 * batch * seq * m.head_width * 4 if restart and m.pos_emb == "rope" else 0
     if docmask_flex(cfg, cuda):
-        return angles
+        return angles + block_mask_bytes(batch, seq)
     mask = batch * seq * seq * (1 if m.attention == "manual" else size)
     repeated = 0
     if cuda and m.attention == "sdpa" and m.kv_heads < m.n_head:
@@ -142,7 +200,7 @@ def docmask_attention_seconds(seconds: float, cfg: C.Config, batch: int, seq: in
     """A fused attention kernel's seconds (forward or backward, causal: the half of T x T the flash kernel
     computes) with ``data.document_mask``: the whole T x T computed (twice the time) plus one read of the
     additive mask (module doc); unchanged with FlexAttention (:func:`docmask_flex`)."""
-    if not cfg.data.document_mask or cfg.model.attention != "sdpa" or docmask_flex(cfg, cuda):
+    if not (cfg.data.document_mask or packs_chat(cfg)) or cfg.model.attention != "sdpa" or docmask_flex(cfg, cuda):
         return seconds
     low = cfg.train.precision in ("bf16", "bf16-autocast", "fp16-autocast")
     return 2.0 * seconds + batch * seq * seq * (2 if low else 4) / hbm_bytes_s
@@ -151,18 +209,21 @@ def docmask_attention_seconds(seconds: float, cfg: C.Config, batch: int, seq: in
 def nf4_base_bytes(cfg: C.Config, vocab: int, rank: int) -> tuple[int, int, int]:
     """(bytes of the adapted projections' weights at the weights' width, their bytes as NF4, the largest
     one's transient bytes: its dequantised copy in the forward) for ``cfg``'s ``lora.targets`` at ``rank`` on
-    every block (QLoRA, ``lora.quantize_base = 'nf4'``)."""
-    import torch
+    every block (QLoRA, ``lora.quantize_base = 'nf4'``): the NF4 weights ``model/lora.py`` makes, counted on one
+    block of each kind (``model/build.py lora_on_meta``): each adapted Linear's weight, and each routed experts'
+    stack (``gate_up``, ``down``) as one NF4 tensor."""
+    from tokenmill.model.build import lora_on_meta
+    from tokenmill.model.lora import LoRAExperts, LoRALinear, nf4_bytes
 
-    from tokenmill.model import GPT
-    from tokenmill.model.lora import LoRALinear, apply_lora, nf4_bytes
-
-    m = cfg.model
-    one = C.ModelConfig(**{**m.__dict__, "n_layer": 1, "norm": "native" if m.norm == "triton" else m.norm})
     lo = C.LoraConfig(**{**cfg.lora.__dict__, "rank": rank, "quantize_base": "none"})
-    with torch.device("meta"):
-        sizes = [mod.weight.numel() for mod in apply_lora(GPT(one, vocab), lo, init=False).modules()
-                 if isinstance(mod, LoRALinear)]
+    model, counts = lora_on_meta(cfg.model, vocab, lo)
+    sizes = []  # (elements of one NF4 weight, blocks that hold it)
+    for n, block in zip(counts, model.blocks):
+        for mod in block.modules():
+            if isinstance(mod, LoRALinear):
+                sizes.append((mod.weight.numel(), n))
+            elif isinstance(mod, LoRAExperts):
+                sizes += [(getattr(mod, w).numel(), n) for w in mod.NAMES]
     width = 2 if C.concrete(cfg, "cuda").train.precision == "bf16" else 4
-    return (m.n_layer * width * sum(sizes), m.n_layer * sum(nf4_bytes(n) for n in sizes),
-            max(sizes) * (width + 2))
+    return (width * sum(k * n for k, n in sizes), sum(n * nf4_bytes(k) for k, n in sizes),
+            max(k for k, _ in sizes) * (width + 2))

@@ -126,8 +126,7 @@ class Timeline:
         allocator settings of ``mem``); on the CPU, storages are counted at their size, nothing cached."""
         mem = mem or C.MemoryConfig()
         alloc = CachingAllocator(mem.expandable_segments, capacity,
-                                 getattr(mem, "max_split_size_mb", 0) * 1024 * 1024,
-                                 getattr(mem, "gc_threshold", 0.0)) if cuda else None
+                                 mem.max_split_size_mb * 1024 * 1024, mem.gc_threshold) if cuda else None
         live: dict[int, tuple[int, str]] = {}
         by_cat: dict[str, int] = defaultdict(int)
         total = peak = 0

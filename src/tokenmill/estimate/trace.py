@@ -3,12 +3,12 @@
 Nothing is computed and nothing is allocated: a ``meta`` tensor has a shape, a dtype and a storage
 size but no data, so one transformer block of gpt2-xl traces in milliseconds. The model is traced in
 *pieces* (:func:`trace_pieces`): the embeddings, one transformer block of each kind the config has
-(plain or activation-checkpointed) and the head with the loss, each under a :class:`Recorder`
-(:mod:`.recorder`: storage events and kernel costs) and a :class:`DeviceModel` (:mod:`.device`: CUDA's
-or the CPU's memory behaviour). Each piece runs forward and backward between boundary tensors made by
-the harness (its input, the gradient of its output), once with the gradients created and, where the
-step accumulates, a second time with them already there. :mod:`tokenmill.estimate.timeline` strings
-the pieces into whole training steps.
+(plain or activation-checkpointed, dense or sparse: a mixture of experts) and the head with the loss,
+each under a :class:`Recorder` (:mod:`.recorder`: storage events and kernel costs) and a
+:class:`DeviceModel` (:mod:`.device`: CUDA's or the CPU's memory behaviour). Each piece runs forward and
+backward between boundary tensors made by the harness (its input, the gradient of its output), once with
+the gradients created and, where the step accumulates, a second time with them already there.
+:mod:`tokenmill.estimate.timeline` strings the pieces into whole training steps.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch import nn
 
 from tokenmill import config as C
 from tokenmill.estimate.device import DeviceModel
-from tokenmill.estimate.pieces import PieceTrace, Round, logits_returned, returning_logits  # noqa: F401
+from tokenmill.estimate.pieces import PieceTrace, Round  # noqa: F401
 from tokenmill.estimate.recorder import Recorder
 
 
@@ -207,15 +207,16 @@ def _split(rec: Recorder, n_fwd: int, grads: dict[str, int], n_fwd_ops: int = 0)
 # Building the traced model
 
 
-def meta_model(cfg: C.Config, vocab_size: int, n_layer: int, tp: int = 1) -> nn.Module:
+def meta_model(cfg: C.Config, vocab_size: int, n_layer: int, tp: int = 1, dense_layers: str = "") -> nn.Module:
     """A GPT on ``meta`` with ``n_layer`` blocks, with the trainer's own switches applied
     (:mod:`tokenmill.model.build`: LoRA's adapters and frozen base, the precision cast, activation
     checkpointing of block i when i % n == 0 with its policy) and its blocks cut to one tensor-parallel
-    rank's share of the model's own plan when ``tp`` > 1."""
+    rank's share of the model's own plan when ``tp`` > 1. With a mixture of experts every block is sparse but
+    those of ``dense_layers`` (comma-separated indices)."""
     from tokenmill.model.build import apply_activation_checkpointing, apply_lora, apply_precision, build_gpt
 
     m = cfg.model
-    mcfg = C.ModelConfig(**{**m.__dict__, "n_layer": n_layer,
+    mcfg = C.ModelConfig(**{**m.__dict__, "n_layer": n_layer, "moe_every": 1, "moe_dense_layers": dense_layers,
                             "norm": "native" if m.norm == "triton" else m.norm})  # Triton LN: same memory
     model = build_gpt(mcfg, vocab_size, "meta")
     apply_lora(model, cfg.lora)
@@ -257,12 +258,18 @@ def autocast_dtype(cfg: C.Config) -> Optional[torch.dtype]:
     return {"bf16-autocast": torch.bfloat16, "fp16-autocast": torch.float16}.get(cfg.train.precision)
 
 
+def block_kind(checkpointed: bool, sparse: bool) -> str:
+    """The name of a kind of block: 'plain' or 'checkpointed' (``memory.activation_checkpointing``), with
+    ' sparse' for a mixture-of-experts layer (``model.sparse_layers``)."""
+    return ("checkpointed" if checkpointed else "plain") + (" sparse" if sparse else "")
+
+
 @dataclass
 class Pieces:
     """Every piece of one rank's model, traced for a micro-batch of ``batch`` sequences."""
 
     embed: PieceTrace
-    blocks: dict[str, PieceTrace]  # 'plain' and/or 'checkpointed'
+    blocks: dict[str, PieceTrace]  # by kind (:func:`block_kind`): 'plain', 'checkpointed', 'plain sparse', ...
     head: PieceTrace
     kinds: list[str]  # the kind of each block of the full model
     batch: int
@@ -280,8 +287,8 @@ def trace_pieces(cfg: C.Config, vocab_size: int, device: str, batch: Optional[in
     key = (tuple(sorted(cfg.model.__dict__.items())), cfg.train.precision, batch or cfg.train.batch_size,
            cfg.train.grad_accum_steps > 1, cfg.memory.activation_checkpointing,
            cfg.memory.activation_checkpointing_policy, tuple(sorted(cfg.lora.__dict__.items())),
-           getattr(cfg.memory, "offload_activations", False), vocab_size, device, tp, pipelined,
-           tuple(sorted(compiled_pieces(cfg, pipelined))), logits_returned(), pad_balance)
+           cfg.memory.offload_activations, vocab_size, device, tp, pipelined,
+           tuple(sorted(compiled_pieces(cfg, pipelined))), pad_balance)
     hit = _CACHE.get(key)
     if hit is None:
         hit = _trace_pieces(cfg, vocab_size, device, batch, tp, pipelined, pad_balance)
@@ -302,12 +309,14 @@ def compiled_pieces(cfg: C.Config, pipelined: bool = False) -> set[str]:
     model with the loss, without 'head' when the loss stays outside (``compile.loss_outside``, the chunked
     loss, a pipeline's loss), {'block'} for ``compile.scope='block'``; empty when compile is off (or
     activations are offloaded: traced eager)."""
-    c = cfg.compile
-    if not c.enabled or getattr(cfg.memory, "offload_activations", False):
+    from tokenmill.model.build import compile_scope
+
+    scope = compile_scope(cfg.compile)
+    if scope is None or cfg.memory.offload_activations:
         return set()
-    if c.scope == "block":
+    if scope == "blocks":
         return {"block"}
-    if c.loss_outside or pipelined or cfg.model.loss_impl != "full":
+    if scope == "trunk" or pipelined or cfg.model.loss_impl != "full":
         return {"embed", "block"}
     return {"embed", "block", "head"}
 
@@ -319,11 +328,18 @@ def _trace_pieces(cfg: C.Config, vocab_size: int, device: str, batch: Optional[i
     from tokenmill.model.build import checkpointed_blocks
 
     every = cfg.memory.activation_checkpointing
-    kinds = ["checkpointed" if c else "plain" for c in checkpointed_blocks(m.n_layer, every)]
-    need = sorted(set(kinds))
-    model = meta_model(cfg, vocab_size, n_layer=1 if (every == 1 or every == 0) else 2, tp=tp)
+    sparse = set(m.sparse_layers())
+    kinds = [block_kind(c, i in sparse) for i, c in enumerate(checkpointed_blocks(m.n_layer, every))]
+    need = set(kinds)
+    # one traced block of each kind the model has: dense blocks first, then sparse ones (a mixture of experts);
+    # of each, a checkpointed and a plain one when only some blocks are checkpointed (i % every == 0)
+    per = 1 if every in (0, 1) else 2
+    mixed = 0 < len(sparse) < m.n_layer
+    model = meta_model(cfg, vocab_size, n_layer=per * (2 if mixed else 1), tp=tp,
+                       dense_layers=",".join(map(str, range(per))) if mixed else "")
+    traced_sparse = set(model.cfg.sparse_layers())
     devmode = DeviceModel(device, autocast_dtype(cfg), m.sdpa_backend, m.dropout,
-                          getattr(cfg.memory, "offload_activations", False))
+                          cfg.memory.offload_activations)
     devmode.pad_balance = pad_balance
     dt = activation_dtype(cfg)
     accum = t.grad_accum_steps
@@ -335,12 +351,12 @@ def _trace_pieces(cfg: C.Config, vocab_size: int, device: str, batch: Optional[i
         from tokenmill.estimate import compiled as CP
     if not model.wte.weight.requires_grad:  # frozen embeddings (LoRA): no backward to compile
         parts.discard("embed")
-    for block, checkpointed in zip(model.blocks, checkpointed_blocks(len(model.blocks), every)):
-        kind = "checkpointed" if checkpointed else "plain"
+    for i, (block, checkpointed) in enumerate(zip(model.blocks, checkpointed_blocks(len(model.blocks), every))):
+        kind = block_kind(checkpointed, i in traced_sparse)
         if kind in need and kind not in traced:
             # a selectively checkpointed block (a policy other than 'full') is traced eager: its compiled form
             # keeps what the policy saves, which the compiled model here (full recomputation) does not follow
-            selective = checkpointed and getattr(cfg.memory, "activation_checkpointing_policy", "full") != "full"
+            selective = checkpointed and cfg.memory.activation_checkpointing_policy != "full"
             traced[kind] = (CP.compiled_block(model, block, shape, dt, devmode, rounds)
                             if "block" in parts and not selective
                             else trace_block(model, block, shape, dt, devmode, accum, rounds))

@@ -24,8 +24,9 @@ from tokenmill.model.gpt import GPT
 from tokenmill.model.moe import MoE
 
 __all__ = ["ParamCounts", "apply_activation_checkpointing", "apply_compile", "apply_document_mask", "apply_lora",
+           "compile_scope",
            "apply_precision", "build_gpt", "checkpointed_blocks", "count_params", "param_counts",
-           "save_matmuls_policy", "trainable_params"]
+           "lora_model_roles", "lora_on_meta", "one_block_of_each", "save_matmuls_policy", "trainable_params"]
 
 
 def build_gpt(cfg: C.ModelConfig, vocab_size: int, device: torch.device | str, dtype: torch.dtype | None = None) -> GPT:
@@ -111,12 +112,13 @@ def apply_activation_checkpointing(model: nn.Module, every_n: int, policy: str =
 
 
 _ATEN = torch.ops.aten
-# what 'save-matmuls' keeps: matrix products (FP8's _scaled_mm too) and the fused attention kernels of every backend
+# what 'save-matmuls' keeps: matrix products (FP8's _scaled_mm too; the routed experts' _grouped_mm where this torch
+# has it) and the fused attention kernels of every backend
 _MATMULS = frozenset(getattr(_ATEN, n).default for n in (
     "mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_fused_attention_overrideable") if hasattr(_ATEN, n))
+    "_scaled_dot_product_fused_attention_overrideable", "_grouped_mm") if hasattr(_ATEN, n))
 
 
 def save_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -151,28 +153,68 @@ def apply_lora(model: nn.Module, cfg: C.LoraConfig, init: bool = True) -> nn.Mod
     return lora.apply_lora(model, cfg, init)
 
 
+def one_block_of_each(cfg: C.ModelConfig) -> tuple[C.ModelConfig, list[int]]:
+    """A config of one block of each kind ``cfg``'s model has (a dense block, then a sparse one: a mixture of
+    experts; either may be absent), and how many of ``cfg``'s blocks each stands for: what counts on ``meta``
+    build instead of the whole depth (the blocks of a kind have the same parameters and adapters)."""
+    n_sparse = len(cfg.sparse_layers())
+    counts = [n for n in (cfg.n_layer - n_sparse, n_sparse) if n]
+    one = C.ModelConfig(**{**cfg.__dict__, "n_layer": len(counts), "moe_every": len(counts), "moe_dense_layers": "",
+                           "norm": "native" if cfg.norm == "triton" else cfg.norm})  # same parameters
+    return one, counts
+
+
+def lora_on_meta(cfg: C.ModelConfig, vocab_size: int, lora_cfg: C.LoraConfig) -> tuple[GPT, list[int]]:
+    """:func:`one_block_of_each`'s model on ``meta`` with ``lora_cfg``'s adapters (not drawn), and the counts."""
+    one, counts = one_block_of_each(cfg)
+    with torch.device("meta"):
+        return lora.apply_lora(GPT(one, vocab_size), lora_cfg, init=False), counts
+
+
 def trainable_params(cfg: C.ModelConfig, vocab_size: int, lora_cfg: C.LoraConfig | None = None) -> int:
     """Parameters that train (get gradients and optimizer state): all of them, or with ``lora.rank > 0``
-    the adapters only (counted on a one-block model on ``meta``, as :func:`param_counts`)."""
+    the adapters only (attention, MLP and the routed experts' per-expert pairs: counted on one block of each
+    kind on ``meta``, :func:`lora_on_meta`)."""
     if lora_cfg is None or lora_cfg.rank == 0:
         return count_params(cfg, vocab_size)
-    one = C.ModelConfig(**{**cfg.__dict__, "n_layer": 1, "norm": "native" if cfg.norm == "triton" else cfg.norm,
-                           "moe_experts": 0, "moe_dense_layers": ""})  # LoRA on attention only with experts
-    with torch.device("meta"):
-        model = lora.apply_lora(GPT(one, vocab_size), lora_cfg, init=False)
-    return cfg.n_layer * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    model, counts = lora_on_meta(cfg, vocab_size, lora_cfg)
+    return sum(n * sum(p.numel() for p in block.parameters() if p.requires_grad)
+               for n, block in zip(counts, model.blocks))
+
+
+def lora_model_roles(cfg: C.ModelConfig, lora_cfg: C.LoraConfig) -> tuple[str, ...]:
+    """The roles of ``lora.targets`` that ``cfg``'s blocks have (the adapters :func:`apply_lora` makes, in
+    :data:`tokenmill.config.LORA_ROLES` order; 'experts' for the routed experts)."""
+    model, _ = lora_on_meta(cfg, 1, lora_cfg)
+    have = set()
+    for m in model.modules():
+        if isinstance(m, lora.LoRAExperts):
+            have.add("experts")
+        elif isinstance(m, lora.LoRALinear):
+            have |= set(m.lora_A)
+    return tuple(r for r in C.LORA_ROLES if r in have)
+
+
+def compile_scope(cfg: C.CompileConfig) -> str | None:
+    """What :func:`apply_compile` compiles: None (compile off), 'trunk' (``compile.loss_outside``: up to the
+    final norm), 'blocks' (``compile.scope='block'``: each block on its own) or 'model' (one graph with the
+    head and the loss). The estimator reads it too (``estimate/trace.py compiled_pieces``)."""
+    if not cfg.enabled:
+        return None
+    return "trunk" if cfg.loss_outside else "blocks" if cfg.scope == "block" else "model"
 
 
 def apply_compile(model: nn.Module, cfg: C.CompileConfig) -> nn.Module:
     """``compile.*``: torch.compile in place (``nn.Module.compile``), so parameter names and checkpoints
     never carry ``_orig_mod.`` prefixes; ``compile.scope='block'`` compiles each block separately;
-    ``compile.loss_outside`` compiles the trunk and leaves the head and the loss eager."""
-    if not cfg.enabled:
+    ``compile.loss_outside`` compiles the trunk and leaves the head and the loss eager (:func:`compile_scope`)."""
+    scope = compile_scope(cfg)
+    if scope is None:
         return model
     kwargs = {"mode": cfg.mode, "fullgraph": cfg.fullgraph, "dynamic": cfg.dynamic}
-    if cfg.loss_outside:  # the seed's form: compile up to the final norm, head and loss run eagerly
+    if scope == "trunk":  # the seed's form: compile up to the final norm, head and loss run eagerly
         model.trunk = torch.compile(model.trunk, **kwargs)
-    elif cfg.scope == "block":
+    elif scope == "blocks":
         for _, block in model.present_blocks():
             block.compile(**kwargs)
     else:

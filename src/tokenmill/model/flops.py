@@ -2,7 +2,7 @@
 
 MFU = tokens/s * flops_per_token / peak_flops. The FLOPs count the model's math (forward + backward,
 no recomputation), so activation checkpointing does not raise MFU. Peaks are datasheet DENSE figures
-(the "with sparsity" figures are twice these), per GPU.
+(the "with sparsity" figures are twice these), per GPU: the one GPU table, :mod:`tokenmill.model.gpus`.
 
 The one FLOPs convention of tokenmill (every MFU it reports uses it)::
 
@@ -24,9 +24,8 @@ left out of N; MFU then measures the math each token does, not the weights the m
 
 from __future__ import annotations
 
-import re
-
 from tokenmill.config import ModelConfig
+from tokenmill.model.gpus import GPU_TABLE, gpu_facts
 
 __all__ = ["flops_per_token", "flop_params", "PEAK_FLOPS", "peak_flops", "math_mode"]
 
@@ -59,31 +58,9 @@ def flops_per_token(cfg: ModelConfig, n_flop_params: int, seq_len: int) -> float
     return 6.0 * n_flop_params + 12.0 * L * H * Q * seq_len
 
 
-# Datasheet dense peaks in FLOP/s. 'bf16'/'fp16': tensor cores with fp32 accumulation; 'tf32': TF32
-# tensor cores; 'fp32': the non-tensor FP32 rate. None: no such mode, or no figure we are sure of.
-# Keys are matched against the words of the name torch reports (torch.cuda.get_device_name(), split at
-# spaces and hyphens, case-insensitive): a row matches when all its words occur ("NVIDIA H100 80GB
-# HBM3", "A100-SXM4-40GB"); the first matching row wins, so specific rows go first.
-_UNKNOWN: dict[str, float | None] = {"bf16": None, "fp16": None, "tf32": None, "fp32": None}
-# H100 SXM, H200 (SXM) and GH200: the same GH100 compute at the same clocks.
-_HOPPER_SXM: dict[str, float | None] = {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}
-PEAK_FLOPS: dict[tuple[str, ...], dict[str, float | None]] = {
-    ("GH200",): _HOPPER_SXM,
-    ("H200", "NVL"): _UNKNOWN,  # NVL parts run lower clocks than SXM
-    ("H200",): _HOPPER_SXM,
-    ("H100", "NVL"): _UNKNOWN,
-    ("H100", "PCIE"): {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51.2e12},
-    ("H100", "SXM5"): _HOPPER_SXM,
-    ("H100", "SXM"): _HOPPER_SXM,
-    ("H100", "HBM3"): _HOPPER_SXM,  # the SXM part reports "NVIDIA H100 80GB HBM3"
-    ("A100",): {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
-    ("L40S",): {"bf16": 362.05e12, "fp16": 362.05e12, "tf32": 183e12, "fp32": 91.6e12},
-    ("L4",): {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30.3e12},
-    ("RTX", "4090"): {"bf16": 165.2e12, "fp16": 165.2e12, "tf32": 82.6e12, "fp32": 82.6e12},
-    ("V100", "SXM2"): {"bf16": None, "fp16": 125e12, "tf32": None, "fp32": 15.7e12},
-    ("V100", "PCIE"): {"bf16": None, "fp16": 112e12, "tf32": None, "fp32": 14e12},
-}
-# Not listed (None, no MFU): A10G (no public NVIDIA datasheet figure), A10, L40, H800, V100S, MIG slices.
+# The MFU peaks by name words: a view of the one GPU table (model/gpus.py), read at import; peak_flops reads the
+# table itself at every call.
+PEAK_FLOPS: dict[tuple[str, ...], dict[str, float | None]] = {row.words: row.peaks for row in GPU_TABLE}
 
 _PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 
@@ -94,13 +71,8 @@ def peak_flops(device_name: str, precision: str) -> float | None:
     unlisted GPU, a MIG slice, or a mode the GPU lacks. None means "report no MFU", never a guess."""
     if precision not in _PRECISIONS:
         raise ValueError(f"precision must be one of {_PRECISIONS} (see math_mode), got {precision!r}")
-    words = set(re.split(r"[\s\-_/]+", device_name.upper()))
-    if "MIG" in words:  # a slice of the GPU: the full-GPU peak would be wrong
-        return None
-    for keys, peaks in PEAK_FLOPS.items():
-        if all(k in words for k in keys):
-            return peaks[precision]
-    return None
+    row = gpu_facts(device_name)  # the one GPU table (model/gpus.py): FP8 and the estimator read the same row
+    return row.peaks[precision] if row is not None else None
 
 
 def math_mode(precision: str, tf32: bool) -> str:

@@ -26,25 +26,26 @@ casts and scales, the product computed in high precision) on the CPU.
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import torch
 from torch import nn
 
 from tokenmill import config as C
+from tokenmill.config.matrices import Matrix, block_matrices
 from tokenmill.errors import ConfigError
 from tokenmill.model.flops import peak_flops
+from tokenmill.model.gpus import gpu_facts
 from tokenmill.model.lora import torchao_quietly
 
 FP8_ALIGN = 16  # torch._scaled_mm needs both sizes of the weight to be multiples of 16
-FP8_GPU_WORDS = (("H100",), ("H200",), ("GH200",), ("L4",), ("L40S",), ("RTX", "4090"))
 FP8_MIN_CAPABILITY = (8, 9)
 
 
 def has_fp8(device_name: str) -> bool:
-    """Whether the GPU named ``device_name`` (``torch.cuda.get_device_name()``) has FP8 tensor cores."""
-    words = set(re.split(r"[\s\-_/]+", device_name.upper()))
-    return any(all(w in words for w in keys) for keys in FP8_GPU_WORDS)
+    """Whether the GPU named ``device_name`` (``torch.cuda.get_device_name()``) has FP8 tensor cores: its row
+    of the one GPU table (``model/gpus.py``), the row MFU's peak and the estimator read."""
+    row = gpu_facts(device_name)
+    return row is not None and row.fp8
 
 
 def fp8_peak_flops(device_name: str) -> float | None:
@@ -71,18 +72,22 @@ def fp8_matmul_seconds(bf16_seconds: float, flops: float, min_dim: int, bytes_pe
     return bf16_seconds / 2.0 + cast / bytes_per_s
 
 
-def linear_shapes(n_embd: int, n_head: int, head_width: int, kv_heads: int, mlp: str, mlp_width: int,
-                  fused_qkv: bool) -> list[tuple[int, int]]:
-    """``(in, out)`` of one block's linears that FP8 converts (both sizes multiples of 16)."""
-    q, kv = n_head * head_width, kv_heads * head_width
-    attn = [(n_embd, q + 2 * kv)] if fused_qkv else [(n_embd, q), (n_embd, kv), (n_embd, kv)]
-    ups = [(n_embd, mlp_width)] * (2 if mlp == "swiglu" else 1)
-    shapes = attn + [(q, n_embd)] + ups + [(mlp_width, n_embd)]
-    return [(i, o) for i, o in shapes if i % FP8_ALIGN == 0 and o % FP8_ALIGN == 0]
+def fp8_matrix(x: Matrix) -> bool:
+    """Whether ``apply_fp8`` converts this block matrix (:func:`fp8_linear` on the built module)."""
+    return x.linear and x.shape[0] % FP8_ALIGN == 0 and x.shape[1] % FP8_ALIGN == 0
 
 
 def block_linear_shapes(cfg: C.ModelConfig) -> list[tuple[int, int]]:
-    return linear_shapes(cfg.n_embd, cfg.n_head, cfg.head_width, cfg.kv_heads, cfg.mlp, cfg.mlp_width, cfg.fused_qkv)
+    """``(in, out)`` of one (dense) block's linears that FP8 converts, from the block's matrices
+    (``config/matrices.py``): the estimator and the doctor predict FP8's speed-up from them."""
+    return [(x.shape[1], x.shape[0]) for x in block_matrices(cfg) if fp8_matrix(x)]
+
+
+def linear_shapes(n_embd: int, n_head: int, head_width: int, kv_heads: int, mlp: str, mlp_width: int,
+                  fused_qkv: bool) -> list[tuple[int, int]]:
+    """:func:`block_linear_shapes` of a model of these sizes."""
+    return block_linear_shapes(C.ModelConfig(n_embd=n_embd, n_head=n_head, head_dim=head_width, n_kv_head=kv_heads,
+                                             mlp=mlp, intermediate_size=mlp_width, fused_qkv=fused_qkv))
 
 
 def fp8_speedup(shapes: list[tuple[int, int]], bf16_flops_per_s: float, bytes_per_s: float, compiled: bool) -> float:
@@ -99,8 +104,10 @@ def fp8_speedup(shapes: list[tuple[int, int]], bf16_flops_per_s: float, bytes_pe
 
 
 def fp8_linear(fqn: str, module: nn.Module) -> bool:
-    """Whether ``apply_fp8`` converts this module: a Linear inside the blocks, both sizes multiples of 16."""
-    return (type(module) is nn.Linear and fqn.startswith("blocks.")
+    """Whether ``apply_fp8`` converts this module: a Linear inside the blocks, both sizes multiples of 16, not
+    a mixture of experts' router or shared-expert gate (routing stays in high precision, as do the routed
+    experts: stacked weights, not Linears)."""
+    return (type(module) is nn.Linear and fqn.startswith("blocks.") and not fqn.endswith((".router", ".shared_gate"))
             and module.in_features % FP8_ALIGN == 0 and module.out_features % FP8_ALIGN == 0)
 
 

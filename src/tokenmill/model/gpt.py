@@ -174,7 +174,7 @@ class GPT(nn.Module):
                     m.weight.normal_(0.0, s)
                 if m.bias is not None:
                     m.bias.zero_()
-            elif isinstance(m, Experts):
+            elif isinstance(m, (Experts, MoE)):  # MoE: its routing bias (model.moe_bias_update_rate)
                 m.init_weights(std, proj_std)
             elif isinstance(m, NORMS):
                 m.weight.fill_(1.0)
@@ -202,7 +202,8 @@ class GPT(nn.Module):
         ``model.fp32_islands`` is off; over the padded columns too with ``model.loss_over_padded_vocab``;
         None without targets).
         With ``model.loss_impl='chunked'`` and targets, the head and loss run chunk by chunk
-        (:mod:`tokenmill.model.loss`) and the logits are not returned: ``(None, loss)``.
+        (:mod:`tokenmill.model.loss`) and the logits are not returned: ``(None, loss)``; so with
+        ``model.return_logits`` off and targets.
         Targets of -100 (``data.loss_mask``: tokens not learned) are skipped; ``reduction='sum'`` returns the
         sum over the other positions (0 when there is none), which the trainer divides by the global batch's
         learned-token count; 'mean' is the mean over them.
@@ -274,6 +275,8 @@ class GPT(nn.Module):
             scored = full if self._loss_vocab() != self.vocab_size else logits  # padded columns never predicted
             loss = F.cross_entropy(upcast(scored, self.cfg.fp32_islands).reshape(B * T, -1), targets.reshape(B * T),
                                    reduction=reduction)  # ignore_index -100: the targets data.loss_mask drops
+            if not self.cfg.return_logits:  # model.return_logits: the loss alone (no compiled-graph output)
+                return None, loss
         return logits, loss
 
     def _loss_vocab(self) -> int:

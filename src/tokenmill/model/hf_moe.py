@@ -270,6 +270,10 @@ def to_hf_state_dict(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig, a
         for n in ("gate_proj", "up_proj", "down_proj"):
             del out[f"model.layers.{i}.mlp.{n}.weight"]
         p = "model." + _names(mt, i)
+        bias = layer.pop("router_bias", None)  # model.moe_bias_update_rate: the class routes without one
+        if bias is not None and bool(bias.any()):
+            raise CheckpointError(f"blocks.{i}.mlp.router_bias (model.moe_bias_update_rate) is non-zero: {architecture} "
+                                  "routes without a bias, so the export would choose other experts.")
         try:
             out[f"{p}gate.weight"] = layer.pop("router.weight")
             gate, up = layer.pop("experts.gate_up").chunk(2, dim=1)

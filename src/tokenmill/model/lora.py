@@ -24,6 +24,18 @@ holds it exactly, in plain tensors that need no torchao to read: ``weight`` (the
 so the weight keeps its shape) and ``weight_nf4_scales``, ``weight_nf4_factors``, ``weight_nf4_mean``; a
 resumed run gets the very same NF4 base. A floating-point ``weight`` loaded into it is quantised. Merging
 adds the adapters to the dequantised base.
+
+Routed experts (role ``experts``, :class:`LoRAExperts`): each expert ``e`` of a stacked weight (``gate_up``
+(E, 2I, C), ``down`` (E, C, I)) gets its own pair, ``A_e`` (r x in) and ``B_e`` (out x r), held stacked as
+``lora_A.<weight>`` (E, r, in) and ``lora_B.<weight>`` (E, out, r) (PEFT's per-expert layout for a 3-D
+parameter). They are applied inside the experts' product (:meth:`tokenmill.model.moe.Experts.product`):
+``x W_e^T + (alpha / r) (dropout(x) A_e^T) B_e^T`` for expert e's tokens, as two more grouped matmuls (or
+per-expert matmuls in the loop); merging gives ``W_e + (alpha / r) B_e A_e`` per expert. In a sparse layer the
+roles gate, up and down name the shared experts' projections (where the model has them). QLoRA on the
+experts: each stack is one NF4 tensor of its (E x out, in) rows (saved as codes in the stack's shape, plus
+``<name>_nf4_scales`` etc.), dequantised whole in each product's forward and again in its backward. A role a block
+lacks is skipped there (a dense layer has no experts, a sparse one no dense MLP); a role no block has is
+refused.
 """
 
 from __future__ import annotations
@@ -39,12 +51,14 @@ from torch import nn
 
 from tokenmill.config import LoraConfig, lora_roles
 from tokenmill.errors import ConfigError
+from tokenmill.model.moe import Experts
 
-__all__ = ["NF4_BLOCK", "NF4_SCALE_GROUP", "LoRALinear", "apply_lora", "merge_lora", "nf4_bytes", "to_nf4"]
+__all__ = ["NF4_BLOCK", "NF4_SCALE_GROUP", "LoRAExperts", "LoRALinear", "apply_lora", "merge_lora", "nf4_bytes",
+           "to_nf4"]
 
 NF4_BLOCK = 64  # weights per absmax scale (QLoRA's block, torchao's default)
 NF4_SCALE_GROUP = 256  # scales per double-quantisation group, at most (torchao's default)
-_NF4_KEYS = ("weight_nf4_scales", "weight_nf4_factors", "weight_nf4_mean")  # with ``weight``: the codes
+_NF4_KEYS = ("_nf4_scales", "_nf4_factors", "_nf4_mean")  # after a weight's name; the name alone: the codes
 
 
 @contextlib.contextmanager
@@ -122,7 +136,94 @@ def _is_nf4(t: torch.Tensor) -> bool:
     return hasattr(t, "quantized_data") and hasattr(t, "get_original_weight")
 
 
-class LoRALinear(nn.Linear):
+class _NF4Base(nn.Module):
+    """A module whose frozen base weights may be NF4 tensors (QLoRA): casts keep them (a cast would dequantise
+    them) and move them to the adapters' device; state dicts hold them exactly in plain tensors (see the module
+    doc: ``<name>`` the codes, in :meth:`_nf4_shape`, and ``<name>_nf4_scales`` / ``_factors`` / ``_mean``)."""
+
+    def _nf4_names(self) -> list[str]:
+        return [n for n, p in self._parameters.items() if p is not None and _is_nf4(p)]
+
+    def _nf4_shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._parameters[name].shape)
+
+    def _hide(self) -> tuple[list[str], dict[str, nn.Parameter]]:
+        """Take the NF4 weights out of ``_parameters`` (put back by :meth:`_restore`, in their order)."""
+        names = self._nf4_names()
+        return list(self._parameters), {n: self._parameters.pop(n) for n in names}
+
+    def _restore(self, order: list[str], hidden: dict[str, nn.Parameter]) -> None:
+        rest = dict(self._parameters)
+        self._parameters.clear()
+        self._parameters.update({k: hidden[k] if k in hidden else rest[k] for k in order})
+
+    def _apply(self, fn, recurse=True):
+        if not self._nf4_names():
+            return super()._apply(fn, recurse)
+        order, hidden = self._hide()
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            device = next(iter(self.lora_A.values())).device
+            self._restore(order, {n: w if w.device == device else nn.Parameter(w.to(device), requires_grad=False)
+                                  for n, w in hidden.items()})
+        return self
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for n in self._nf4_names():  # plain tensors, exact: see the module doc
+            w = self._parameters[n]
+            destination[prefix + n] = _nf4_codes(w).reshape(self._nf4_shape(n))
+            for key, t in zip(_NF4_KEYS, (w.quantized_scalers, w.quantization_factor, w.scaler_mean)):
+                destination[prefix + n + key] = t if keep_vars else t.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        names = self._nf4_names()
+        if not names:
+            return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                                 unexpected_keys, error_msgs)
+        saved = {n: {k: state_dict.pop(prefix + n + k) for k in ("", *_NF4_KEYS) if prefix + n + k in state_dict}
+                 for n in names}
+        order, hidden = self._hide()
+        try:
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                          unexpected_keys, error_msgs)
+        finally:
+            self._restore(order, hidden)
+        for n in names:
+            self._load_nf4(prefix + n, hidden[n], self._nf4_shape(n), saved[n], missing_keys, error_msgs)
+
+    @torch.no_grad()
+    def _load_nf4(self, key, w, shape, saved, missing_keys, error_msgs) -> None:
+        """Into the NF4 weight ``w``: the saved codes and scales exactly, or a floating-point weight quantised."""
+        if "" not in saved:
+            missing_keys.append(key)
+            return
+        got = saved[""]
+        if tuple(got.shape) != shape:
+            error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(got.shape)}, the model "
+                              f"has {shape}.")
+            return
+        if got.is_floating_point():  # a full-precision base: quantised here
+            w.copy_(to_nf4(got.to(w.device, w.dtype).reshape(w.shape)))
+            return
+        missing = [key + k for k in _NF4_KEYS if k not in saved]
+        if missing:
+            missing_keys.extend(missing)
+            return
+        codes = got.reshape(-1).to(w.device, torch.uint8)
+        parts = ((w.quantized_data, (codes[0::2] << 4) | codes[1::2]), (w.quantized_scalers, saved[_NF4_KEYS[0]]),
+                 (w.quantization_factor, saved[_NF4_KEYS[1]]), (w.scaler_mean, saved[_NF4_KEYS[2]]))
+        bad = [key + k for k, (mine, theirs) in zip(("", *_NF4_KEYS), parts) if mine.shape != theirs.shape]
+        if bad:
+            error_msgs.append(f"size mismatch for {', '.join(bad)} (NF4 codes and scales of another shape).")
+            return
+        for mine, theirs in parts:
+            mine.copy_(theirs)
+
+
+class LoRALinear(_NF4Base, nn.Linear):
     """A Linear (the frozen base's own ``weight`` and ``bias``) with adapters on row ranges of its output.
 
     ``parts``: role -> (first output row, rows); the rows of a role get ``(alpha / rank) B_role A_role
@@ -197,117 +298,178 @@ class LoRALinear(nn.Linear):
         nf4 = ", base nf4" if _is_nf4(self.weight) else ""
         return f"{super().extra_repr()}, lora rank={self.rank}, scale={self.scale:g}, roles=[{roles}]{nf4}"
 
-    def _hide_weight(self) -> nn.Parameter:
-        """Take the NF4 ``weight`` out of ``_parameters`` (put back by :meth:`_restore_weight`)."""
-        self._order = list(self._parameters)
-        return self._parameters.pop("weight")
 
-    def _restore_weight(self, w: nn.Parameter) -> None:
-        rest = dict(self._parameters)
-        self._parameters.clear()
-        self._parameters.update({k: w if k == "weight" else rest[k] for k in self._order})
+def _expert_mm(xs: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None, e: int) -> torch.Tensor:
+    return F.linear(xs, w[e]) if offs is None else torch._grouped_mm(xs, w.transpose(-2, -1), offs=offs)
 
-    def _apply(self, fn, recurse=True):
-        """Casts and moves (``model.to``): an NF4 base keeps its dtype (a cast would dequantise it) and
-        follows the adapters to their device."""
-        if not _is_nf4(self.weight):
-            return super()._apply(fn, recurse)
-        w = self._hide_weight()
-        try:
-            super()._apply(fn, recurse)
-        finally:
-            device = next(iter(self.lora_A.values())).device
-            self._restore_weight(w if w.device == device else nn.Parameter(w.to(device), requires_grad=False))
-        return self
 
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        w = self.weight
-        if _is_nf4(w):  # plain tensors, exact: see the module doc
-            destination[prefix + "weight"] = _nf4_codes(w)
-            for key, t in zip(_NF4_KEYS, (w.quantized_scalers, w.quantization_factor, w.scaler_mean)):
-                destination[prefix + key] = t if keep_vars else t.detach()
+class _NF4ExpertProduct(torch.autograd.Function):
+    """``xs`` through a stacked NF4 expert weight (held 2-D, ``shape`` its stack), dequantised to the input's
+    dtype in the forward and again in the backward: only the 4-bit form is kept between them, as torchao's
+    NF4 linear does for a Linear. The weight is frozen: no gradient for it."""
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        if not _is_nf4(self.weight):
-            return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                                 unexpected_keys, error_msgs)
-        saved = {k: state_dict.pop(prefix + k) for k in ("weight", *_NF4_KEYS) if prefix + k in state_dict}
-        w = self._hide_weight()
-        try:
-            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                          unexpected_keys, error_msgs)
-        finally:
-            self._restore_weight(w)
-        if "weight" not in saved:
-            missing_keys.append(prefix + "weight")
-        elif saved["weight"].shape != w.shape:
-            error_msgs.append(f"size mismatch for {prefix}weight: copying a param with shape "
-                              f"{tuple(saved['weight'].shape)}, the model has {tuple(w.shape)}.")
-        elif saved["weight"].is_floating_point():  # a full-precision base: quantised here
-            with torch.no_grad():
-                w.copy_(to_nf4(saved["weight"].to(w.device, w.dtype)))
-        else:
-            self._load_nf4(w, saved, prefix, missing_keys, error_msgs)
+    @staticmethod
+    def forward(ctx, xs, w, shape, offs, e):
+        ctx.w, ctx.shape, ctx.e, ctx.grouped = w, shape, e, offs is not None
+        ctx.save_for_backward(*(() if offs is None else (offs,)))
+        return _expert_mm(xs, w.get_original_weight().view(shape).to(xs.dtype), offs, e)
+
+    @staticmethod
+    def backward(ctx, gy):
+        w = ctx.w.get_original_weight().view(ctx.shape).to(gy.dtype)
+        gx = torch._grouped_mm(gy, w, offs=ctx.saved_tensors[0]) if ctx.grouped else gy @ w[ctx.e]
+        return gx, None, None, None, None
+
+
+class LoRAExperts(_NF4Base, Experts):
+    """Routed experts (the frozen base's own stacked ``gate_up`` and ``down``) with a low-rank adapter pair per
+    expert on each (see the module doc). The adapters start uninitialised: :meth:`reset_adapter` draws them
+    or a checkpoint loads them. QLoRA (``quantize='nf4'``): each stack is held as one NF4 tensor of its
+    (E x out, in) rows, dequantised whole for each product (the loop: for each expert's product)."""
+
+    NAMES = ("gate_up", "down")
+
+    def __init__(self, base: Experts, rank: int, alpha: float, dropout: float = 0.0, quantize: str = "none"):
+        nn.Module.__init__(self)
+        self.__dict__.update({k: v for k, v in base.__dict__.items() if not k.startswith("_")})
+        for k in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
+            setattr(self, k, type(getattr(base, k))(getattr(base, k)))
+        self.rank, self.scale = rank, alpha / rank
+        shapes = {n: getattr(self, n).shape for n in self.NAMES}  # (E, out, in)
+        self.stacks = {n: tuple(v) for n, v in shapes.items()}
+        if quantize == "nf4" and not self.gate_up.is_meta:  # on meta (estimator, counts): left as it is
+            for n in self.NAMES:
+                w = getattr(self, n)
+                setattr(self, n, nn.Parameter(to_nf4(w.reshape(-1, w.size(-1))), requires_grad=False))
+        w = self.gate_up
+        self.lora_A = nn.ParameterDict({n: nn.Parameter(torch.empty(E, rank, i, dtype=w.dtype, device=w.device))
+                                        for n, (E, _, i) in shapes.items()})
+        self.lora_B = nn.ParameterDict({n: nn.Parameter(torch.empty(E, o, rank, dtype=w.dtype, device=w.device))
+                                        for n, (E, o, _) in shapes.items()})
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     @torch.no_grad()
-    def _load_nf4(self, w, saved, prefix, missing_keys, error_msgs) -> None:
-        """Copy the codes and scales of a state dict into the NF4 weight ``w``, exactly."""
-        missing = [prefix + k for k in _NF4_KEYS if k not in saved]
-        if missing:
-            missing_keys.extend(missing)
-            return
-        codes = saved["weight"].reshape(-1).to(w.device, torch.uint8)
-        parts = ((w.quantized_data, (codes[0::2] << 4) | codes[1::2]), (w.quantized_scalers, saved[_NF4_KEYS[0]]),
-                 (w.quantization_factor, saved[_NF4_KEYS[1]]), (w.scaler_mean, saved[_NF4_KEYS[2]]))
-        bad = [f"{prefix}{k}" for k, (mine, theirs) in zip(("weight", *_NF4_KEYS), parts) if mine.shape != theirs.shape]
-        if bad:
-            error_msgs.append(f"size mismatch for {', '.join(bad)} (NF4 codes and scales of another shape).")
-            return
-        for mine, theirs in parts:
-            mine.copy_(theirs)
+    def reset_adapter(self, role: str = "experts") -> None:
+        """Each expert's ``A_e`` ~ Kaiming-uniform (``nn.Linear``'s draw on an (r x in) matrix), ``B_e`` = 0."""
+        for n in self.NAMES:
+            for a in self.lora_A[n]:
+                nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+            self.lora_B[n].zero_()
+
+    def product(self, name: str, xs: torch.Tensor, offs: torch.Tensor | None = None, e: int = 0) -> torch.Tensor:
+        """The base product plus ``(alpha / r) (dropout(xs) A_e^T) B_e^T`` for each expert's rows."""
+        w = getattr(self, name)
+        if _is_nf4(w):
+            y = _NF4ExpertProduct.apply(xs, w, self.stacks[name], offs, e)
+        else:
+            y = super().product(name, xs, offs, e)
+        a, b, h = self.lora_A[name], self.lora_B[name], self.lora_dropout(xs)
+        if offs is None:
+            return y + F.linear(F.linear(h, a[e]), b[e]) * self.scale
+        mid = torch._grouped_mm(h, a.to(h.dtype).transpose(-2, -1), offs=offs)
+        return y + torch._grouped_mm(mid, b.to(h.dtype).transpose(-2, -1), offs=offs) * self.scale
+
+    @torch.no_grad()
+    def merged_weight(self, name: str) -> torch.Tensor:
+        """``W_e + (alpha / r) B_e A_e`` for every expert, computed in fp32, in ``W``'s dtype."""
+        w = getattr(self, name).detach()
+        base = w.get_original_weight().view(self.stacks[name]) if _is_nf4(w) else w
+        delta = torch.bmm(self.lora_B[name].float(), self.lora_A[name].float())
+        return (base.float() + self.scale * delta).to(w.dtype)
+
+    def _nf4_shape(self, name: str) -> tuple[int, ...]:
+        return self.stacks[name]  # the codes saved in the stack's shape
+
+    def merged(self) -> Experts:
+        """A plain :class:`Experts` holding the merged weights (the same attributes, no adapters)."""
+        plain = Experts.__new__(Experts)
+        plain.__dict__.update(self.__dict__)
+        plain._parameters = {n: nn.Parameter(self.merged_weight(n)) for n in self.NAMES}
+        plain._modules = {k: v for k, v in self._modules.items() if k not in ("lora_A", "lora_B", "lora_dropout")}
+        for k in ("rank", "scale", "stacks"):
+            plain.__dict__.pop(k, None)
+        return plain
+
+    def extra_repr(self) -> str:
+        E, out, i = self.stacks["gate_up"]
+        nf4 = ", base nf4" if self._nf4_names() else ""
+        return f"experts={E}, gate_up=({out}, {i}), lora rank={self.rank} per expert, scale={self.scale:g}{nf4}"
+
+
+def _projections(block: nn.Module) -> dict[str, tuple[str, int, int]]:
+    """The block's adaptable projections by role: :meth:`Block.projections`, and in a sparse layer 'experts'
+    (the routed experts) and gate, up, down for its shared experts' projections (where it has them)."""
+    proj = dict(block.projections())
+    mlp = block.mlp
+    if isinstance(getattr(mlp, "experts", None), Experts):
+        proj["experts"] = ("mlp.experts", 0, 0)
+        if getattr(mlp, "shared", None) is not None:
+            for role, name in (("gate", "c_gate"), ("up", "c_fc"), ("down", "c_proj")):
+                proj[role] = (f"mlp.shared.{name}", 0, getattr(mlp.shared, name).out_features)
+    return proj
 
 
 def apply_lora(model: nn.Module, cfg: LoraConfig, init: bool = True) -> nn.Module:
     """``lora.rank > 0``: freeze every parameter of ``model`` (a GPT, before any wrapper), then give the
-    projections ``lora.targets`` names in every block it holds an adapter (see the module doc). ``init``:
+    projections ``lora.targets`` names in every block that has them an adapter (see the module doc). ``init``:
     draw the adapters (in block order, then role order: the same draws for fused and separate q/k/v); False
     leaves them to be loaded. Returns ``model``."""
     if cfg.rank == 0:
         return model
-    roles = lora_roles(cfg.targets, model.cfg.mlp)
+    roles = lora_roles(cfg.targets, model.cfg.mlp, experts=bool(model.cfg.moe_experts))
+    blocks = [(block, _projections(block)) for _, block in model.present_blocks()]
+    have = {r for _, proj in blocks for r in proj}
+    missing = [r for r in roles if r not in have]
+    if missing and blocks and "all" not in (t.strip() for t in cfg.targets.split(",")):  # 'all': what there is
+        raise ConfigError(f"lora.targets names {', '.join(missing)}, which this model's blocks do not have "
+                          f"(they have {', '.join(sorted(have))}).")
     for p in model.parameters():
         p.requires_grad_(False)
-    for _, block in model.present_blocks():
-        proj = block.projections()
-        missing = [r for r in roles if r not in proj]
-        if missing:
-            raise ConfigError(f"lora.targets names {', '.join(missing)}, which this model's blocks do not have "
-                              f"(they have {', '.join(proj)}).")
-        by_module: dict[str, dict[str, tuple[int, int]]] = {}
-        for role in roles:
-            path, start, rows = proj[role]
-            by_module.setdefault(path, {})[role] = (start, rows)
-        adapted = {}
-        for path, parts in by_module.items():
-            parent, _, name = path.rpartition(".")
-            holder = block.get_submodule(parent)
-            adapted[path] = LoRALinear(getattr(holder, name), parts, cfg.rank, cfg.alpha, cfg.dropout,
-                                       cfg.quantize_base)
-            setattr(holder, name, adapted[path])
-        if init and not next(iter(adapted.values())).weight.is_meta:  # on meta: nothing to draw
-            for role in roles:
-                adapted[proj[role][0]].reset_adapter(role)
+    for block, proj in blocks:
+        adapted = _adapt_block(block, proj, [r for r in roles if r in proj], cfg)
+        if init:
+            for role in (r for r in roles if r in proj):
+                module = adapted[proj[role][0]]
+                if not _on_meta(module):  # on meta: nothing to draw
+                    module.reset_adapter(role)
     return model
+
+
+def _on_meta(module: nn.Module) -> bool:
+    return next(iter(module.parameters())).is_meta
+
+
+def _adapt_block(block: nn.Module, proj: dict[str, tuple[str, int, int]], roles: list[str],
+                 cfg: LoraConfig) -> dict[str, nn.Module]:
+    """Replace the modules of ``block`` holding ``roles`` by their adapted forms; returns path -> module."""
+    by_module: dict[str, dict[str, tuple[int, int]]] = {}
+    for role in roles:
+        path, start, rows = proj[role]
+        by_module.setdefault(path, {})[role] = (start, rows)
+    adapted: dict[str, nn.Module] = {}
+    for path, parts in by_module.items():
+        parent, _, name = path.rpartition(".")
+        holder = block.get_submodule(parent)
+        base = getattr(holder, name)
+        if isinstance(base, Experts):
+            adapted[path] = LoRAExperts(base, cfg.rank, cfg.alpha, cfg.dropout, cfg.quantize_base)
+        else:
+            adapted[path] = LoRALinear(base, parts, cfg.rank, cfg.alpha, cfg.dropout, cfg.quantize_base)
+        setattr(holder, name, adapted[path])
+    return adapted
 
 
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> nn.Module:
     """Replace every :class:`LoRALinear` of ``model`` by a plain ``nn.Linear`` holding its merged weight
-    (``W + (alpha / r) B A``) and bias; every parameter requires gradients again, as in a model built
+    (``W + (alpha / r) B A``) and bias, and every :class:`LoRAExperts` by plain :class:`Experts` (``W_e +
+    (alpha / r) B_e A_e`` per expert); every parameter requires gradients again, as in a model built
     without LoRA. Returns ``model`` (changed in place)."""
     for name, module in list(model.named_modules()):
+        if isinstance(module, LoRAExperts):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, module.merged())
+            continue
         if not isinstance(module, LoRALinear):
             continue
         plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,

@@ -16,11 +16,19 @@ tokens (the reference; it reads the group sizes on the host). 'auto' takes 'grou
 ``torch._grouped_mm`` runs for the device and dtype (probed once), else 'loop'. Both add each token's
 expert outputs in expert order, as transformers' sparse blocks do.
 
+Expert parallelism (``parallel.ep``, applied by :mod:`tokenmill.parallel.expert_parallel`): each rank keeps a
+shard of the routed experts (:meth:`MoE.shard_experts`) and the sorted rows pass through a ``dispatch`` hook
+that sends them to their experts' rank and back; the router and the shared experts stay whole.
+
 Router losses (the model owns them: :func:`router_loss`, added by ``GPT.forward`` to the training loss):
 the load-balancing loss ``model.moe_aux_loss_coef`` x E x sum_e f_e P_e, f_e the share of routed slots and
 P_e the mean router probability of expert e, pooled over all sparse layers as transformers'
 ``load_balancing_loss_func`` pools them; the z-loss ``model.moe_z_loss_coef`` x mean over layers and tokens of
-logsumexp(router logits)^2 (ST-MoE). Each MoE keeps its last forward's routing statistics (``stats``);
+logsumexp(router logits)^2 (ST-MoE). DeepSeek-V3's auxiliary-loss-free balancing (``model.moe_bias_update_rate``
+> 0): a per-expert bias (the buffer ``router_bias``, in checkpoints, never trained by the optimizer) is added
+to the routing scores only to choose each token's experts, the weights stay the unbiased scores'.
+:func:`balance_experts`, called once after every optimizer step, moves it by rate x sign(mean load - load).
+Each MoE keeps its last forward's routing statistics (``stats``);
 :func:`router_stats` turns them into the logged numbers (per-layer expert load max / mean, the losses).
 """
 
@@ -28,15 +36,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 from tokenmill.config import ModelConfig
+from tokenmill.errors import CheckpointError
 from tokenmill.model.layers import SwiGLU
 
-__all__ = ["MoE", "Experts", "grouped_mm_runs", "router_loss", "router_stats"]
+__all__ = ["MoE", "Experts", "balance_experts", "grouped_mm_runs", "router_loss", "router_stats"]
 
 GROUP_ALIGN = 16  # CUDA: rows of each expert's group padded to a multiple of this for the grouped GEMM
 
@@ -70,6 +81,19 @@ def grouped_mm_runs(device: str, dtype: torch.dtype) -> bool:
     return _probe(device, dtype)
 
 
+def _estimator_trace(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a fake tensor outside ``torch.compile``: the estimator's compiled-piece trace
+    (:mod:`tokenmill.estimate.compiled`, ``aot_function`` on fake tensors). There, as on ``meta``, the experts
+    run as one product of their shapes: the loop reads the group sizes (no values to read) and the grouped
+    product's fake kernel takes bf16 only, while the run's products may be fp32; which form the run takes and
+    its cost come from the config (:mod:`tokenmill.estimate.moe`). Under ``torch.compile`` it is False."""
+    if torch.compiler.is_compiling():
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(x)
+
+
 def _align(xs: torch.Tensor) -> int:
     """Rows each expert's group is padded to a multiple of: :data:`GROUP_ALIGN` on CUDA, 1 (none) elsewhere."""
     return GROUP_ALIGN if xs.is_cuda else 1
@@ -82,6 +106,20 @@ class Experts(nn.Module):
         super().__init__()
         self.gate_up = nn.Parameter(torch.empty(n_experts, 2 * width, n_embd))
         self.down = nn.Parameter(torch.empty(n_experts, n_embd, width))
+        self.n_experts = n_experts  # the routed experts of the layer, here or on other ranks (see shard)
+        self.dispatch: Callable | None = None  # expert parallelism: sends rows to their experts' rank (shard)
+
+    @torch.no_grad()
+    def shard(self, index: int, parts: int, dispatch: Callable) -> None:
+        """Keep experts ``[index * E / parts, (index + 1) * E / parts)`` of the E (expert parallelism,
+        :mod:`tokenmill.parallel.expert_parallel`): ``dispatch(xs, counts, run)`` then receives every expert's
+        rows (sorted by expert, ``counts`` per expert) and returns their outputs, having run the rows of this
+        rank's experts by ``run(rows, counts of the kept experts)``. The caller then makes each weight a DTensor
+        sharded over the ranks (its global shape the whole layer's), which :meth:`product` reads locally."""
+        n = self.n_experts // parts
+        for name, w in list(self.named_parameters(recurse=False)):
+            setattr(self, name, nn.Parameter(w[index * n:(index + 1) * n].clone(), requires_grad=w.requires_grad))
+        self.dispatch = dispatch
 
     @torch.no_grad()
     def init_weights(self, std: float, proj_std: float) -> None:
@@ -91,13 +129,13 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, impl: str) -> torch.Tensor:
         """x (N, C); weights, idx (N, k): each token's experts and their weights. Returns (N, C)."""
-        E, k = self.gate_up.size(0), idx.size(1)
+        k = idx.size(1)
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)  # slots grouped by expert, tokens in order within a group
         tok = order // k
-        counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+        counts = torch.zeros(self.n_experts, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
         xs = x[tok]
-        if x.is_meta:  # the estimator's trace (shapes, no values): the grouped products' shapes, via expert 0
+        if x.is_meta or _estimator_trace(x):  # shapes, no values: the grouped products' shapes, via expert 0
             gate, up = F.linear(xs, self.gate_up[0]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, self.down[0])
         else:
@@ -105,17 +143,25 @@ class Experts(nn.Module):
             dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
             if impl == "auto":
                 impl = "grouped" if grouped_mm_runs(str(x.device), dt) else "loop"
-            y = self._grouped(xs.to(dt), counts, flat[order]) if impl == "grouped" else self._loop(xs, counts)
+            run = functools.partial(self._run, grouped=impl == "grouped", dtype=dt)
+            y = run(xs, counts) if self.dispatch is None else self.dispatch(xs, counts, run)
         y = (y * weights.reshape(-1)[order, None]).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, tok, y)
+
+    def _run(self, xs: torch.Tensor, counts: torch.Tensor, grouped: bool, dtype: torch.dtype) -> torch.Tensor:
+        """The rows ``xs`` (sorted by expert, ``counts`` per expert held here) through their experts."""
+        if not grouped:
+            return self._loop(xs, counts)
+        expert = torch.repeat_interleave(torch.arange(counts.numel(), device=xs.device), counts, output_size=xs.size(0))
+        return self._grouped(xs.to(dtype), counts, expert)
 
     def _loop(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """One matmul pair per expert with tokens (the reference; reads the group sizes on the host)."""
         out = []
         for e, part in enumerate(xs.split(counts.tolist())):
             if part.size(0):
-                gate, up = F.linear(part, self.gate_up[e]).chunk(2, dim=-1)
-                part = F.linear(F.silu(gate) * up, self.down[e])
+                gate, up = self.product("gate_up", part, e=e).chunk(2, dim=-1)
+                part = self.product("down", F.silu(gate) * up, e=e)
             out.append(part)
         return torch.cat(out)
 
@@ -136,10 +182,19 @@ class Experts(nn.Module):
         else:
             ends = counts.cumsum(0)
         offs = ends.to(torch.int32)
-        w1, w2 = self.gate_up.to(xs.dtype), self.down.to(xs.dtype)  # autocast: cast as a Linear's weight is
-        gate, up = torch._grouped_mm(xs, w1.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
-        y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offs)
+        gate, up = self.product("gate_up", xs, offs).chunk(2, dim=-1)
+        y = self.product("down", F.silu(gate) * up, offs)
         return y if dest is None else y[dest]
+
+    def product(self, name: str, xs: torch.Tensor, offs: torch.Tensor | None = None, e: int = 0) -> torch.Tensor:
+        """``xs`` through the stacked weight ``name`` ('gate_up' or 'down'): every expert's group at once (the
+        grouped matmul; ``offs``: the groups' end offsets), or expert ``e``'s rows alone (the loop). The one
+        place the expert weights are applied: LoRA adds its per-expert adapters here (model/lora.py)."""
+        w = getattr(self, name)
+        w = w if self.dispatch is None else w.to_local()  # expert parallelism: this rank's experts of the DTensor
+        if offs is None:
+            return F.linear(xs, w[e])
+        return torch._grouped_mm(xs, w.to(xs.dtype).transpose(-2, -1), offs=offs)  # autocast: cast as a Linear's
 
 
 class MoE(nn.Module):
@@ -160,14 +215,55 @@ class MoE(nn.Module):
                 self.shared_gate = nn.Linear(C, 1, bias=False)
         self.dropout = nn.Dropout(cfg.dropout)
         self.stats: dict[str, torch.Tensor] | None = None  # the last forward's routing (router_loss, router_stats)
+        self.count_reducer: Callable | None = None  # sums the logged slot counts over ranks (expert parallelism)
+        self.bias_rate = cfg.moe_bias_update_rate
+        self.step_load: torch.Tensor | None = None  # this optimizer step's routed slots per expert (bias_rate > 0)
+        if self.bias_rate:  # DeepSeek-V3's per-expert routing bias (balance_experts): state, not a parameter
+            self.register_buffer("router_bias", torch.zeros(cfg.moe_experts))
+
+    @torch.no_grad()
+    def init_weights(self, std: float, proj_std: float) -> None:
+        """The routing bias starts at zero (the router and experts initialise themselves)."""
+        if self.bias_rate:
+            self.router_bias.zero_()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """A source without the routing bias loads with it at zero; one with a non-zero bias needs the bias
+        (``model.moe_bias_update_rate`` > 0) or it would route differently: refused; a zero one is dropped."""
+        key = prefix + "router_bias"
+        if self.bias_rate and key not in state_dict:
+            state_dict[key] = torch.zeros(self.router_bias.shape, dtype=self.router_bias.dtype, device=self.router_bias.device)
+        elif not self.bias_rate and key in state_dict:
+            if bool(state_dict[key].any()):
+                raise CheckpointError(f"'{key}' is non-zero: the weights were trained with DeepSeek-V3's routing bias; "
+                                      "set --model.moe_bias_update_rate > 0 to route with it.")
+            del state_dict[key]
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def shard_experts(self, index: int, parts: int, dispatch: Callable) -> nn.Module:
+        """Expert parallelism: keep routed-expert shard ``index`` of ``parts`` (:meth:`Experts.shard`; the router
+        and shared experts stay whole) and return the module holding the kept experts' weights."""
+        self.experts.shard(index, parts, dispatch)
+        return self.experts
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Router logits (N, E) -> (probabilities (N, E) fp32, weights (N, k) fp32, experts (N, k))."""
+        """Router logits (N, E) -> (probabilities (N, E) fp32, weights (N, k) fp32, experts (N, k)). With the
+        routing bias, the experts are the top k of (scores + bias) (scores: the logits for 'topk-softmax', else
+        the probabilities) and the weights come from the unbiased scores."""
         probs = F.softmax(logits.float(), dim=-1)
+        bias = self.router_bias if self.bias_rate else None
         if self.kind == "topk-softmax":
-            top, idx = torch.topk(logits, self.top_k, dim=-1)
+            if bias is None:
+                top, idx = torch.topk(logits, self.top_k, dim=-1)
+            else:
+                idx = torch.topk(logits.float() + bias, self.top_k, dim=-1).indices
+                top = logits.gather(1, idx)
             return probs, F.softmax(top.float(), dim=-1), idx
-        weights, idx = torch.topk(probs, self.top_k, dim=-1)
+        if bias is None:
+            weights, idx = torch.topk(probs, self.top_k, dim=-1)
+        else:
+            idx = torch.topk(probs + bias, self.top_k, dim=-1).indices
+            weights = probs.gather(1, idx)
         if self.kind == "softmax-topk-renorm":
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return probs, weights, idx
@@ -192,6 +288,8 @@ class MoE(nn.Module):
         counts = torch.zeros(probs.size(1), device=probs.device).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
         z = torch.logsumexp(logits.float(), dim=-1).square().sum()
         prob_sum = probs.sum(0)
+        if self.bias_rate and self.training and not (counts.is_meta or _estimator_trace(counts)):  # balance_experts
+            self.step_load = counts if self.step_load is None else self.step_load + counts
         self.stats = {"counts": counts, "prob_sum": prob_sum if keep else prob_sum.detach(),
                       "z_sum": z if keep else z.detach(), "rows": probs.new_tensor(float(probs.size(0)))}
 
@@ -228,18 +326,50 @@ def router_stats(model: nn.Module) -> dict[str, float]:
     """The logged routing numbers of the last forward: ``moe_load_<i>`` for each sparse layer i (its busiest
     expert's routed slots over the mean: 1 = balanced, E / k = every token to the same k experts),
     ``moe_load_max`` (the worst layer's), ``moe_aux_loss`` and ``moe_z_loss`` (before their coefficients).
-    Empty for a dense model. One host sync."""
+    Empty for a dense model. One host sync; under expert parallelism the counts are first summed over the
+    data-parallel ranks (``count_reducer``, one all-reduce: every rank calls this)."""
     layers = [(i, m.stats) for i, m in _numbered(model) if m.stats is not None]
     if not layers:
         return {}
     stats = [s for _, s in layers]
     with torch.no_grad():
         aux, z = _pooled([{k: v.detach() for k, v in s.items()} for s in stats])
-        loads = torch.stack([s["counts"].max() / s["counts"].mean().clamp_min(1e-9) for s in stats])
+        counts = torch.stack([s["counts"] for s in stats])
+        reducer = next((m.count_reducer for _, m in _numbered(model) if m.count_reducer is not None), None)
+        counts = counts if reducer is None else reducer(counts)  # every rank's tokens: the global load
+        loads = counts.amax(1) / counts.mean(1).clamp_min(1e-9)
         vals = torch.cat([loads.float(), torch.stack([aux, z]).float().to(loads.device)]).tolist()
     n = len(stats)
     out = {f"moe_load_{i}": round(v, 4) for (i, _), v in zip(layers, vals[:n])}
     return out | {"moe_load_max": max(out.values()), "moe_aux_loss": vals[n], "moe_z_loss": vals[n + 1]}
+
+
+@torch.no_grad()
+def balance_experts(model: nn.Module) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing, once after each optimizer step (the trainer calls it):
+    each MoE with ``model.moe_bias_update_rate`` > 0 moves its ``router_bias`` by rate x sign(mean load - load
+    of the expert) over the slots routed since the last call (every micro-batch of the step), summed over the
+    data-parallel ranks first (``count_reducer``, else over the process group: every rank calls this), so every
+    rank keeps the same bias. No-op for a model without it."""
+    layers = [m for m in model.modules() if isinstance(m, MoE) and m.bias_rate and m.step_load is not None]
+    if not layers:
+        return
+    counts = torch.stack([m.step_load for m in layers])
+    reducer = next((m.count_reducer for m in layers if m.count_reducer is not None), _sum_over_ranks)
+    counts = reducer(counts)
+    steps = torch.sign(counts.mean(1, keepdim=True) - counts)
+    for m, s in zip(layers, steps):
+        m.router_bias.add_(s.to(m.router_bias.dtype), alpha=m.bias_rate)
+        m.step_load = None
+
+
+def _sum_over_ranks(counts: torch.Tensor) -> torch.Tensor:
+    """``counts`` summed over the process group's ranks (the counts of one process when there is none)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return counts
+    out = counts.clone()
+    dist.all_reduce(out)
+    return out
 
 
 def _numbered(model: nn.Module) -> list[tuple[int, MoE]]:

@@ -80,7 +80,7 @@ def optimizer_step(optimizer, scaler, params, grad_clip: float, want_norm: bool,
         max_norm = grad_clip if grad_clip > 0 else float("inf")
         if isinstance(optimizer, CPUOffloadOptimizer) and optimizer.offload_grads:  # gradients on the CPU
             grad_norm = optimizer.clip_grad_norm_(max_norm)
-        elif world is not None and (world.tp > 1 or world.pp > 1):  # parameters split over ranks
+        elif world is not None and (world.tp > 1 or world.pp > 1 or world.ep > 1):  # parameters split over ranks
             grad_norm = clip_grad_norm(params, max_norm, world)
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)

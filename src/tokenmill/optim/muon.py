@@ -19,6 +19,13 @@ parallel: a DTensor) is gathered whole for the orthogonalisation, which needs th
 rank keeps its own shard of the result (every rank computes the same full update: simple, correct, and
 redundant work on big models).
 
+A mixture of experts (``model/moe.py``): the router's weight (and a shared-expert gate) scores tokens, an
+output-like gate rather than a hidden layer, so it goes to AdamW with the embeddings and the head; the routed
+experts' stacked weights (``gate_up`` (E, 2I, C), ``down`` (E, C, I), and LoRA's per-expert adapters (E, r,
+in), (E, out, r)) are E hidden matrices each: every expert's matrix is orthogonalised on its own (a batched
+Newton-Schulz over the leading expert dimension, never the stack flattened into one matrix), and ``gate_up``
+as two matrices per expert, its gate rows and its up rows (as a dense SwiGLU's separate gate and up).
+
 :class:`MuonWithAdamW` is the one optimizer the trainer drives: AdamW groups first (so the logged
 learning rate is ``optim.lr``), Muon groups after; its ``state_dict`` is an ordinary optimizer state dict
 over both (parameter indices in that order), which single-file and DCP checkpoints store as usual.
@@ -45,29 +52,36 @@ EPS = 1e-7
 
 def newton_schulz(g: torch.Tensor, steps: int = NS_STEPS, dtype: torch.dtype = torch.bfloat16,
                   eps: float = EPS) -> torch.Tensor:
-    """The quintic Newton-Schulz orthogonalisation of the 2-D ``g``, computed (and returned) in ``dtype``:
-    bf16 as the reference implementation (the tests run it in float64 against an exact reference)."""
+    """The quintic Newton-Schulz orthogonalisation of the 2-D ``g`` (or of each matrix of a 3-D stack, on its
+    own), computed (and returned) in ``dtype``: bf16 as the reference implementation (the tests run it in
+    float64 against an exact reference)."""
     a, b, c = NS_COEFFICIENTS
     x = g.to(dtype)
-    tall = g.size(0) > g.size(1)
+    tall = g.size(-2) > g.size(-1)
     if tall:
-        x = x.T
-    x = x / x.norm().clamp(min=eps)
+        x = x.mT
+    if x.ndim == 2:
+        x = x / x.norm().clamp(min=eps)
+        mm = torch.addmm
+    else:
+        x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+        mm = torch.baddbmm
     for _ in range(steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if tall else x
+        gram = x @ x.mT
+        x = mm(x, mm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.mT if tall else x
 
 
 def orthogonal_parts(u: torch.Tensor, splits: list[int] | None, steps: int = NS_STEPS,
                      dtype: torch.dtype = torch.bfloat16) -> list[tuple[slice, torch.Tensor, float]]:
     """``(rows, O, scale)`` for each part of ``u`` along the rows (``splits``: row counts of a fused matrix;
-    None = one matrix): its orthogonalisation ``O`` and the factor ``sqrt(max(1, rows / cols))``."""
+    None = one matrix): its orthogonalisation ``O`` and the factor ``sqrt(max(1, rows / cols))``. A 3-D ``u``
+    is a stack of matrices (the experts): rows are its last-but-one dimension, each matrix its own."""
     out, start = [], 0
-    for part in u.split(splits, dim=0) if splits else (u,):
-        rows = slice(start, start + part.size(0))
+    for part in u.split(splits, dim=-2) if splits else (u,):
+        rows = slice(start, start + part.size(-2))
         start = rows.stop
-        out.append((rows, newton_schulz(part, steps, dtype), math.sqrt(max(1.0, part.size(0) / part.size(1)))))
+        out.append((rows, newton_schulz(part, steps, dtype), math.sqrt(max(1.0, part.size(-2) / part.size(-1)))))
     return out
 
 
@@ -76,7 +90,7 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon over 2-D parameters (see the module docstring). ``splits``: parameter -> row split of a fused
+    """Muon over 2-D parameters and 3-D stacks of them (see the module docstring). ``splits``: parameter -> row split of a fused
     matrix (structure, not state: rebuilt from the model, never saved). ``ns_dtype``: the precision of the
     orthogonalisation (bf16, as the reference; the tests use float64)."""
 
@@ -88,8 +102,9 @@ class Muon(torch.optim.Optimizer):
         super().__init__(params, defaults)
         for group in self.param_groups:
             for p in group["params"]:
-                if p.ndim != 2:
-                    raise ConfigError(f"Muon takes 2-D matrices only, got a parameter of shape {tuple(p.shape)}.")
+                if p.ndim not in (2, 3):
+                    raise ConfigError(f"Muon takes 2-D matrices (or 3-D stacks of them) only, got a parameter of "
+                                      f"shape {tuple(p.shape)}.")
         self.splits = splits or {}
         self.ns_dtype = ns_dtype
 
@@ -116,7 +131,7 @@ class Muon(torch.optim.Optimizer):
                     p.add_(self._sharded_update(u, splits, steps, self.ns_dtype, p.dtype), alpha=-lr)
                     continue
                 for rows, o, scale in orthogonal_parts(u, splits, steps, self.ns_dtype):
-                    p[rows].add_(o, alpha=-lr * scale)  # in fp32 from the bf16 O, as torch.optim.Muon
+                    p[..., rows, :].add_(o, alpha=-lr * scale)  # in fp32 from the bf16 O, as torch.optim.Muon
         return loss
 
     @staticmethod
@@ -125,7 +140,7 @@ class Muon(torch.optim.Optimizer):
         from torch.distributed.tensor import DTensor, Replicate
 
         parts = orthogonal_parts(u.full_tensor(), splits, steps, dtype)  # the orthogonalisation needs every row
-        full = torch.cat([o.to(out) * scale for _, o, scale in parts], dim=0)
+        full = torch.cat([o.to(out) * scale for _, o, scale in parts], dim=-2)
         mesh = u.device_mesh
         whole = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
         return whole.redistribute(mesh, u.placements)  # Replicate -> shard: a local slice, no communication
@@ -203,13 +218,33 @@ def build_muon(model: nn.Module, cfg: OptimConfig) -> MuonWithAdamW:
     gpt = unwrap(model)
     if not hasattr(gpt, "hidden_matrices"):
         raise ConfigError("optim.name='muon' needs a tokenmill GPT (it asks the model for its hidden matrices).")
-    hidden = [(p, rows) for p, rows in gpt.hidden_matrices() if p.requires_grad]
+    gates, stacks = _moe_parameters(gpt)
+    hidden = [(p, rows) for p, rows in gpt.hidden_matrices() if p.requires_grad and id(p) not in gates]
+    hidden += [(p, rows) for p, rows in stacks if p.requires_grad]
     ids = {id(p) for p, _ in hidden}
     rest = [{**g, "params": [p for p in g["params"] if id(p) not in ids]} for g in param_groups(model, cfg)]
     rest = [g for g in rest if g["params"]]
     muon = Muon([p for p, _ in hidden], lr=cfg.muon_lr, momentum=cfg.muon_momentum,
                 weight_decay=cfg.muon_weight_decay, splits={p: rows for p, rows in hidden if rows}) if hidden else None
     return MuonWithAdamW(adamw(rest, cfg) if rest else None, muon)
+
+
+def _moe_parameters(gpt: nn.Module) -> tuple[set[int], list[tuple[nn.Parameter, list[int] | None]]]:
+    """The mixtures of experts' gates (ids of the router and shared-expert gate weights: AdamW's) and their
+    expert stacks (3-D: Muon's, per expert; ``gate_up`` split into its gate and up rows)."""
+    from tokenmill.model.moe import MoE
+
+    gates: set[int] = set()
+    stacks: list[tuple[nn.Parameter, list[int] | None]] = []
+    for m in gpt.modules():
+        if not isinstance(m, MoE):
+            continue
+        gates |= {id(g.weight) for g in (m.router, m.shared_gate) if g is not None}
+        width = m.experts.down.size(-1)
+        for name, p in m.experts.named_parameters():
+            if p.ndim == 3:
+                stacks.append((p, [width, width] if name == "gate_up" else None))
+    return gates, stacks
 
 
 class _States(Mapping):

@@ -20,6 +20,12 @@ and the MLP are 1/tp of the full size. The block input and output stay whole (re
 embeddings, norms, the rotary tables and the head are replicated (every TP rank computes them, with
 identical gradients). Not done here: sequence parallelism of the norms and a vocabulary-parallel head
 and loss.
+
+A mixture of experts (``model/moe.py``): each block gets its own plan, the entries for modules it has; a
+sparse layer's attention splits as a dense layer's, its MoE (router, routed and shared experts) is
+replicated: its input is the whole residual stream on every tp rank, so every rank routes the same tokens
+to the same experts and computes the same output and gradients (no communication, the experts' memory
+not divided by tp; ``parallel.ep`` shards experts).
 """
 
 from __future__ import annotations
@@ -76,10 +82,17 @@ def apply_tensor_parallel(model: nn.Module, world: World) -> nn.Module:
     """Split every block of ``model`` over the ``tp`` mesh dimension (in place; tp == 1: unchanged)."""
     if world.tp == 1:
         return model
-    plan = model.tp_plan(world.tp)
+    model.tp_plan(world.tp)  # the model's checks: whole heads per rank
     from torch.distributed.tensor.parallel import parallelize_module
 
     tp_mesh = world.mesh["tp"]
     for _, block in model.present_blocks():
-        parallelize_module(block, tp_mesh, styles(plan))
+        parallelize_module(block, tp_mesh, styles(block_plan(block)))
     return model
+
+
+def block_plan(block: nn.Module) -> dict[str, str]:
+    """The block's own plan (:meth:`Block.tp_plan`), the modules it does not have left out: a sparse
+    layer has no dense MLP projections, so its mixture of experts stays whole (replicated)."""
+    names = {name for name, _ in block.named_modules()}
+    return {path: kind for path, kind in block.tp_plan().items() if path in names}

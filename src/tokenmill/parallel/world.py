@@ -6,7 +6,9 @@ environment and joins the process group (``nccl`` on CUDA, ``gloo`` on CPU). The
 the world size; one of the two data-parallel degrees may be -1, "the rest". The device mesh has the
 dimensions ``("pp", "dp_replicate", "dp_shard", "tp")`` in that order (torchtitan's): tensor-parallel
 ranks are neighbours (on one node, where the links are fastest), pipeline stages are furthest apart.
-A single process without torchrun is a world of one and never touches ``torch.distributed``.
+A single process without torchrun is a world of one and never touches ``torch.distributed``. With
+``parallel.ep`` > 1 a second mesh ``("dp_mod_ep", "ep")`` spans the data-parallel ranks for expert parallelism
+(:mod:`tokenmill.parallel.expert_parallel`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class World:
     tp: int = 1
     pp: int = 1
     fsdp: bool = False  # FSDP applies (dp_shard > 1, or dp_shard -1 resolved to 1 under a one-process torchrun)
+    ep: int = 1  # expert-parallel degree (parallel.ep), carved from the data-parallel ranks
+    ep_mesh: Optional[object] = None  # DeviceMesh ("dp_mod_ep", "ep") over the data-parallel ranks when ep > 1
 
     @property
     def distributed(self) -> bool:
@@ -74,7 +78,7 @@ class World:
     @property
     def sharded(self) -> bool:
         """Parameters are split over ranks (FSDP, TP or PP): checkpoints are DCP folders."""
-        return self.fsdp or self.dp_shard > 1 or self.tp > 1 or self.pp > 1
+        return self.fsdp or self.dp_shard > 1 or self.tp > 1 or self.pp > 1 or self.ep > 1
 
     def layout(self) -> str:
         """E.g. 'single', 'ddp', 'fsdp', 'hsdp', 'fsdp+tp', 'pp+tp'."""
@@ -87,6 +91,8 @@ class World:
             parts.append("ddp")
         if self.tp > 1:
             parts.append("tp")
+        if self.ep > 1:
+            parts.append("ep")
         return "+".join(parts)
 
 
@@ -131,6 +137,12 @@ def resolve_degrees(cfg: ParallelConfig, world_size: int) -> tuple[int, int]:
             f"the world size is {world_size}: the degrees must multiply to the number of processes (use -1 for "
             "'the rest'; tp and pp need torchrun with that many processes)."
             + _torchrun_hint(world_size, total)
+        )
+    if (rep * shard) % cfg.ep:
+        raise ParallelError(
+            f"parallel.ep ({cfg.ep}) must divide the data-parallel world size (dp_replicate {rep} x dp_shard "
+            f"{shard} = {rep * shard}): the experts are split over ep of the data-parallel ranks."
+            + _torchrun_hint(world_size, cfg.ep)
         )
     return rep, shard
 
@@ -185,8 +197,11 @@ def init_world(cfg: ParallelConfig, device: torch.device) -> World:
 
     mesh = init_device_mesh(device.type, (cfg.pp, rep, shard, cfg.tp),
                             mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+    ep_mesh = None
+    if cfg.ep > 1:  # the data-parallel ranks in their flat order (tp and pp are 1): ep neighbours split the experts
+        ep_mesh = init_device_mesh(device.type, (rep * shard // cfg.ep, cfg.ep), mesh_dim_names=("dp_mod_ep", "ep"))
     return World(rank, local_rank, size, rep, shard, device, mesh, owns, cfg.tp, cfg.pp,
-                 fsdp=shard > 1 or one_process_fsdp)
+                 fsdp=shard > 1 or one_process_fsdp, ep=cfg.ep, ep_mesh=ep_mesh)
 
 
 def shutdown(world: World) -> None:

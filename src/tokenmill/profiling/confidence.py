@@ -22,6 +22,8 @@ import math
 import statistics
 from typing import Any, Optional
 
+from tokenmill.profiling.facts import Run
+
 SPIKE = 3.0  # a window this many times slower than the median window is left out
 HIGH, ENOUGH = 4.0, 2.0  # standard errors between the share and the rule's threshold
 NOISY = "too noisy to judge"
@@ -72,20 +74,27 @@ def describe(w: Optional[dict[str, Any]]) -> str:
     return text
 
 
-def rate(finding: dict[str, Any], facts: dict[str, Any]) -> dict[str, Any]:
-    """The confidence of ``finding`` (a ranked finding dict with its rule's ``key``) from the facts'
-    windows: ``level``, and for a timed rule the ``effect`` (share), ``threshold``, ``z``, ``windows`` and
-    the windows' ``spread`` (lowest and highest share)."""
+def _share(run: Run, phase: str) -> Optional[float]:
+    """``phase``'s share of the step, from the typed run (the data wait and the copy are :class:`Data`'s)."""
+    part = run.data if phase in ("data", "h2d") else run.timing
+    return getattr(part, f"{phase}_share")
+
+
+def rate(finding: dict[str, Any], run: Run | dict[str, Any]) -> dict[str, Any]:
+    """The confidence of ``finding`` (a ranked finding dict with its rule's ``key``) from the typed run (or its
+    flat facts, typed here) and its windows: ``level``, and for a timed rule the ``effect`` (share),
+    ``threshold``, ``z``, ``windows`` and the windows' ``spread`` (lowest and highest share)."""
+    run = run if isinstance(run, Run) else Run.of(run)
     basis = TIMED.get(finding["key"])
     key = finding["key"]
-    if basis is None and (key in UNWINDOWED or (key in DEVICE_IDLE and facts.get("device") == "cuda")):
+    if basis is None and (key in UNWINDOWED or (key in DEVICE_IDLE and run.device == "cuda")):
         return {"level": "unknown", "why": f"timed ({UNWINDOWED.get(key, 'device idle time')}), but without "
                 "per-window figures: its spread is not known; `tokenmill doctor --try` measures the switch"}
     if basis is None:
         return {"level": "not timed", "why": "read from counts, the config or memory, which load does not move"}
     phase, threshold = basis
-    share = facts.get(f"{phase}_share")
-    shares = ((facts.get("windows") or {}).get("shares") or {}).get(phase) or []
+    share = _share(run, phase)
+    shares = ((run.facts.get("windows") or {}).get("shares") or {}).get(phase) or []
     if share is None or len(shares) < 2:
         return {"level": "unknown", "windows": len(shares), "effect": share, "threshold": threshold,
                 "why": "fewer than two windows: no spread to judge by; train more steps to know"}

@@ -348,6 +348,7 @@ def gather_facts(run: dict[str, Any]) -> dict[str, Any]:
     f["compute_share"] = _compute_share(f)
     f["tokens_per_sec"], f["mfu"], f["tokens_per_sec_source"] = _same_window_speed(f, summary)
     f.update(sft_facts(summary))  # chat fine-tuning: padding and learned shares (profiling/sft_rules.py)
+    f.update(rules.moe_facts(steady_rows(run), summary, prof))  # experts' load, processes (moe_rules.py)
     if summary.get("threads"):
         f["threads"] = summary["threads"]
     if "recompute_share" not in f and rules.config_value(cfg, "memory.activation_checkpointing") and f.get("step_ms"):
@@ -440,7 +441,7 @@ def rank(facts: dict[str, Any]) -> list[dict[str, Any]]:
         res: Optional[rules.Finding] = rule(run if getattr(rule, "typed", False) else facts)
         if res is not None:
             x = {"key": rule.__name__, **res._asdict(), "minor": res.score < rules.MIN_SCORE}
-            x["confidence"] = confidence.rate(x, facts)
+            x["confidence"] = confidence.rate(x, run)
             out.append(x)
     return sorted(out, key=lambda x: (x["minor"], x["confidence"]["level"] == confidence.NOISY, -x["score"]))
 

@@ -9,9 +9,9 @@ number or None, checked here. A misspelt fact is an ``AttributeError`` where it 
 
 A rule written for the typed run is wrapped with :func:`typed`: it takes a :class:`Run` and returns a
 :class:`~tokenmill.profiling.findings.Finding` or None; the wrapper still accepts the flat dict (the rule
-list, the tests and rules not yet migrated pass it) and types it on the way in. Every rule of ``rules``,
-``data_rules``, ``memory_rules``, ``model_rules``, ``fp8_rules``, ``optim_rules``, ``technique_rules`` and
-``sft_rules`` is written so; ``docmask_rules`` still reads the dict.
+list and the tests pass it) and types it on the way in. Every rule of ``rules``, ``data_rules``,
+``memory_rules``, ``model_rules``, ``fp8_rules``, ``optim_rules``, ``technique_rules``, ``sft_rules``,
+``docmask_rules`` and ``moe_rules`` is written so.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from typing import Optional
 
 from tokenmill.errors import ConfigError
 from tokenmill.model.flops import peak_flops
-from tokenmill.model.fp8 import fp8_speedup, has_fp8, linear_shapes
+from tokenmill.model.fp8 import block_linear_shapes, fp8_speedup, has_fp8
 from tokenmill.profiling.facts import Run, typed
 from tokenmill.profiling.findings import Finding, _clamp, switch
 
@@ -26,7 +26,7 @@ PAYS = 1.1
 def block_shapes(run: Run) -> list[tuple[int, int]]:
     """``(in, out)`` of the block linears FP8 converts, from the run's config (its own derived sizes)."""
     m = run.config.model
-    return linear_shapes(m.n_embd, m.n_head, m.head_width, m.kv_heads, m.mlp, m.mlp_width, bool(m.fused_qkv))
+    return block_linear_shapes(m)
 
 
 @typed

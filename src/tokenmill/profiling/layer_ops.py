@@ -4,24 +4,27 @@ layers rule weighs; see :func:`layer_form_ops`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Optional
 
 from tokenmill import config as C
 from tokenmill.profiling import rules
+from tokenmill.profiling.facts import as_config
 
 
-def layer_form_ops(config: dict[str, Any], cuda: bool = False) -> dict[str, dict[str, int]]:
+def layer_form_ops(config: C.Config | dict[str, Any], cuda: bool = False) -> dict[str, dict[str, int]]:
     """For each slow layer form the run uses (:func:`rules.slow_forms`): the operators of one
     forward + backward of a narrow copy of the run's model (same family, layers and forms, width 4 per
     head, 4 tokens), and how many of them the fast form would not run: ``{field: {"total", "matmul",
     "extra"}}``. Counted, not typed in: the same code as the run's model. ``cuda``: count the native
     RMSNorm as CUDA runs it (torch's fused rms_norm, one forward and one backward kernel; on a CPU it is
     the same operators as the hand-written one)."""
+    config = as_config(config)
     slow = {k: rules.LAYER_FORMS[k][1] for k in rules.slow_forms(config)}
     if not slow:
         return {}
-    model = {k.split(".", 1)[1]: v for k, v in config.items() if k.startswith("model.")}
+    model = dataclasses.asdict(config.model)  # the typed model section's fields (hashable values: the cache key)
     counted = _count_ops(tuple(sorted(model.items())), cuda)
     out = {}
     for key, fast in slow.items():
@@ -73,20 +76,17 @@ def _as_cuda_runs_it(model) -> None:
 def _count_ops(model_items: tuple, cuda: bool = False) -> Optional[tuple[int, int]]:
     """(all, matrix-product) ATen operators dispatched by one forward + backward of a narrow copy of
     the model (None when the copy cannot be built here, e.g. a GPU-only kernel)."""
-    import dataclasses
-
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from tokenmill.model.gpt import GPT
 
-    known = {f.name for f in dataclasses.fields(C.ModelConfig)}
-    m = {k: v for k, v in dict(model_items).items() if k in known}
-    heads = m.get("n_head", 1)
-    m.update(n_embd=4 * heads, block_size=4, dropout=0.0, vocab_size=16, vocab_pad_multiple=1, sdpa_backend="auto")
-    m.update({k: 4 if k == "head_dim" else 16 * heads for k in ("head_dim", "intermediate_size") if m.get(k)})
-    if m.get("norm") not in ("native", "manual"):
-        m["norm"] = "native"  # a GPU kernel (triton) counts like the native one
+    run = C.ModelConfig(**dict(model_items))
+    heads = run.n_head
+    narrow = dataclasses.replace(  # same family, layers and forms; width 4 per head, 4 tokens
+        run, n_embd=4 * heads, block_size=4, dropout=0.0, vocab_size=16, vocab_pad_multiple=1, sdpa_backend="auto",
+        head_dim=4 if run.head_dim else None, intermediate_size=16 * heads if run.intermediate_size else None,
+        norm=run.norm if run.norm in ("native", "manual") else "native")  # a GPU kernel (triton) counts as native
 
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -96,7 +96,7 @@ def _count_ops(model_items: tuple, cuda: bool = False) -> Optional[tuple[int, in
 
     _OpCount.n = _OpCount.matmul = 0
     try:
-        model = GPT(C.ModelConfig(**m), 16)
+        model = GPT(narrow, 16)
         if cuda:
             _as_cuda_runs_it(model)
         idx = torch.zeros(1, 4, dtype=torch.long)

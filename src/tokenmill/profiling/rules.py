@@ -18,7 +18,7 @@ phase's share use ``run.timing.share_lo``, the share less twice its standard err
 so a planted cause is named the same way whatever the noise of a loaded machine.
 
 To add a rule: write ``@typed def my_rule(run: Run) -> Finding | None`` and append it to :data:`RULES`. A rule
-written over the flat facts dict (``def my_rule(f)``, reading it with :func:`cfg`; ``docmask_rules`` still is)
+written over the flat facts dict (``def my_rule(f)``, reading it with :func:`cfg`; no shipped rule is now)
 keeps working: :func:`doctor.rank` passes the typed run to the rules marked ``typed`` and the dict to the others,
 and a typed rule also takes the dict (it is typed on the way in).
 """
@@ -64,6 +64,8 @@ from tokenmill.profiling.model_rules import (
     layer_forms,
     slow_forms,
 )
+from tokenmill.profiling.moe_rules import RULES as MOE_RULES
+from tokenmill.profiling.moe_rules import moe_facts
 from tokenmill.profiling.optim_rules import RULES as OPTIM_RULES
 from tokenmill.profiling.sft_rules import RULES as SFT_RULES
 from tokenmill.profiling.technique_rules import lora_finetune, qlora_finetune, selective_recompute
@@ -71,7 +73,8 @@ from tokenmill.profiling.technique_rules import lora_finetune, qlora_finetune, s
 # the doctor and the tests reach every rule and helper through this module
 __all__ = [
     "CPU_OVERHEAD_FLOPS_PER_OP", "LAYER_FORMS", "MIN_SCORE", "RULES", "Finding", "attention_flop_share", "cfg",
-    "config_value", "core_splits", "data_bound", "doc", "env_setting", "form_what", "loading_plan", "optimizer_impl",
+    "config_value", "core_splits", "data_bound", "doc", "env_setting", "form_what", "loading_plan", "moe_facts",
+    "optimizer_impl",
     "slow_forms", "switch", "workers_needed",
 ]
 
@@ -414,7 +417,7 @@ RULES: list[Callable[[dict], Optional[Finding]]] = [
     activation_recompute, layer_forms, thread_oversubscription, outside_steady_state, fp32_math, attention,
     logits_peak, activation_memory, optimizer_state_memory, allocator_thrash, memory_savers_with_room,
     selective_recompute, lora_finetune, qlora_finetune, fp8_cannot_pay, *OPTIM_RULES, document_mask_cost,
-    *SFT_RULES,
+    *SFT_RULES, *MOE_RULES,
 ]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenmill.profiling import rules
+from tokenmill.profiling.facts import as_config
 
 
 def wall_facts(run: dict[str, Any], f: dict[str, Any]) -> dict[str, Any]:
@@ -18,8 +18,9 @@ def wall_facts(run: dict[str, Any], f: dict[str, Any]) -> dict[str, Any]:
     time from ``config.toml`` (written as training starts) to ``summary.json`` (written at the end),
     the evaluations from the ``val_loss`` rows, each costing ``train.eval_batches`` forward passes
     of the measured training forward, and the unexplained rest. A profile gives the evaluation found
-    inside its profiled steps instead (per step)."""
-    summary, config, step_ms = run["summary"], run["config"], f.get("step_ms")
+    inside its profiled steps instead (per step). The run's config is read typed (its own values over the
+    config's defaults)."""
+    summary, step_ms = run["summary"], f.get("step_ms")
     if not step_ms:
         return {}
     if run["profile"]:
@@ -38,24 +39,25 @@ def wall_facts(run: dict[str, Any], f: dict[str, Any]) -> dict[str, Any]:
     if not wall or steps <= 0:
         return {}
     steady = steps * step_ms / 1000
+    cfg = as_config(run["config"])
     parts: dict[str, float] = {}
     counts: dict[str, int] = {}
     evals = summary.get("evals", sum(1 for r in run["metrics"] if "val_loss" in r))
     if summary.get("eval_s") is not None:
         parts["evaluation"] = summary["eval_s"]
     elif evals:
-        micro_ms = f["forward_ms"] / rules.config_value(config, "train.grad_accum_steps")
-        parts["evaluation"] = evals * rules.config_value(config, "train.eval_batches") * micro_ms / 1000
+        micro_ms = f["forward_ms"] / cfg.train.grad_accum_steps
+        parts["evaluation"] = evals * cfg.train.eval_batches * micro_ms / 1000
         source += "; evaluation estimated as eval_batches x the training forward"
     counts["evaluation"] = evals
-    every, final = (rules.config_value(config, k) for k in ("checkpoint.every_steps", "checkpoint.save_final"))
+    every, final = cfg.checkpoint.every_steps, cfg.checkpoint.save_final
     saves = summary.get("checkpoints", (steps - 1) // every + int(final) if every else int(final))
     if summary.get("checkpoint_s") is not None:
         parts["checkpoints"] = summary["checkpoint_s"]
     if summary.get("log_s") is not None:
         parts["logging"] = summary["log_s"]
     if summary.get("warmup_s") is not None:  # beyond what the warm-up steps cost at the steady speed
-        warm = min(steps, rules.config_value(config, "log.timing_warmup_steps"))
+        warm = min(steps, cfg.log.timing_warmup_steps)
         parts["warm-up"] = max(0.0, summary["warmup_s"] - warm * step_ms / 1000)
     rest = wall - steady - sum(parts.values())
     if rest > 0:

@@ -49,6 +49,7 @@ from tokenmill import config as C
 from tokenmill.checkpoint.files import DCP_NAME, FILE_NAME
 from tokenmill.errors import CheckpointError, ConfigError, DataError
 from tokenmill.model import GPT, hf, hf_families
+from tokenmill.model.build import lora_model_roles
 from tokenmill.model.gpt import adapt_state_dict
 
 __all__ = ["InitSource", "adopt_shape", "check_weights", "explicit_keys", "find_source", "prepare_init_from"]
@@ -254,8 +255,8 @@ def prepare_init_from(cfg: C.Config, has_checkpoints: bool, quiet: bool = False
     elif cfg.data.source == "tokens" and not cfg.data.mixture:
         _check_embedded_corpus(src, cfg.data)
     if not quiet:
-        lora = cfg.lora
-        how = (f"LoRA adapters of rank {lora.rank} on {','.join(C.lora_roles(lora.targets, cfg.model.mlp))}, its "
+        lora = cfg.lora  # the roles the model's blocks have (a mixture of experts: 'experts', no dense MLP roles)
+        how = (f"LoRA adapters of rank {lora.rank} on {','.join(lora_model_roles(cfg.model, lora))}, its "
                "weights frozen" if lora.rank else "its weights")
         print(f"tokenmill: fine-tuning from {src.describe()}: {how}, a fresh optimizer and schedule from step 0")
     return cfg, src

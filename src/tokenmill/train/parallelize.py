@@ -16,6 +16,11 @@ model-level switch, in one fixed order:
    forward (compile fuses its casts), and FSDP2's float8 all-gather needs the converted weights.
 3. ``apply_tensor_parallel`` (``parallel.tp``): split the blocks' matrices into DTensors before anything
    wraps the blocks, so the checkpoint wrappers and compiled graphs see the parallel modules.
+3a. ``apply_expert_parallel`` (``parallel.ep``): each rank keeps its shard of every MoE layer's routed experts
+   (DTensors over the ``ep`` mesh dimension) and the layers dispatch tokens by all-to-all. After the cast (the
+   shards keep their final dtype) and, like TP, before the checkpoint wrappers and compiled graphs see the
+   layers; under FSDP it also shards the experts over the ranks holding the same ones, which must precede
+   step 6 (FSDP on a block skips the modules FSDP already manages).
 4. ``apply_activation_checkpointing`` (``memory.activation_checkpointing``, with
    ``memory.activation_checkpointing_policy``): wrap blocks before compiling, so the recomputation (and a
    selective policy's choice of what to keep) is traced into the compiled graph.
@@ -54,6 +59,7 @@ from tokenmill.model.build import (
 )
 from tokenmill.model.fp8 import apply_fp8
 from tokenmill.parallel import World, apply_data_parallel
+from tokenmill.parallel.expert_parallel import apply_expert_parallel
 from tokenmill.parallel.pipeline import apply_pipeline_split
 from tokenmill.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -175,6 +181,7 @@ def parallelize(model: nn.Module, cfg: C.Config, world: World) -> nn.Module:
     apply_precision(model, cfg.train)
     apply_fp8(model, cfg.train, cfg.parallel, world.device)
     apply_tensor_parallel(model, world)
+    apply_expert_parallel(model, world, cfg.parallel)
     apply_activation_checkpointing(model, cfg.memory.activation_checkpointing,
                                    cfg.memory.activation_checkpointing_policy)
     apply_compile(model, cfg.compile)

@@ -31,7 +31,7 @@ from tokenmill import config as C
 from tokenmill.data import build_datasets, build_train_loader, mixture, start_batches, to_device, val_batches
 from tokenmill.data.loader import DevicePrefetcher
 from tokenmill.errors import AlreadyTrained, TrainingError
-from tokenmill.model import flop_params, flops_per_token, math_mode, peak_flops, router_stats
+from tokenmill.model import balance_experts, flop_params, flops_per_token, math_mode, peak_flops, router_stats
 from tokenmill.optim import build_optimizer, build_scheduler, optimizer_step
 from tokenmill.parallel import World, grad_sync, init_world, shutdown, unwrap
 from tokenmill.parallel.pipeline import Pipeline
@@ -200,6 +200,7 @@ class Trainer:
                                        want_norm, self.world, zero=self.cfg.optim.zero_grad == "after_step")
             lr = self.scheduler.get_last_lr()[0]
             self.scheduler.step()
+            balance_experts(self.model)  # model.moe_bias_update_rate: DeepSeek-V3's routing bias (model/moe.py)
         weight = self.batches.weight  # a loss mask: dp / the step's learned tokens (train/loss_mask.py); else None
         return (loss_sum / t.grad_accum_steps if weight is None else loss_sum * weight), grad_norm, lr
 

@@ -1,0 +1,298 @@
+"""The mixture-of-experts terms of an estimate (``model.moe_experts`` > 0), with expert parallelism
+(``parallel.ep``).
+
+The traced model (:mod:`.trace`) already holds every expert's weights (FSDP shards them over
+``parallel.dp_shard`` on the expert dimension) and its routed activations: on ``meta`` the experts run as one
+product over all ``tokens x top_k`` routed rows (:class:`tokenmill.model.moe.Experts`). What the trace cannot
+see is added here, from the config's shapes:
+
+- **memory with expert parallelism**: each rank holds ``E / ep`` experts, sharded further by FSDP over
+  ``dp_shard / ep`` ranks, so an expert's weights, gradients and optimizer state per rank are the total over
+  ``max(ep, dp_shard)``; FSDP gathers (and reduce-scatters the gradients of) only the local experts, so the
+  unsharded expert weights of the two blocks alive in backward (the current one and the prefetched one) and
+  the current block's unsharded expert gradients shrink by ``ep``; without FSDP (``ep`` over DDP replicas)
+  the whole weights, gradients, optimizer state and DDP buckets of the experts shrink by ``ep``. The
+  dispatch's send and receive buffers (``tokens x top_k`` rows each) are added as temporaries;
+- **the grouped expert matmuls at their real shapes**: under balanced routing each of a rank's ``E / ep``
+  experts gets ``tokens x top_k x ep / E`` rows (padded to 16 on CUDA, as the grouped GEMM pads them), priced
+  by the roofline's own matmul pricing (:func:`tokenmill.estimate.roofline._op_seconds`: efficiency falling
+  with the smallest dimension, tile and wave quantization) for the forward, the input gradients and, when the
+  experts train, the weight gradients (the forward again under activation checkpointing); the trace priced
+  them as one large product, and the difference is added to the matmul time. With ``model.moe_impl = 'loop'``
+  (or 'auto' where the grouped GEMM does not run: before compute capability 9.0, or without bf16 products) each
+  expert's products are separate kernels, and the host dispatches :data:`LOOP_OPS_FWD` + :data:`LOOP_OPS_BWD`
+  operations per expert at ``estimate.host.HOST_OP_US`` each: the larger of that and the GPU's time;
+- **the all-to-all**: dispatch and combine, forward and backward (and the recomputed forward under
+  activation checkpointing), each moving ``tokens x top_k x C`` activations of which ``(ep - 1) / ep`` leave
+  the rank, at the GPU's link bandwidth (NVLink or PCIe, :mod:`.gpus`) and ``LINK_EFFICIENCY``, on the
+  critical path (the experts wait for their tokens);
+- FSDP's all-gathers and reduce-scatters of the experts move ``1 / ep`` of the bytes, within groups of
+  ``dp_shard / ep`` ranks.
+
+:func:`apply_moe` folds these into an :class:`~tokenmill.estimate.core.Estimate` and keeps the parts in its
+``moe`` field; :func:`format_moe` shows them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+from tokenmill import config as C
+from tokenmill.errors import ParallelError
+from tokenmill.estimate.gpus import GPU
+from tokenmill.estimate.recorder import OpCost
+
+MB = 1024 * 1024
+GROUP_ALIGN = 16  # rows of each expert's group on CUDA (tokenmill.model.moe.GROUP_ALIGN)
+# model.moe_impl 'loop': the ATen ops the host dispatches per expert with tokens, counted from Experts._loop
+# (the split's view, each linear's weight select, autocast cast, transpose and product, the chunk, SiLU and
+# product), and in backward about twice as many
+LOOP_OPS_FWD = 11
+LOOP_OPS_BWD = 22
+
+
+def check_ep(cfg: C.Config, dp: int) -> None:
+    """``parallel.ep`` must divide the experts and the data-parallel world size (one line naming the field)."""
+    ep, E = cfg.parallel.ep, cfg.model.moe_experts
+    if ep == 1:
+        return
+    if not E:
+        raise ParallelError(f"parallel.ep={ep} needs a mixture of experts (model.moe_experts > 0).")
+    if E % ep:
+        raise ParallelError(f"parallel.ep={ep} must divide model.moe_experts ({E}).")
+    if dp % ep:
+        raise ParallelError(f"parallel.ep={ep} must divide the data-parallel world size ({dp}): give --nproc a "
+                            f"multiple of {ep}.")
+
+
+def expert_ranks(ep: int, dp_shard: int) -> int:
+    """Ranks one expert layer's weights are spread over: ``ep`` ranks of experts, each group FSDP-sharded
+    over ``dp_shard / ep`` (``max(ep, dp_shard)`` when one divides the other)."""
+    return max(ep, dp_shard)
+
+
+def a2a_bytes(tokens: int, top_k: int, width: int, act_bytes: int, ep: int, passes: int = 4) -> float:
+    """Bytes one rank sends in one sparse layer's all-to-alls of one micro-batch: ``passes`` all-to-alls
+    (dispatch and combine, forward and backward: 4) of ``tokens x top_k`` rows of ``width`` activations, of
+    which ``(ep - 1) / ep`` go to other ranks under balanced routing."""
+    return passes * tokens * top_k * width * act_bytes * (ep - 1) / ep
+
+
+def tokens_per_expert(tokens: int, top_k: int, experts: int, ep: int) -> float:
+    """Rows each of a rank's local experts gets under balanced routing: its ``tokens x top_k`` slots and
+    those of the other ``ep - 1`` ranks, spread over ``experts`` (``ep / experts`` of them per expert)."""
+    return tokens * top_k * ep / experts
+
+
+def _mm(n: int, m: float, k: int, nn: int, math_: str) -> OpCost:
+    """A (grouped) product of ``n`` groups of (m x k) @ (k x nn)."""
+    m = max(1, int(math.ceil(m)))
+    return OpCost("grouped_mm", flops=2.0 * n * m * k * nn, math=math_, min_dim=min(m, k, nn),
+                  aligned=all(d % 8 == 0 for d in (m, k, nn)), dims=(n, m, k, nn))
+
+
+def expert_matmuls(groups: int, rows: float, C_: int, I_: int, math_: str, trained: bool,
+                   recompute: bool) -> list[OpCost]:
+    """One sparse layer's expert products of one micro-batch: ``groups`` experts of ``rows`` rows each;
+    the forward (twice with recompute), the input gradients, and the weight gradients when ``trained``."""
+    fwd = [_mm(groups, rows, C_, 2 * I_, math_), _mm(groups, rows, I_, C_, math_)]
+    bwd = [_mm(groups, rows, C_, I_, math_), _mm(groups, rows, 2 * I_, C_, math_)]
+    if trained:
+        bwd += [_mm(groups, 2 * I_, rows, C_, math_), _mm(groups, C_, rows, I_, math_)]
+    return fwd * (2 if recompute else 1) + bwd
+
+
+def _seconds(costs: list[OpCost], cfg: C.Config, gpu: GPU) -> float:
+    from tokenmill.estimate.roofline import _op_seconds
+
+    return sum(_op_seconds(c, cfg, gpu, 1) for c in costs)
+
+
+def expert_impl(cfg: C.Config, gpu: GPU, mm_math: str) -> str:
+    """How the experts run on ``gpu`` (``model.moe_impl``; 'auto': grouped where ``torch._grouped_mm`` runs on
+    CUDA, compute capability 9.0 and bf16 products; the CPU's fp32 too)."""
+    impl = cfg.model.moe_impl
+    if impl != "auto":
+        return impl
+    if gpu.key == "cpu":
+        return "grouped"
+    return "grouped" if gpu.cc >= (9, 0) and mm_math == "bf16" else "loop"
+
+
+def moe_terms(cfg: C.Config, lay, gpu: GPU, plan, tokens: int) -> dict[str, Any]:
+    """The MoE parts of one rank's step (module doc); ``tokens``: one micro-batch's tokens on a rank."""
+    from tokenmill.estimate.host import HOST_OP_US
+    from tokenmill.estimate.roofline import LINK_EFFICIENCY
+    from tokenmill.estimate.step import _state_bytes
+    from tokenmill.estimate.timeline import _size
+
+    m, ep = cfg.model, cfg.parallel.ep
+    E, k, C_, I_ = m.moe_experts, m.moe_top_k, m.n_embd, m.expert_width
+    experts = [p for p in plan.params if ".experts." in p.name]
+    layers = len({p.block for p in experts})
+    trained = any(p.trainable for p in experts)
+    ranks = expert_ranks(ep, lay.dp_shard)
+    numel = sum(p.numel for p in experts)
+    width = _size(experts[0].dtype) if experts else 4
+    state = sum(_state_bytes(cfg, p, 1.0 / ranks)[0] for p in experts if p.trainable)
+    act = 2 if cfg.train.precision in ("bf16", "fp16") else 4  # autocast keeps the residual stream in fp32
+    mm_math = "fp32" if cfg.train.precision == "fp32" else "bf16"
+    cuda = gpu.key != "cpu"
+    slots = tokens * k
+    rows = tokens_per_expert(tokens, k, E, ep)
+    local = E // ep
+    padded = math.ceil(rows / GROUP_ALIGN) * GROUP_ALIGN if cuda else rows
+    recompute = cfg.memory.activation_checkpointing > 0 and cfg.memory.activation_checkpointing_policy == "full"
+    impl = expert_impl(cfg, gpu, mm_math)
+    if impl == "loop":  # one product per expert: each its own kernel, each op issued by the host
+        gpu_s = local * _seconds(expert_matmuls(1, rows, C_, I_, mm_math, trained, recompute), cfg, gpu)
+        ops = local * (LOOP_OPS_FWD * (2 if recompute else 1) + LOOP_OPS_BWD)
+        real = max(gpu_s, ops * HOST_OP_US * 1e-6)
+    else:
+        real = _seconds(expert_matmuls(local, padded, C_, I_, mm_math, trained, recompute), cfg, gpu)
+    traced = _seconds(expert_matmuls(1, slots, C_, I_, mm_math, trained, recompute), cfg, gpu)
+    ideal = sum(c.flops for c in expert_matmuls(local, rows, C_, I_, mm_math, trained, recompute))
+    peak = gpu.peak(mm_math if mm_math != "fp32" else ("tf32" if cfg.train.tf32 else "fp32"))
+    a2a = a2a_bytes(tokens, k, C_, act, ep, 6 if recompute else 4) if ep > 1 else 0.0
+    A = cfg.train.grad_accum_steps
+    return {
+        "experts": E, "top_k": k, "impl": impl, "sparse_layers": layers, "ep": ep, "experts_per_rank": local,
+        "expert_params": numel, "expert_ranks": ranks, "trained": trained, "param_width": width,
+        "expert_weights_mb": numel / ranks * width / MB,
+        "expert_gradients_mb": (numel / ranks * width / MB) if trained else 0.0,
+        "expert_optimizer_mb": state / MB,
+        "routed_activations_mb": {  # one sparse layer, one micro-batch (part of the traced activations)
+            "permuted tokens": 2 * slots * C_ * act / MB,  # the expert-sorted copy and the experts' output
+            "expert hidden": slots * 3 * I_ * act / MB,  # gate and up (2I), silu(gate) * up (I)
+            "router logits": tokens * E * (2 * 4 + (2 if act == 2 else 4)) / MB,  # logits, fp32 probabilities
+        },
+        "tokens_per_expert": rows,
+        "grouped_matmul_ms": 1000 * real * layers * A,
+        "grouped_matmul_traced_ms": 1000 * traced * layers * A,
+        "grouped_matmul_efficiency": (ideal / real / peak) if (peak and real and cuda) else None,
+        "all_to_all_mb": a2a * layers * A / MB,
+        "all_to_all_ms": 1000 * a2a * layers * A / (gpu.link_gbs * 1e9 * LINK_EFFICIENCY),
+        "a2a_buffer_bytes": 2 * slots * C_ * act if ep > 1 else 0,
+        "link": gpu.link,
+    }
+
+
+def _memory_deltas(cfg: C.Config, lay, t: dict[str, Any], at_peak: str, trained: bool) -> dict[str, float]:
+    """Bytes expert parallelism takes off (negative) or adds to each category at the peak (module doc)."""
+    ep = cfg.parallel.ep
+    if ep == 1:
+        return {}
+    cut = 1 - 1 / ep
+    running = "forward" in at_peak or "backward" in at_peak
+    out = {"temporaries": float(t["a2a_buffer_bytes"]) if running else 0.0}  # the dispatch's buffers
+    if lay.dp_shard > 1:  # FSDP gathers only the local experts: two blocks' weights, one block's gradients
+        width = t["param_width"]
+        numel = t["expert_params"] / max(t["sparse_layers"], 1)
+        gathered = numel * (2 if cfg.parallel.fsdp_mixed_precision == "bf16" else width)
+        if running:
+            out["parameters"] = -2 * gathered * cut
+        if "backward" in at_peak and trained:
+            out["gradients"] = -numel * width * cut  # the block's unsharded gradients before their reduce-scatter
+        return out
+    # ep over DDP replicas: each rank keeps only its experts (and no DDP bucket for them)
+    out["parameters"] = -t["expert_weights_mb"] * MB * (ep - 1)
+    out["optimizer state"] = -t["expert_optimizer_mb"] * MB * (ep - 1)
+    if trained and "optimizer" not in at_peak:
+        out["gradients"] = -t["expert_gradients_mb"] * MB * (ep - 1)
+        if lay.dp_replicate > 1:
+            out["communication buffers"] = -t["expert_gradients_mb"] * MB * (ep - 1)
+    return out
+
+
+def _fsdp_expert_comm_delta(cfg: C.Config, lay, gpu: GPU, t: dict[str, Any]) -> float:
+    """Seconds FSDP's expert all-gathers and reduce-scatters lose with ``ep`` (negative): the trace charged
+    every expert over ``dp_shard`` ranks; with ``ep`` each rank gathers ``1 / ep`` of them over ``dp_shard / ep``."""
+    from tokenmill.estimate.roofline import LINK_EFFICIENCY
+
+    ep, n = cfg.parallel.ep, lay.dp_shard
+    if ep == 1 or n == 1:
+        return 0.0
+    bw = gpu.link_gbs * 1e9 * LINK_EFFICIENCY
+    mixed = cfg.parallel.fsdp_mixed_precision == "bf16"
+    numel, width = t["expert_params"], t["param_width"]
+    gathers = (2 if cfg.parallel.fsdp_reshard_after_forward else 1) * cfg.train.grad_accum_steps
+    volume = gathers * numel * (2 if mixed else width) + (numel * (4 if mixed else width) if t["trained"] else 0)
+    n2 = max(1, n // ep)
+    return volume * ((n2 - 1) / n2 / ep - (n - 1) / n) / bw
+
+
+def apply_moe(est, cfg: C.Config, lay, spec: GPU, plan) -> None:
+    """Fold the MoE terms (module doc) into ``est`` and keep them in ``est.moe``; nothing for a dense model."""
+    check_ep(cfg, lay.dp)
+    if not cfg.model.moe_experts:
+        return
+    B = cfg.train.batch_size
+    t = moe_terms(cfg, lay, spec, plan, B * cfg.model.block_size)
+    deltas = _memory_deltas(cfg, lay, t, est.at_peak, t["trained"])
+    for cat, b in deltas.items():
+        est.breakdown_mb[cat] = est.breakdown_mb.get(cat, 0.0) + b / MB
+    shift = sum(deltas.values()) / MB
+    est.peak_alloc_mb += shift
+    est.peak_reserved_mb += shift
+    if est.capacity_mb:
+        est.fits = est.peak_reserved_mb <= est.capacity_mb
+    t["memory_shift_mb"] = shift
+    if cfg.parallel.ep > 1:
+        est.layout += f", EP x{cfg.parallel.ep}"
+    if spec.key != "cpu":
+        _apply_time(est, cfg, lay, spec, t)
+    est.moe = {k: v for k, v in t.items() if k not in ("a2a_buffer_bytes",)}
+
+
+def _apply_time(est, cfg: C.Config, lay, spec: GPU, t: dict[str, Any]) -> None:
+    tb = est.time_breakdown_ms
+    mm = t["grouped_matmul_ms"] - t["grouped_matmul_traced_ms"]
+    tb["matmul_ms"] = tb.get("matmul_ms", 0.0) + mm
+    comm = 1000 * _fsdp_expert_comm_delta(cfg, lay, spec, t)
+    exposed = tb.get("collectives_exposed_ms", 0.0)
+    exposed_delta = max(-exposed, comm)
+    tb["collectives_ms"] = tb.get("collectives_ms", 0.0) + comm
+    tb["collectives_exposed_ms"] = exposed + exposed_delta
+    tb["all_to_all_ms"] = t["all_to_all_ms"]
+    old = est.step_ms
+    est.step_ms = old + mm + exposed_delta + t["all_to_all_ms"]
+    scale = old / est.step_ms
+    est.tokens_per_sec *= scale
+    if est.mfu:
+        est.mfu *= scale
+    if est.tokens_per_sec_range:
+        est.tokens_per_sec_range = tuple(v * scale for v in est.tokens_per_sec_range)
+
+
+def format_moe(est) -> list[str]:
+    """The MoE lines of ``tokenmill estimate``'s report (empty for a dense model)."""
+    t: Optional[dict[str, Any]] = getattr(est, "moe", None)
+    if not t:
+        return []
+    ra = t["routed_activations_mb"]
+    lines = [
+        "", f"mixture of experts: {t['experts']} experts, {t['top_k']} per token, {t['sparse_layers']} sparse layer(s) "
+        f"on this rank; expert parallel x{t['ep']}: {t['experts_per_rank']} experts per rank",
+        f"  expert weights {_mb(t['expert_weights_mb'])} MiB, gradients {_mb(t['expert_gradients_mb'])} MiB, "
+        f"optimizer state {_mb(t['expert_optimizer_mb'])} MiB per rank ({t['expert_params'] / 1e9:,.2f}B expert "
+        f"parameters over {t['expert_ranks']} rank(s): ep x FSDP)",
+        "  routed activations per sparse layer and micro-batch (in the activations above): "
+        + ", ".join(f"{k} {v:,.1f} MiB" for k, v in ra.items()),
+    ]
+    if t["memory_shift_mb"]:
+        lines.append(f"  expert parallelism changes the peak by {t['memory_shift_mb']:+,.0f} MiB (only local experts "
+                     "gathered and reduced; the dispatch's send and receive buffers)")
+    if "all_to_all_ms" in est.time_breakdown_ms:
+        eff = t["grouped_matmul_efficiency"]
+        how = "grouped expert matmuls" if t["impl"] != "loop" else "expert matmuls, one per expert (model.moe_impl loop)"
+        lines.append(f"  {how}: {t['tokens_per_expert']:,.0f} tokens per expert (balanced routing), "
+                     f"{t['grouped_matmul_ms']:,.1f} ms per step" + (f" at {100 * eff:.0f}% of the peak" if eff else ""))
+        if t["ep"] > 1:
+            lines.append(f"  all-to-all (dispatch + combine, forward and backward): {_mb(t['all_to_all_mb'])} MiB sent "
+                         f"per step over {t['link']}: {t['all_to_all_ms']:,.1f} ms, on the critical path")
+    return lines
+
+
+def _mb(v: float) -> str:
+    return f"{v:,.0f}"

@@ -1,0 +1,85 @@
+"""The one table of GPU facts: dense peak FLOP/s per precision, FP8 tensor cores, and for the GPUs ``tokenmill
+estimate`` models, memory, memory and link bandwidth, SMs and compute capability.
+
+Read by MFU (``model/flops.py peak_flops``), FP8 (``model/fp8.py has_fp8``, ``fp8_peak_flops``) and the estimator
+(``estimate/gpus.py``: its GPU list is the rows that have a ``key``), and through them by the doctor. Here, on
+the model's floor, because MFU and FP8 need it and the estimator sits above them.
+
+A row matches the name torch reports (``torch.cuda.get_device_name()``, split at spaces, hyphens, underscores
+and slashes, case-insensitive) when all its ``words`` occur; the first matching row wins, so specific rows go
+first. A MIG slice matches nothing (the full GPU's peak would be wrong).
+
+Figures are datasheet values. Peaks: 'bf16'/'fp16' tensor cores with fp32 accumulation, 'tf32' TF32 tensor
+cores, 'fp32' the non-tensor FP32 rate; None: no such mode, or no figure we are sure of (then no MFU is
+reported). ``memory_mb`` is the memory CUDA reports as total (MiB); ``hbm_gbs`` the memory bandwidth;
+``link_gbs`` what one GPU can send to its peers in one direction (NVLink for the SXM parts, else PCIe); ``sm``
+the streaming multiprocessors and ``cc`` the compute capability (NVIDIA's datasheets and CUDA's
+compute-capability table). Not listed (no MFU): A10G (no public NVIDIA datasheet figure), A10, L40, H800, V100S.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+__all__ = ["GPU_TABLE", "GPUFacts", "gpu_facts"]
+
+_UNKNOWN: dict[str, Optional[float]] = {"bf16": None, "fp16": None, "tf32": None, "fp32": None}
+# H100 SXM, H200 (SXM) and GH200: the same GH100 compute at the same clocks.
+_HOPPER_SXM: dict[str, Optional[float]] = {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}
+_A100: dict[str, Optional[float]] = {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}
+_NVLINK3, _NVLINK4 = "NVLink 3 (600 GB/s both ways)", "NVLink 4 (900 GB/s both ways)"
+
+
+@dataclass(frozen=True)
+class GPUFacts:
+    """One row: ``key`` names the GPU for ``tokenmill estimate --gpu`` ('' when the estimator does not model
+    it: only the peaks and FP8 are known), ``name`` as torch reports it."""
+
+    words: tuple[str, ...]
+    peaks: dict[str, Optional[float]] = field(default_factory=lambda: dict(_UNKNOWN))
+    fp8: bool = False  # FP8 tensor cores (compute capability 8.9 and newer: Ada, Hopper)
+    key: str = ""
+    name: str = ""
+    memory_mb: float = 0.0
+    hbm_gbs: float = 0.0
+    link_gbs: float = 0.0
+    link: str = ""
+    sm: int = 0
+    cc: tuple = (0, 0)
+
+
+GPU_TABLE: tuple[GPUFacts, ...] = (
+    GPUFacts(("GH200",), _HOPPER_SXM, True),
+    GPUFacts(("H200", "NVL"), _UNKNOWN, True),  # NVL parts run lower clocks than SXM
+    GPUFacts(("H200",), _HOPPER_SXM, True, "h200", "NVIDIA H200", 143_771, 4_800, 450, _NVLINK4, 132, (9, 0)),
+    GPUFacts(("H100", "NVL"), _UNKNOWN, True),
+    GPUFacts(("H100", "PCIE"), {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51.2e12}, True,
+             "h100-pcie", "NVIDIA H100 PCIe", 81_079, 2_000, 64, "PCIe 5.0 x16", 114, (9, 0)),
+    GPUFacts(("H100", "SXM5"), _HOPPER_SXM, True),
+    GPUFacts(("H100", "SXM"), _HOPPER_SXM, True),
+    GPUFacts(("H100", "HBM3"), _HOPPER_SXM, True,  # the SXM part reports "NVIDIA H100 80GB HBM3"
+             "h100-sxm", "NVIDIA H100 80GB HBM3", 81_079, 3_350, 450, _NVLINK4, 132, (9, 0)),
+    GPUFacts(("H100",), _UNKNOWN, True),
+    GPUFacts(("A100", "40GB"), _A100, False, "a100-40gb", "NVIDIA A100-SXM4-40GB", 40_536, 1_555, 300, _NVLINK3, 108,
+             (8, 0)),
+    GPUFacts(("A100", "80GB"), _A100, False, "a100-80gb", "NVIDIA A100-SXM4-80GB", 81_038, 2_039, 300, _NVLINK3, 108,
+             (8, 0)),
+    GPUFacts(("A100",), _A100, False),
+    GPUFacts(("L40S",), {"bf16": 362.05e12, "fp16": 362.05e12, "tf32": 183e12, "fp32": 91.6e12}, True),
+    GPUFacts(("L4",), {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30.3e12}, True,
+             "l4", "NVIDIA L4", 22_491, 300, 32, "PCIe 4.0 x16", 58, (8, 9)),
+    GPUFacts(("RTX", "4090"), {"bf16": 165.2e12, "fp16": 165.2e12, "tf32": 82.6e12, "fp32": 82.6e12}, True,
+             "rtx-4090", "NVIDIA GeForce RTX 4090", 24_217, 1_008, 32, "PCIe 4.0 x16", 128, (8, 9)),
+    GPUFacts(("V100", "SXM2"), {"bf16": None, "fp16": 125e12, "tf32": None, "fp32": 15.7e12}),
+    GPUFacts(("V100", "PCIE"), {"bf16": None, "fp16": 112e12, "tf32": None, "fp32": 14e12}),
+)
+
+
+def gpu_facts(device_name: str) -> Optional[GPUFacts]:
+    """The row of :data:`GPU_TABLE` for the name torch reports, or None (unlisted, a CPU, a MIG slice)."""
+    words = set(re.split(r"[\s\-_/]+", device_name.upper()))
+    if "MIG" in words:  # a slice of the GPU: the full-GPU peak would be wrong
+        return None
+    return next((row for row in GPU_TABLE if all(w in words for w in row.words)), None)

@@ -1,0 +1,104 @@
+"""The estimator's roofline from physics (tokenmill.estimate.roofline): the memory floor of every matrix product,
+the tile/wave share of the SMs against a hand computation, QLoRA's NF4 dequantisation costed from the bytes it
+moves (and checked against torchao's own operations), and the kernel floor at its source."""
+
+import pytest
+
+from tokenmill import config as C
+from tokenmill.estimate import estimate, host
+from tokenmill.estimate import roofline as R
+from tokenmill.estimate.gpus import gpu_spec
+from tokenmill.estimate.recorder import OpCost
+from tokenmill.model.lora import nf4_bytes
+
+
+def _cfg(**over) -> C.Config:
+    base = {"data.source": "synthetic", "model.vocab_size": 512, "model.n_layer": 2, "model.n_embd": 256,
+            "model.n_head": 4, "model.block_size": 64, "train.batch_size": 4, "lora.rank": 8,
+            "lora.targets": "q,k,v,o,up,down"}
+    return C.resolve(None, overrides={**base, **over}, overrides_from_string=False)
+
+
+def test_lora_rank8_product_is_priced_by_its_bytes():
+    cfg, a100 = _cfg(), gpu_spec("a100-80gb")
+    # the adapter's first factor over 8,192 tokens of a 4,096-wide model: x (8192 x 4096) @ A^T (4096 x 8)
+    c = OpCost("mm", flops=2.0 * 8192 * 4096 * 8, math="bf16", min_dim=8, dims=(1, 8192, 4096, 8))
+    nbytes = (8192 * 4096 + 4096 * 8 + 8192 * 8) * 2
+    assert R.matmul_bytes(c) == nbytes
+    memory = nbytes / (a100.hbm_gbs * 1e9 * R.MEMORY_EFFICIENCY)
+    math = c.flops / (a100.peak("bf16") * R.matmul_efficiency(c, "bf16", a100))
+    assert math < memory  # memory-bound: tens of microseconds, not the 0.1% of peak of a hand-set curve
+    assert R._op_seconds(c, cfg, a100, 1) == pytest.approx(memory, rel=0.01)
+    assert 20e-6 < memory < 100e-6
+    # a large square product stays compute-bound
+    big = OpCost("mm", flops=2.0 * 8192 ** 3, math="bf16", min_dim=8192, dims=(1, 8192, 8192, 8192))
+    assert R._op_seconds(big, cfg, a100, 1) == pytest.approx(
+        big.flops / (a100.peak("bf16") * R.matmul_efficiency(big, "bf16", a100)))
+
+
+def test_tile_and_wave_share_against_a_hand_computation():
+    # H100 (132 SMs), 1024 x 768 x 768: 128x128 tiles, 8 x 6 = 48, split in two along K (384 deep) = 96 tiles in
+    # one wave of 132 SMs; the 256-wide tiles give 24 (48 split) tiles: less
+    assert R.quantization((1, 1024, 768, 768), 132) == pytest.approx(96 / 132)
+    # He's measured shape: 4224 x 8192 x 2048 in 128 x 256 tiles = 33 x 8 = 264 tiles, two full waves
+    assert R.quantization((1, 4224, 8192, 2048), 132) == pytest.approx(1.0)
+    # A100 (108 SMs), 8192 x 768 x 3072: 128x128 tiles split in two = 64 x 24 x 2 = 3,072 tiles in 29 waves
+    assert R.quantization((1, 8192, 768, 3072), 108) == pytest.approx(3072 / (29 * 108))
+    h100 = gpu_spec("h100-sxm")
+    c = OpCost("mm", flops=1.0, math="bf16", min_dim=768, dims=(1, 1024, 768, 768))
+    assert R.matmul_efficiency(c, "bf16", h100) == pytest.approx(780 / 989 * 96 / 132)
+
+
+def test_nf4_dequantisation_bytes_by_hand():
+    n = 4096 * 4096
+    half, blocks = n // 2, n // 64
+    eager = R.nf4_dequant_costs(n, 2)
+    # codes split and widened to int64 (1 + 4.5 + 1 + 4.5 bytes a weight), two table lookups (reading the int64
+    # indices, writing bf16), the absmax scales (int8 and bf16 factors in, bf16 out), two scale multiplies with
+    # their repeated scales, the interleaving stack
+    hand = (n + 4.5 * n + n + 4.5 * n + 2 * (4 * n + n + 32) + (blocks * 3 + 2 * (blocks // 256))
+            + (4 * blocks + 2) + 2 * (2 * blocks + n) + 2 * 3 * n + 4 * n)
+    assert sum(c.bytes for c in eager) == pytest.approx(hand) and len(eager) == 13
+    assert half * 2 == n
+    fused = R.nf4_dequant_costs(n, 2, compiled=True)
+    assert len(fused) == 1 and fused[0].bytes == nf4_bytes(n) + 2 * n
+
+
+def test_qlora_is_slower_than_lora_by_its_dequantisation():
+    gpu = "a100-80gb"
+    lora, qlora = _cfg(), _cfg(**{"lora.quantize_base": "nf4"})
+    a, b = estimate(lora, gpu), estimate(qlora, gpu)
+    assert b.tokens_per_sec < a.tokens_per_sec
+    # per block: q, k, v (one fused 768 x 256 weight), o (256 x 256), up (1024 x 256), down (256 x 1024), each
+    # dequantised in forward and in backward
+    spec = gpu_spec(gpu)
+    weights = [768 * 256, 256 * 256, 1024 * 256, 256 * 1024]
+    elem = 4 if qlora.train.precision != "bf16" else 2
+    per_pass = sum(R._op_seconds(c, qlora, spec, 1) for n in weights for c in R.nf4_dequant_costs(n, elem))
+    extra_ms = 2 * qlora.model.n_layer * per_pass * 1000
+    assert b.time_breakdown_ms["memory_bound_ms"] - a.time_breakdown_ms["memory_bound_ms"] == pytest.approx(extra_ms, rel=1e-6)
+
+
+def test_kernel_floor_is_its_source():
+    # CUDA.jl: 80 tiny kernels replayed as one CUDA graph in 70 us
+    assert R.KERNEL_MIN_US == host.GRAPH_KERNEL_US == pytest.approx(70 / 80)
+    assert R.MATMUL_EFFICIENCY == pytest.approx(780 / 989)
+
+
+@pytest.mark.slow
+def test_nf4_costs_follow_torchao():
+    """The eager dequantisation's kernels and bytes are torchao's own, recorded (imports torchao: ~10 s)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torchao")
+    from tokenmill.estimate.recorder import Recorder
+    from tokenmill.model.lora import to_nf4
+
+    w = to_nf4(torch.randn(256, 128, dtype=torch.bfloat16))
+    rec = Recorder()
+    with rec:
+        w.to(torch.bfloat16)
+    got = [c for c in rec.costs if c.name != "_unsafe_view"]  # a view that launches nothing
+    mine = R.nf4_dequant_costs(256 * 128, 2)
+    assert [c.name for c in got] == [c.name for c in mine] and rec.n_ops == R.NF4_EAGER_OPS
+    for g, m in zip(got, mine):  # the recorder counts an expanded input at its full size; the kernel reads the scales
+        assert g.bytes == (m.bytes if g.name != "clone" else m.bytes - 512 * 2 + 256 * 128 // 2 * 2), g.name
