@@ -56,8 +56,8 @@ def test_finetune_lines_give_learned_tokens_per_second_padded_and_packed(chat): 
     on a GPU, a line each for padded and packed windows whose tokens/s and learned tokens/s are the estimator's for
     that config (learned = tokens/s x the windows' learned share), the packed one through FlexAttention's block
     mask ('auto' on CUDA) or, with attention dropout, the explicit mask; none for text data."""
-    from tokenmill.estimate.finetune import with_lora
-    from tokenmill.estimate.sft import chat_shares, finetune_chat_lines
+    from tokenmill.estimate.finetune import finetune_chat_lines, with_lora
+    from tokenmill.estimate.sft import chat_shares
 
     for dropout, mask in ((0.0, "FlexAttention block mask"), (0.1, "explicit (B, 1, T, T) mask")):
         lora = with_lora(cfg_of(chat, "pad", **{"model.dropout": dropout}), 8)

@@ -76,28 +76,3 @@ def format_chat(est: Any) -> list[str]:
     return [f"  chat windows ({c['packing']}): {100 * c['padding_share']:.0f}% padding, {100 * c['learned_share']:.0f}% "
             f"learned targets -> {c['learned_tokens_per_sec']:,.0f} learned tokens/s"
             + (" (data.chat_packing pack: less padding)" if c["packing"] == "pad" and c["padding_share"] > 0.2 else "")]
-
-
-def finetune_chat_lines(lora: C.Config, gpu: Any, nproc: int = 1) -> list[str]:
-    """``estimate --finetune`` on a chat folder: the LoRA fine-tune on ``gpu`` with its windows padded and packed,
-    tokens/s beside learned tokens/s for each (padding costs compute and teaches nothing; packing keeps the
-    conversations apart with FlexAttention's block mask on CUDA, or the explicit mask where that path is used);
-    none for other data."""
-    from tokenmill.estimate.core import estimate
-
-    if chat_shares(lora) is None:
-        return []
-    lines = [f"chat windows, LoRA on {gpu.key} (data.chat_packing; tokens/s, and the learned targets' share of them):"]
-    for packing in ("pad", "pack"):
-        cfg = C.from_dict(lora.to_dict())
-        cfg.data.chat_packing = packing
-        est = estimate(C.validate(cfg), gpu, nproc)
-        c = est.chat
-        mask = ""
-        if packing == "pack":
-            from tokenmill.estimate.techniques import docmask_flex
-
-            mask = ", FlexAttention block mask" if docmask_flex(cfg, True) else ", explicit (B, 1, T, T) mask"
-        lines.append(f"  {packing:<5}{100 * c['padding_share']:>4.0f}% padding{mask}: {est.tokens_per_sec:,.0f} tokens/s, "
-                     f"{c['learned_tokens_per_sec']:,.0f} learned tokens/s ({100 * c['learned_share']:.0f}% learned)")
-    return lines
