@@ -142,7 +142,7 @@ def run_cli(*args, cwd=None) -> subprocess.CompletedProcess:
 
 TWO_RANK = {"gpt2": "test_parallel", "llama": "test_parallel_families", "muon": "test_muon",
             "lora": "test_lora_cli", "async": "test_async_checkpoint", "moe": "test_moe_everything",
-            "sft_layouts": "test_sft_layouts", "sft": "test_sft_train"}
+            "sft_layouts": "test_sft_layouts", "sft": "test_sft_train", "moe_metrics": "test_moe_metrics"}
 FOUR_RANK = {"gpt2": "test_parallel", "llama": "test_parallel_families"}
 _LAUNCH_USERS: dict[int, set[str]] = {2: set(), 4: set()}  # nproc -> the files whose selected tests read its launch
 

@@ -136,7 +136,9 @@ def assert_same(tm: nn.Module, hf: nn.Module, tm_fn, hf_fn, x: torch.Tensor, fus
     g_ref = to_tm(g_hf, fused)
     assert g_ref.keys() == g_tm.keys()
     for name, grad in g_ref.items():
-        torch.testing.assert_close(g_tm[name], grad, atol=ATOL, rtol=RTOL, msg=name)
+        # fp32 sums reordered (thread count, kernel): the rounding scales with the gradient's size
+        scale = max(1.0, grad.abs().max().item())
+        torch.testing.assert_close(g_tm[name], grad, atol=ATOL * scale, rtol=RTOL, msg=name)
 
 
 def inputs(seed: int = 0, width: int = C) -> torch.Tensor:

@@ -214,10 +214,28 @@ def load_dcp(path: Path, model, optimizer) -> None:
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         raise ParallelError(f"{path} is a sharded (DCP) checkpoint; resume it without parallel.zero1.")
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
-    state = {"model": model_sd, "optimizer": optim_sd}
+    absent, extra = _bias_switch(model_sd, path)
+    state = {"model": {k: v for k, v in model_sd.items() if k not in absent} | extra, "optimizer": optim_sd}
     _load(state, path)
+    for k in extra:
+        if bool(state["model"].pop(k).any()):
+            raise CheckpointError(f"'{k}' is non-zero: the weights were trained with DeepSeek-V3's routing bias; "
+                                  "set --model.moe_bias_update_rate > 0 to route with it.")
+    state["model"] |= {k: torch.zeros_like(model_sd[k]) for k in absent}
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                    options=_options())
+
+
+def _bias_switch(model_sd: dict, path: Path) -> tuple[set, dict]:
+    """``model.moe_bias_update_rate`` switched between 0 and > 0 since the save (the MoE routing bias,
+    ``router_bias``, added or removed), handled as single-file checkpoints do (``MoE._load_from_state_dict``):
+    the model's biases the checkpoint lacks (left out of the read, then zero) and, for the saved biases the
+    model lacks, zero tensors to read them into (a non-zero one is refused)."""
+    saved = read_metadata(path).state_dict_metadata
+    absent = {k for k in model_sd if k.endswith("router_bias") and f"model.{k}" not in saved}
+    extra = {k[6:]: torch.zeros(tuple(md.size), dtype=md.properties.dtype) for k, md in saved.items()
+             if k.startswith("model.") and k.endswith("router_bias") and k[6:] not in model_sd}
+    return absent, extra
 
 
 def load_model_weights(path: Path, model) -> dict[str, torch.Tensor]:

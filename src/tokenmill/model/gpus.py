@@ -14,7 +14,13 @@ cores, 'fp32' the non-tensor FP32 rate; None: no such mode, or no figure we are 
 reported). ``memory_mb`` is the memory CUDA reports as total (MiB); ``hbm_gbs`` the memory bandwidth;
 ``link_gbs`` what one GPU can send to its peers in one direction (NVLink for the SXM parts, else PCIe); ``sm``
 the streaming multiprocessors and ``cc`` the compute capability (NVIDIA's datasheets and CUDA's
-compute-capability table). Not listed (no MFU): A10G (no public NVIDIA datasheet figure), A10, L40, H800, V100S.
+compute-capability table). ``tensor_cores``: bf16/TF32 tensor cores (compute capability 8.0 and newer), what the
+doctor's fp32-math rule asks when a run recorded no capability; implied by ``fp8`` or a bf16 peak, else given.
+
+Rows with no peak (MFU None) stand for their tensor-core and FP8 facts alone: A10, A10G, A30, A40, L40, the RTX A
+series, B200/GB200 and the GeForce RTX 30/40/50 series (datasheet tensor rates we are not sure of: GeForce parts
+run fp16 with fp32 accumulation at a reduced rate). A word ending in ``*`` matches any word it begins (``30*``:
+3060, 3090), so a family row goes after its specific rows. Not listed: H800, V100S.
 """
 
 from __future__ import annotations
@@ -48,6 +54,11 @@ class GPUFacts:
     link: str = ""
     sm: int = 0
     cc: tuple = (0, 0)
+    tensor_cores: bool = False  # bf16/TF32 tensor cores; set from ``fp8`` or a bf16 peak when those say so
+
+    def __post_init__(self):
+        if self.fp8 or self.peaks.get("bf16") is not None:
+            object.__setattr__(self, "tensor_cores", True)
 
 
 GPU_TABLE: tuple[GPUFacts, ...] = (
@@ -72,14 +83,32 @@ GPU_TABLE: tuple[GPUFacts, ...] = (
              "l4", "NVIDIA L4", 22_491, 300, 32, "PCIe 4.0 x16", 58, (8, 9)),
     GPUFacts(("RTX", "4090"), {"bf16": 165.2e12, "fp16": 165.2e12, "tf32": 82.6e12, "fp32": 82.6e12}, True,
              "rtx-4090", "NVIDIA GeForce RTX 4090", 24_217, 1_008, 32, "PCIe 4.0 x16", 128, (8, 9)),
+    GPUFacts(("L40*",), _UNKNOWN, True),  # L40 (Ada); L40S has its row above
+    GPUFacts(("A10*",), _UNKNOWN, tensor_cores=True),  # A10, A10G, RTX A1000 (Ampere); A100 has its rows above
+    GPUFacts(("A30*",), _UNKNOWN, tensor_cores=True),  # A30, RTX A3000 (Ampere)
+    GPUFacts(("A40*",), _UNKNOWN, tensor_cores=True),  # A40, RTX A400/A4000/A4500 (Ampere)
+    GPUFacts(("A6000",), _UNKNOWN, tensor_cores=True),  # RTX A6000 (Ampere)
+    GPUFacts(("GB200",), _UNKNOWN, True),  # Blackwell
+    GPUFacts(("B200",), _UNKNOWN, True),
+    GPUFacts(("RTX", "30*"), _UNKNOWN, tensor_cores=True),  # GeForce RTX 30 series (Ampere)
+    GPUFacts(("RTX", "40*"), _UNKNOWN, tensor_cores=True),  # GeForce RTX 40 series (Ada; FP8 left to rows we know)
+    GPUFacts(("RTX", "50*"), _UNKNOWN, tensor_cores=True),  # GeForce RTX 50 series (Blackwell)
     GPUFacts(("V100", "SXM2"), {"bf16": None, "fp16": 125e12, "tf32": None, "fp32": 15.7e12}),
     GPUFacts(("V100", "PCIE"), {"bf16": None, "fp16": 112e12, "tf32": None, "fp32": 14e12}),
 )
 
 
-def gpu_facts(device_name: str) -> Optional[GPUFacts]:
-    """The row of :data:`GPU_TABLE` for the name torch reports, or None (unlisted, a CPU, a MIG slice)."""
+def gpu_facts(device_name: str, mig: bool = False) -> Optional[GPUFacts]:
+    """The row of :data:`GPU_TABLE` for the name torch reports, or None (unlisted, a CPU, a MIG slice). With
+    ``mig``, a MIG slice gets its full GPU's row: for the facts a slice keeps (tensor cores, FP8), never a peak."""
     words = set(re.split(r"[\s\-_/]+", device_name.upper()))
-    if "MIG" in words:  # a slice of the GPU: the full-GPU peak would be wrong
+    if "MIG" in words and not mig:  # a slice of the GPU: the full-GPU peak would be wrong
         return None
-    return next((row for row in GPU_TABLE if all(w in words for w in row.words)), None)
+    return next((row for row in GPU_TABLE if all(_has(words, w) for w in row.words)), None)
+
+
+def _has(words: set[str], word: str) -> bool:
+    """``word`` is one of ``words``, or, ending in ``*``, begins one of them."""
+    if word.endswith("*"):
+        return any(w.startswith(word[:-1]) for w in words)
+    return word in words

@@ -326,8 +326,9 @@ def router_stats(model: nn.Module) -> dict[str, float]:
     """The logged routing numbers of the last forward: ``moe_load_<i>`` for each sparse layer i (its busiest
     expert's routed slots over the mean: 1 = balanced, E / k = every token to the same k experts),
     ``moe_load_max`` (the worst layer's), ``moe_aux_loss`` and ``moe_z_loss`` (before their coefficients).
-    Empty for a dense model. One host sync; under expert parallelism the counts are first summed over the
-    data-parallel ranks (``count_reducer``, one all-reduce: every rank calls this)."""
+    Empty for a dense model. One host sync; under any data parallelism the counts are first summed over the
+    ranks (``count_reducer``, else the process group: one all-reduce, every rank calls this), so the numbers
+    are the whole batch's, not rank 0's."""
     layers = [(i, m.stats) for i, m in _numbered(model) if m.stats is not None]
     if not layers:
         return {}
@@ -335,8 +336,11 @@ def router_stats(model: nn.Module) -> dict[str, float]:
     with torch.no_grad():
         aux, z = _pooled([{k: v.detach() for k, v in s.items()} for s in stats])
         counts = torch.stack([s["counts"] for s in stats])
-        reducer = next((m.count_reducer for _, m in _numbered(model) if m.count_reducer is not None), None)
-        counts = counts if reducer is None else reducer(counts)  # every rank's tokens: the global load
+        # Every rank's tokens: the global load. Summing over the whole group (not just the data-parallel one)
+        # is exact: the ranks of a TP group see the same tokens, which scales every count alike and leaves
+        # max / mean unchanged; MoE refuses parallel.pp, so every rank holds the same layers.
+        reducer = next((m.count_reducer for _, m in _numbered(model) if m.count_reducer is not None), _sum_over_ranks)
+        counts = reducer(counts)
         loads = counts.amax(1) / counts.mean(1).clamp_min(1e-9)
         vals = torch.cat([loads.float(), torch.stack([aux, z]).float().to(loads.device)]).tolist()
     n = len(stats)

@@ -8,6 +8,7 @@ from typing import Optional
 
 from tokenmill import config as C
 from tokenmill.config.memory_switches import getter
+from tokenmill.model.gpus import gpu_facts
 from tokenmill.profiling.facts import Run, as_config, typed
 from tokenmill.profiling.findings import Finding, _clamp, pct, switch
 
@@ -109,8 +110,13 @@ def compile_off(run: Run) -> Optional[Finding]:
     return Finding(_clamp(0.85 * idle), "launch-bound with torch.compile off", ev, sug)
 
 
-TENSOR_CORE_GPUS = ("A100", "A10", "A30", "A40", "A6000", "L4", "L40", "H100", "H200", "GH200", "B200", "RTX 30",
-                    "RTX 40", "RTX 50", "3090", "4090", "5090")
+def has_tensor_cores(capability: Optional[tuple[int, ...]], gpu_name: str) -> bool:
+    """bf16/TF32 tensor cores: compute capability 8.0 or newer, or, with no capability recorded, the GPU's row of
+    the one GPU table (:func:`tokenmill.model.gpus.gpu_facts`; a MIG slice has its GPU's tensor cores)."""
+    if capability:
+        return capability[0] >= 8
+    row = gpu_facts(gpu_name, mig=True)
+    return row is not None and row.tensor_cores
 
 
 @typed
@@ -118,8 +124,7 @@ def fp32_math(run: Run) -> Optional[Finding]:
     t = run.config.train
     if run.device != "cuda" or t.precision != "fp32" or t.tf32:
         return None
-    cap, name = run.gpu_capability, run.gpu_name.upper()
-    if not ((cap and cap[0] >= 8) or any(g in name for g in TENSOR_CORE_GPUS)):
+    if not has_tensor_cores(run.gpu_capability, run.gpu_name):
         return None
     gemm = run.kernels.gemm_share
     ev = [f"train.precision = fp32 with train.tf32 = false on {run.gpu_name or 'a tensor-core GPU'}"]
