@@ -149,6 +149,7 @@ def test_bias_is_in_the_checkpoint_and_resume_equals_the_uninterrupted_run(tmp_p
         assert torch.equal(a[k], b[k]), k
 
 
+@pytest.mark.slow  # the compiled estimate traces the model through dynamo and AOTAutograd
 @pytest.mark.parametrize("precision", ["bf16-autocast", "fp32"])
 def test_compiled_moe_estimate_prints_a_result(capsys, precision):
     """The compiled pieces are traced on fake tensors: the experts take their shape-only product there (the

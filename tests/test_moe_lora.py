@@ -80,10 +80,7 @@ def test_expert_adapters_equal_peft_and_merge(tmp_path, impl):
     assert ours.blocks[0].mlp.experts.lora_B["down"].shape == (E, 32, R)
     with torch.no_grad():
         assert torch.equal(ours(x)[0], base)
-        for n, p in ours.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0.0, 0.1)
-        adapted = ours(x)[0]
+    adapted = perturb_adapters(ours)
     assert (adapted - base).abs().max() > 1e-2
     torch.testing.assert_close(adapted, peft_copy(src, ours)(x).logits, atol=ATOL, rtol=0)
     merged = merge_lora(ours)
@@ -91,6 +88,15 @@ def test_expert_adapters_equal_peft_and_merge(tmp_path, impl):
     assert type(merged.blocks[0].mlp.experts) is Experts
     with torch.no_grad():
         torch.testing.assert_close(merged(x)[0], adapted, atol=ATOL, rtol=0)
+
+
+def perturb_adapters(model) -> torch.Tensor:
+    """Every adapter's B gets random values (so the adapters act); returns the adapted logits on ``ids()``."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0.0, 0.1)
+        return model(ids())[0]
 
 
 def test_one_step_changes_only_the_adapters(tmp_path):
@@ -131,10 +137,8 @@ def test_shared_experts_take_the_mlp_roles():
                          "blocks.1.mlp.c_gate", "blocks.1.mlp.c_proj"}
     with torch.no_grad():
         assert torch.equal(model(x)[0], base)
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0.0, 0.1)
-        adapted = model(x)[0]
+    adapted = perturb_adapters(model)
+    with torch.no_grad():
         torch.testing.assert_close(merge_lora(model)(x)[0], adapted, atol=ATOL, rtol=0)
 
 

@@ -57,6 +57,7 @@ def loss_and_grads(model, x, y):
     return loss, torch.autograd.grad(loss, [p for p in model.parameters()])
 
 
+@pytest.mark.slow  # eager FlexAttention traces its operator with dynamo
 def test_document_mask_flex_gradients_equal_explicit(cpu_flex_backward, preset="tiny"):
     """data.document_mask, positions restarting (GPT-2: learned positions; the chat test below runs Llama): flex's
     loss within 1e-6 and every gradient within 1e-6 (fp32; gradients up to ~0.2, differences measured at ~5e-8) of
@@ -76,6 +77,7 @@ def test_document_mask_flex_gradients_equal_explicit(cpu_flex_backward, preset="
     assert max((a - b).abs().max().item() for a, b in zip(plain, grads_f)) > 1e-3
 
 
+@pytest.mark.slow  # eager FlexAttention traces its operator with dynamo
 def test_packed_chat_flex_gradients_equal_explicit_and_one_by_one(cpu_flex_backward, chat,  # noqa: F811 (fixture)
                                                                   preset="tiny-llama"):
     """Llama (RoPE restarting, 4 query heads on 2 key/value heads), data.chat_packing='pack' with model.document_attention='flex' (the block mask from the start bits): the

@@ -200,7 +200,8 @@ class Trainer:
                                        want_norm, self.world, zero=self.cfg.optim.zero_grad == "after_step")
             lr = self.scheduler.get_last_lr()[0]
             self.scheduler.step()
-            balance_experts(self.model)  # model.moe_bias_update_rate: DeepSeek-V3's routing bias (model/moe.py)
+            if self.cfg.model.moe_bias_update_rate:  # DeepSeek-V3's routing bias (model/moe.py); not on the hot
+                balance_experts(self.model)  # path of a model without it
         weight = self.batches.weight  # a loss mask: dp / the step's learned tokens (train/loss_mask.py); else None
         return (loss_sum / t.grad_accum_steps if weight is None else loss_sum * weight), grad_norm, lr
 
