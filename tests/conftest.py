@@ -188,3 +188,19 @@ def two_rank_launch(tmp_path_factory):
 @pytest.fixture(scope="session")
 def four_rank_launch(tmp_path_factory):
     return _shared_launch(tmp_path_factory, 4, FOUR_RANK)
+
+
+def count_newton_schulz(monkeypatch) -> list:
+    """Record every matrix Muon orthogonalises from now on, as (stacked experts, (rows, columns)), by wrapping
+    tokenmill.optim.muon.newton_schulz; returns the list the wrapper fills."""
+    from tokenmill.optim import muon as M
+
+    seen: list[tuple[int, tuple[int, ...]]] = []
+    real = M.newton_schulz
+
+    def counting(g, *a, **kw):
+        seen.append((g.shape[0] if g.ndim == 3 else 1, tuple(g.shape[-2:])))
+        return real(g, *a, **kw)
+
+    monkeypatch.setattr(M, "newton_schulz", counting)
+    return seen

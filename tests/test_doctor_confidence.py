@@ -13,7 +13,7 @@ import statistics
 
 import pytest
 
-from conftest import tiny_cfg
+from conftest import count_newton_schulz, tiny_cfg
 from tokenmill import config as C
 from tokenmill.cli import main
 from tokenmill.profiling import confidence, optim_rules, rules, trial
@@ -86,6 +86,30 @@ def test_a_70_percent_data_wait_with_busy_windows_is_caught(tmp_path):
     assert "log windows 1-8 of 10" in v["figures"]["windows"] and "9-10 left out" in v["figures"]["windows"]
 
 
+TIMED_KEYS = ["level", "effect", "threshold", "z", "windows", "spread", "phase", "why"]  # --json's, as before typing
+FIGURE_KEYS = ["step_ms", "data_share", "h2d_share", "forward_share", "backward_share", "optimizer_share",
+               "idle_share", "tokens_per_step", "tokens_per_sec", "phase_source", "step_source",
+               "tokens_per_sec_source", "windows"]
+
+
+def test_the_json_keeps_its_keys(tmp_path, capsys):
+    """``doctor --json`` serialises the typed ratings at the edge with the keys it always had, per kind of rating,
+    and the text output reads them back typed."""
+    d = recorded_run(tmp_path, CLEAN)
+    assert main(["doctor", str(d), "--json"]) == 0
+    js = json.loads(capsys.readouterr().out)
+    c = js["findings"][0]["confidence"]
+    assert list(c) == TIMED_KEYS and c["phase"] == "data" and len(c["spread"]) == 2
+    assert list(js["figures"]) == FIGURE_KEYS and isinstance(js["figures"]["tokens_per_step"], int)
+    assert confidence.Confidence.of_json(c).to_json() == c  # the text output reads it back
+    untimed = confidence.rate({"key": "host_sync"}, {"config": {}})
+    assert untimed.to_json() == {"level": "not timed", "why": untimed.why}
+    few = confidence.rate({"key": "data_bound"}, {"config": {}, "data_share": 0.4})
+    assert list(few.to_json()) == ["level", "windows", "effect", "threshold", "why"] and few.windows == 0
+    with pytest.raises(TypeError):
+        confidence.Confidence.of_json({**c, "levle": "high"})
+
+
 def test_the_doctors_step_time_is_the_summarys(tmp_path):
     """Even number of windows: the median step time differs from tokens per step / median tokens/s; the
     doctor reports the summary's figure."""
@@ -100,9 +124,9 @@ def test_the_doctors_step_time_is_the_summarys(tmp_path):
 def test_confidence_without_a_spread_and_for_untimed_rules():
     base = {"config": {}, "step_ms": 100.0, "data_ms": 40.0, "data_share": 0.4}
     one = rank({**base, "windows": confidence.window_set([100.0], {"data": [40.0]}, "log window")})
-    assert one[0]["confidence"]["level"] == "unknown"  # one window: no spread to judge by
+    assert one[0]["confidence"].level == "unknown"  # one window: no spread to judge by
     sync = rank({"config": {"log.every_steps": 1}, "syncs_per_step": 2.0})
-    assert sync[0]["key"] == "host_sync" and sync[0]["confidence"]["level"] == "not timed"
+    assert sync[0]["key"] == "host_sync" and sync[0]["confidence"].level == "not timed"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -209,3 +233,38 @@ def test_muon_on_a_fine_tune_is_a_minor_note():
     f = muon_facts(128 * 64, **{"train.init_from": "models/hf-folder"})
     found = {x["key"]: x for x in rank(f)}
     assert found["muon_finetune"]["minor"] and "--optim.name adamw" in found["muon_finetune"]["suggestions"][0]["why"]
+
+
+def test_muon_newton_schulz_on_a_mixture_of_experts_counts_what_muon_orthogonalises(monkeypatch):
+    """Dense and sparse blocks mixed (3 layers, layer 0 dense), 4 routed experts, a gated shared expert, a fused
+    q/k/v with grouped k/v: the rule's Newton-Schulz FLOPs equal those of the matrices one real MuonWithAdamW step
+    hands to newton_schulz (each expert's gate, up and down on its own; the router and shared gate on AdamW)."""
+    import torch
+
+    from tokenmill.estimate.techniques import ns_flops
+    from tokenmill.model.build import build_gpt
+    from tokenmill.optim import build_optimizer
+
+    cfg = C.resolve("tiny-moe", overrides={"model.vocab_size": 64, "optim.name": "muon", "model.n_layer": 3,
+                                           "model.moe_dense_layers": "0", "model.fused_qkv": True,
+                                           "model.moe_intermediate_size": 16, "model.moe_shared_experts": 1,
+                                           "model.moe_shared_gate": True}, overrides_from_string=False)
+    assert cfg.model.sparse_layers() == [1, 2]
+    seen = count_newton_schulz(monkeypatch)
+    torch.manual_seed(0)
+    model = build_gpt(cfg.model, 64, "cpu")
+    opt = build_optimizer(model, cfg)
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    model(x, x)[1].backward()
+    opt.step()
+    assert (4, (16, 32)) in seen and (4, (32, 16)) in seen and (1, (1, 32)) not in seen  # experts; no gate
+    real_flops = sum(k * ns_flops(s) for k, s in seen)
+    f = {"config": C.flatten(cfg.to_dict()), "device": "cpu", "flops_per_token": 2.0e4, "tokens_per_step": 64}
+    assert optim_rules.newton_schulz_flops(f) == pytest.approx(real_flops, rel=1e-12)
+    counted = sorted(p for block in optim_rules.model_matrices(cfg.model) for x in block
+                     for p in optim_rules.muon_parts(x))
+    assert counted == sorted(seen)  # the same matrices, not only the same total
+    found = optim_rules.muon_newton_schulz(f)
+    assert found is not None and "4 routed experts in each of 2 sparse layer(s)" in found.evidence[1]
+    lora = {**f, "config": {**f["config"], "lora.rank": 4}}  # LoRA: Muon steps only the rank-4 adapters
+    assert optim_rules.newton_schulz_flops(lora) is None and optim_rules.muon_newton_schulz(lora) is None

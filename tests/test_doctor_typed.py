@@ -80,3 +80,31 @@ def test_typed_rules_take_the_run_or_the_flat_facts_alike():
     assert data.suggestions[0]["switch"] == f"--data.num_workers {rules.loading_plan(run)['workers']}"
     keys = [x["key"] for x in rank(f)]  # rank types the facts once and hands the run to these rules
     assert "data_bound" in keys and "logits_peak" in keys
+
+
+def test_the_windows_and_the_confidence_are_typed():
+    """The split's windows (``Run.timing.windows``) and each finding's rating are frozen dataclasses read by
+    attribute: a misspelt one is an AttributeError, a windows fact of the wrong type a DoctorError naming it."""
+    from tokenmill.profiling import confidence
+    from tokenmill.profiling.facts import Windows
+
+    w = confidence.window_set([100.0, 102.0, 400.0, 98.0], {"data": [40.0, 41.0, 40.0, 39.0], "h2d": [1.0]},
+                              "log window")
+    assert isinstance(w, Windows) and (w.used, w.left_out, w.total) == ((1, 2, 4), (3,), 4)
+    assert w.shares["data"] == pytest.approx((0.4, 41 / 102, 39 / 98)) and "h2d" not in w.shares  # no figure each
+    assert confidence.describe(w) == ("log windows 1-2, 4 of 4 (log window 3 left out: >= 3x the median step, "
+                                      "machine busy)")
+    with pytest.raises(AttributeError):
+        w.usde  # noqa: B018
+    f = {"config": {}, "step_ms": 100.0, "data_ms": 40.0, "data_share": 0.4, "windows": w}
+    run = Run.of(f)
+    assert run.timing.windows is w
+    c = rank(run)[0]["confidence"]
+    assert isinstance(c, confidence.Confidence) and c.level == "high" and c.windows == 3 and c.phase == "data"
+    assert c.spread == (min(w.shares["data"]), max(w.shares["data"])) and not c.noisy
+    with pytest.raises(AttributeError):
+        c.levle  # noqa: B018
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.level = "low"  # type: ignore[misc]
+    with pytest.raises(DoctorError, match="'windows' is a dict, not Windows"):
+        Run.of({**f, "windows": {"shares": {"data": [0.4, 0.4]}}})  # the old untyped form

@@ -248,8 +248,11 @@ def _attention_extra_ms(B: int, T: int, L: int, H: int, D: int) -> float:
 
     spec = gpu_spec("h100-sxm")
     fwd = 2 * 2 * B * H * T * T * D * 0.5  # causal: the half the flash kernel computes
-    kernel = [max(f / (spec.peak("bf16") * R.ATTENTION_EFFICIENCY), R.KERNEL_MIN_US * 1e-6) for f in (fwd, 2.5 * fwd)]
-    read = B * T * T * 2 / (spec.hbm_gbs * 1e9 * R.MEMORY_EFFICIENCY)
+    from tokenmill.estimate.attention import attention_efficiency
+
+    share = attention_efficiency((B * H, T, D), spec.cc, spec.sm)  # FlashAttention-2's, at this shape
+    kernel = [max(f / (spec.peak("bf16") * share), R.KERNEL_MIN_US * 1e-6) for f in (fwd, 2.5 * fwd)]
+    read = B * T * T * 2 / R.memory_bandwidth(spec)
     return L * sum(k + read for k in kernel) * 1e3
 
 

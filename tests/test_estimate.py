@@ -150,7 +150,7 @@ def test_roofline_kernel_times():
     eff = MATMUL_EFFICIENCY  # no shape given: no tile/wave share, no memory floor
     assert _op_seconds(mm, cfg, a100, 1) == pytest.approx(2e12 / (19.5e12 * eff))
     ew = OpCost("add", bytes=1.555e9)
-    assert 1.4e-3 < _op_seconds(ew, cfg, a100, 1) < 1.5e-3  # 1 GB at 1555 GB/s x 0.7
+    assert _op_seconds(ew, cfg, a100, 1) == pytest.approx(1.555e9 / (1555e9 * 0.53))  # at the A100's 0.53 share
 
 
 def test_layouts_and_pipeline_order():

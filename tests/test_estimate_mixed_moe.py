@@ -96,24 +96,17 @@ def test_muon_estimate_follows_the_matrices_orthogonalised(monkeypatch):
     """optim.name='muon', fused q/k/v with grouped k/v (4 query heads, 2 k/v heads): the estimator's Newton-Schulz
     parts and FLOPs equal the matrices one real MuonWithAdamW step hands to newton_schulz (q, k and v apart;
     the experts' gate and up apart), and its temporaries count the largest part's Gram matrices."""
+    from conftest import count_newton_schulz
     from tokenmill.estimate.techniques import muon_hidden, muon_matrices, muon_temp_bytes, ns_flops
     from tokenmill.model.build import build_gpt
     from tokenmill.optim import build_optimizer
-    from tokenmill.optim import muon as M
 
     cfg = resolved(**{"optim.name": "muon", "model.fused_qkv": True, "model.moe_intermediate_size": 16,
                       "model.n_layer": 2, "model.moe_every": 2})
     plan, _ = planned(cfg)
     estimated = sorted((k, s) for p in plan.params if muon_hidden(cfg, p) for k, s in muon_matrices(cfg, p))
     assert (1, (32, 32)) in estimated and (1, (16, 32)) in estimated  # c_attn (64 x 32): q 32 rows, k and v 16
-    seen: list[tuple[int, tuple[int, int]]] = []
-    real_ns = M.newton_schulz
-
-    def counting(g, *a, **kw):
-        seen.append((g.shape[0] if g.ndim == 3 else 1, tuple(g.shape[-2:])))
-        return real_ns(g, *a, **kw)
-
-    monkeypatch.setattr(M, "newton_schulz", counting)
+    seen = count_newton_schulz(monkeypatch)
     torch.manual_seed(0)
     model = build_gpt(cfg.model, V, "cpu")
     opt = build_optimizer(model, cfg)

@@ -1,7 +1,10 @@
 """tokenmill estimate against published GPU measurements (benchmarks/validation/published.toml): every error
 recomputed, the means held at what the estimator reached, the doc's table and the printed error ranges the
-same figures as the file."""
+same figures as the file; the held-out set (heldout.toml) split by its rule, recording no errors, every case
+estimable (its errors are looked at once, by `update.py --heldout`, after the estimator is frozen)."""
 
+import hashlib
+import importlib.util
 import json
 from pathlib import Path
 
@@ -11,10 +14,19 @@ from tokenmill import config as C
 from tokenmill.cli import main
 from tokenmill.estimate import estimate
 from tokenmill.estimate.uncertainty import MIN_CASES, OVERALL, REGIME_ERRORS, error_for, regime_table
-from tokenmill.estimate.validation import load, markdown_table, regime_of, run_case, summarize
+from tokenmill.estimate.validation import (
+    config_of,
+    load,
+    markdown_table,
+    method_of,
+    regime_of,
+    run_case,
+    summarize,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 FILE = ROOT / "benchmarks" / "validation" / "published.toml"
+HELDOUT = ROOT / "benchmarks" / "validation" / "heldout.toml"
 
 
 def test_validation_file_is_complete():
@@ -25,6 +37,10 @@ def test_validation_file_is_complete():
     for family in ("gpt2", "llama"):  # memory and speed figures of both families
         assert sum(c.family == family and c.memory_mib is not None for c in cases) >= 4
         assert sum(c.family == family and c.tokens_per_sec is not None for c in cases) >= 5
+    methods = [method_of(config_of(c)) for c in cases]
+    for method in ("lora", "qlora"):  # fine-tuning figures: memory of LoRA and QLoRA, and their speed
+        assert sum(m == method and c.memory_mib is not None for m, c in zip(methods, cases)) >= 3
+        assert sum(m == method and c.tokens_per_sec is not None for m, c in zip(methods, cases)) >= 1
     for c in cases:
         assert c.source.startswith("https://github.com/") and c.config and c.gpu
         assert (c.memory_mib is None) == (c.memory_error is None) and (c.tokens_per_sec is None) == (c.speed_error is None)
@@ -55,11 +71,15 @@ def test_published_measurements_errors_doc_and_ranges():
 def test_regimes_and_the_printed_range(capsys):
     small = C.resolve("gpt2-124m", overrides={"data.source": "synthetic", "train.batch_size": 1,
                                               "compile.enabled": True}, overrides_from_string=False)
-    assert regime_of(small, 1) == ("compiled", "small", "one")
+    assert regime_of(small, 1) == ("compiled", "small", "one", "full")
     assert regime_of(C.resolve("gpt2-124m", overrides={"data.source": "synthetic"}, overrides_from_string=False),
-                     8) == ("eager", "large", "many")
+                     8) == ("eager", "large", "many", "full")
+    lora = {"data.source": "synthetic", "lora.rank": 8}
+    assert method_of(C.resolve("gpt2-124m", overrides=lora, overrides_from_string=False)) == "lora"
+    assert regime_of(C.resolve("gpt2-124m", overrides={**lora, "lora.quantize_base": "nf4"}, overrides_from_string=False),
+                     1) == ("eager", "large", "one", "qlora")
     u = error_for(small, 1)
-    mem, n_mem, speed, n_speed = REGIME_ERRORS[("compiled", "small", "one")]
+    mem, n_mem, speed, n_speed = REGIME_ERRORS[("compiled", "small", "one", "full")]
     assert n_mem >= MIN_CASES and u["memory"] == mem and u["speed"] == speed
     # a regime without enough measurements borrows the overall error, and says so
     u_many = error_for(small, 4)
@@ -74,8 +94,42 @@ def test_regimes_and_the_printed_range(capsys):
     assert main(["estimate", "--preset", "gpt2-124m", "--data.source", "synthetic", "--train.batch_size", "4",
                  "--gpu", "a100-40gb", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["uncertainty"]["regime"] == "eager/small/one" and len(out["memory_range_mb"]) == 2
+    assert out["uncertainty"]["regime"] == "eager/small/one/full" and len(out["memory_range_mb"]) == 2
     assert main(["estimate", "--preset", "gpt2-124m", "--data.source", "synthetic", "--train.batch_size", "4",
                  "--gpu", "a100-40gb"]) == 0
     text = capsys.readouterr().out
     assert text.count("expected error +-") == 2 and "published measurements" in text
+
+
+def _held_out_rule(case_id: str) -> bool:
+    return int(hashlib.sha256(case_id.encode()).hexdigest(), 16) % 3 == 0
+
+
+def test_heldout_file_split_and_records_no_errors():
+    held, summary = load(HELDOUT)
+    published, _ = load(FILE)
+    assert len(held) >= 4 and not summary and not {c.id for c in held} & {c.id for c in published}
+    header = HELDOUT.read_text().split("[[case]]")[0]
+    for c in held:  # sent here by the hash rule, or moved here as the header says
+        assert _held_out_rule(c.id) or f"{c.id}," in header or f"{c.id})" in header, c.id
+        assert c.memory_error is None and c.speed_error is None, c.id  # nothing recorded before it is run
+        assert c.source.startswith("https://github.com/") and c.config and c.memory_metric in ("allocated", "reserved")
+    methods = {method_of(config_of(c)) for c in held}
+    assert {"lora", "qlora"} <= methods
+    # every fine-tuning case of the published file was sent there by the rule
+    assert not [c.id for c in published if c.flags.get("lora.rank") and _held_out_rule(c.id)]
+    doc = (ROOT / "docs" / "estimate.md").read_text()
+    assert doc.count("<!-- heldout-table:start -->") == 1 and doc.count("<!-- heldout-table:end -->") == 1
+
+
+@pytest.mark.slow
+def test_heldout_cases_estimate_and_update_writes_nothing(capsys):
+    spec = importlib.util.spec_from_file_location("validation_update", ROOT / "benchmarks" / "validation" / "update.py")
+    upd = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(upd)
+    held, _ = load(HELDOUT)
+    before = {p: p.read_text() for p in (HELDOUT, FILE, upd.DOC, upd.UNCERTAINTY)}
+    assert upd.main(["--heldout"]) == 0  # every case resolves and estimates; without --write nothing is written
+    out = capsys.readouterr().out
+    assert all(c.id in out for c in held) and "mean absolute error" in out
+    assert {p: p.read_text() for p in before} == before

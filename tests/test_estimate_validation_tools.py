@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tokenmill import config as C
-from tokenmill.estimate import estimate, roofline, uncertainty
+from tokenmill.estimate import estimate, gpu_spec, roofline, uncertainty
 from tokenmill.estimate.validation import Case, load, measured_mib, run_case
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,11 +32,11 @@ def _cfg(**over):
 def test_optimizer_gpu_time_by_hand(impl, passes, bandwidth):
     # GPT-2 124M, fp32 parameters: AdamW's passes over them, and clipping's norm and scale (3 passes) through
     # multi-tensor-apply kernels at PR #134373's 1,458 GB/s share of the H100's 3,350 GB/s; for-loop AdamW's
-    # own kernels are ordinary element-wise ones (0.7 of the bandwidth)
+    # own kernels are ordinary element-wise ones (roofline.MEMORY_EFFICIENCY of the bandwidth)
     est = estimate(_cfg(**{"optim.impl": impl}), "h100-sxm")
     param_bytes = 4 * est.params
     mta = 3350e9 * 1458 / 3350
-    own = mta if bandwidth == "mta" else 3350e9 * roofline.MEMORY_EFFICIENCY
+    own = mta if bandwidth == "mta" else roofline.memory_bandwidth(gpu_spec("h100-sxm"))
     expected_ms = 1000 * (passes * param_bytes / own + 3 * param_bytes / mta)
     assert est.time_breakdown_ms["optimizer_ms"] == pytest.approx(expected_ms, rel=1e-6)
     assert roofline.FOREACH_MEMORY_EFFICIENCY == pytest.approx(0.435, abs=0.001)
@@ -84,7 +84,7 @@ def test_update_writes_back_what_the_files_hold():
     doc = (ROOT / "docs" / "estimate.md").read_text()
     table = doc.split("<!-- regime-table:start -->")[1].split("<!-- regime-table:end -->")[0].strip()
     assert table == uncertainty.regime_markdown()
-    assert "| eager, small, one GPU |" in table
+    assert "| eager, small, one GPU, full |" in table
 
 
 def load_text(text: str):

@@ -245,7 +245,8 @@ def test_estimator_speeds_up_large_matmuls_only_on_fp8_gpus():
     def matmul_ms(gpu, fp8, **over):
         return estimate(tiny_cfg(**over, **{"train.fp8": fp8}), gpu).time_breakdown_ms["matmul_ms"]
 
-    assert matmul_ms("h100", "tensorwise", **wide) < 0.8 * matmul_ms("h100", "off", **wide)
+    # matmul_ms holds the fused attention too, which FP8 leaves alone (at FlashAttention-2's H100 share, 512 tokens)
+    assert matmul_ms("h100", "tensorwise", **wide) < 0.9 * matmul_ms("h100", "off", **wide)
     assert matmul_ms("a100", "tensorwise", **wide) == matmul_ms("a100", "off", **wide)
     small = {"train.precision": "bf16-autocast"}
     assert matmul_ms("h100", "tensorwise", **small) > matmul_ms("h100", "off", **small)

@@ -39,11 +39,13 @@ def test_the_matrices_are_the_built_blocks_weights_and_count_its_parameters(pres
     if preset == "tiny-moe":
         assert m.sparse_layers() and len(m.sparse_layers()) < m.n_layer  # a dense and a sparse layer
         assert {x.role for x in matrices[m.sparse_layers()[0]]} >= {"router", "experts_gate_up", "shared_router"}
+    fused = {id(p): tuple(rows) for p, rows in model.hidden_matrices() if rows}  # the model's own q/k/v split
     for block, mats in zip(model.blocks, matrices):
         weights = {n.removesuffix(".weight"): p for n, p in block.named_parameters() if p.dim() >= 2}
         assert sorted(weights) == sorted(x.path for x in mats)
         for x in mats:
             assert tuple(weights[x.path].shape) == x.shape, x
+            assert x.split == fused.get(id(weights[x.path]), x.split) and sum(x.split or x.shape[-2:-1]) == x.shape[-2]
             linear = block.get_submodule(x.path) if x.linear else None
             assert (linear is not None and linear.bias is not None) == x.bias, x
 

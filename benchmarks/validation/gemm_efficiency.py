@@ -5,8 +5,10 @@
   factors, an unpadded 50,257 vocabulary) in bf16, fp32 with TF32 and plain fp32: milliseconds (median of CUDA
   events), TFLOPS, and beside each the estimator's own prediction (its tile/wave share of the SMs and its time)
   so the measured efficiency by shape can replace ``MATMUL_EFFICIENCY``, ``UNALIGNED`` and the memory floor;
-- ``bandwidth``: a copy and an add of 1 GiB tensors (GB/s): ``MEMORY_EFFICIENCY``;
-- ``attention``: fused causal SDPA forward + backward (TFLOPS): ``ATTENTION_EFFICIENCY``;
+- ``bandwidth``: a copy and an add of 1 GiB tensors (GB/s): against ``MEMORY_EFFICIENCY`` (read from
+  FlashAttention-2's published A100/H100 figures: this GPU's own);
+- ``attention``: fused causal SDPA forward + backward (TFLOPS): against ``estimate/attention.py``'s published
+  FlashAttention-2 shares (this GPU's own, and fp32's ``ATTENTION_EFFICIENCY``);
 - ``launch``: host microseconds per eager op (a tiny add, dispatched 2,000 times) and GPU microseconds per
   tiny kernel replayed in a CUDA graph: ``HOST_OP_US`` + ``CUDA_LAUNCH_US`` on a GPU host, ``KERNEL_MIN_US``;
 - ``nf4``: torchao's NF4 dequantisation of a 4096 x 4096 weight (when torchao imports), against

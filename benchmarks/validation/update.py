@@ -9,8 +9,14 @@
 ``tests/test_estimate_validation.py`` checks that the three agree with a fresh run. The ``[summary]`` bounds are
 not touched: they hold the means at what the estimator reached and are lowered by hand.
 
-    python benchmarks/validation/update.py            # rewrite the three files, print the per-case errors
-    python benchmarks/validation/update.py --check    # print only
+``--heldout`` runs ``benchmarks/validation/heldout.toml`` instead: the held-out cases, evaluated once after the
+estimator is frozen and never used to choose anything. It prints their errors and means (overall and per regime)
+and writes nothing, unless ``--write`` is given too: then the table between ``<!-- heldout-table:start -->`` and
+``<!-- heldout-table:end -->`` in ``docs/estimate.md``, nothing else (heldout.toml records no errors).
+
+    python benchmarks/validation/update.py                      # rewrite the three files, print the per-case errors
+    python benchmarks/validation/update.py --check              # print only
+    python benchmarks/validation/update.py --heldout [--write]  # the held-out set: print (and write its table)
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from tokenmill.estimate.validation import load, markdown_table, run_case, summar
 
 ROOT = Path(__file__).resolve().parents[2]
 TOML = ROOT / "benchmarks" / "validation" / "published.toml"
+HELDOUT = ROOT / "benchmarks" / "validation" / "heldout.toml"
 DOC = ROOT / "docs" / "estimate.md"
 UNCERTAINTY = ROOT / "src" / "tokenmill" / "estimate" / "uncertainty.py"
 
@@ -62,16 +69,41 @@ def _uncertainty(text: str, summary: dict) -> str:
     return re.sub(r"OVERALL = \{.*?\}", overall, text, count=1)
 
 
-def main(argv: list[str]) -> int:
-    cases, bounds = load(TOML)
-    results = [run_case(c) for c in cases]
+def _print(results: list[dict], regimes: bool = False) -> dict:
+    """Each case's errors, then the means (and, with ``regimes``, the means per regime); returns the summary."""
+    def pct(v, n: int) -> str:
+        return "-" if v is None else f"{100 * v:.2f}% ({n} cases)"
+
     for r in results:
         mem = "" if r["memory_error"] is None else f"memory {100 * r['memory_error']:+6.1f}%"
         speed = "" if r["speed_error"] is None else f"tokens/s {100 * r['speed_error']:+6.1f}%"
         print(f"{r['id']:48s} {mem:17s} {speed}")
     s = summarize(results)
-    print(f"mean absolute error: memory {100 * s['memory']:.2f}% ({s['n_memory']} cases), tokens/s "
-          f"{100 * s['speed']:.2f}% ({s['n_speed']} cases); bounds {bounds}")
+    if regimes:
+        for key, v in s["regimes"].items():
+            print(f"  {'/'.join(key):32s} memory {pct(v['memory'], v['n_memory']):20s} "
+                  f"tokens/s {pct(v['speed'], v['n_speed'])}")
+    print(f"mean absolute error: memory {pct(s['memory'], s['n_memory'])}, tokens/s {pct(s['speed'], s['n_speed'])}")
+    return s
+
+
+def heldout(argv: list[str]) -> int:
+    """The held-out set: its errors printed; with ``--write``, its table written into docs/estimate.md."""
+    cases, _ = load(HELDOUT)
+    results = [run_case(c) for c in cases]
+    _print(results, regimes=True)
+    if "--write" in argv:
+        DOC.write_text(_doc(DOC.read_text(), markdown_table(cases, results), "heldout-table"))
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if "--heldout" in argv:
+        return heldout(argv)
+    cases, bounds = load(TOML)
+    results = [run_case(c) for c in cases]
+    s = _print(results)
+    print(f"bounds {bounds}")
     if "--check" not in argv:
         TOML.write_text(_toml(TOML.read_text(), results))
         DOC.write_text(_doc(DOC.read_text(), markdown_table(cases, results)))

@@ -4,7 +4,9 @@ build them.
 
 Read by the size check (``config/size.py``: the parameter count), FP8 (``model/fp8.py``: which linears it
 converts), the estimator and the doctor (through ``model/fp8.py``'s shapes: the FP8 speed-up each predicts).
-Norms are not matrices: ``config/size.py`` counts them.
+Norms are not matrices: ``config/size.py`` counts them. A fused matrix names the row counts of its parts
+(``split``: the q, k and v rows of 'qkv'; an expert's gate and up rows of 'experts_gate_up'), the matrices Muon
+orthogonalises apart (``optim/muon.py``; read by the doctor's Newton-Schulz count).
 
 Roles: 'qkv' (the fused [q; k; v] matrix) or 'q', 'k', 'v'; 'o' (attention output); 'gate', 'up', 'down' (the
 dense MLP: gate only in a SwiGLU MLP); in a sparse layer 'router', 'experts_gate_up' and 'experts_down' (every
@@ -24,12 +26,14 @@ __all__ = ["Matrix", "block_matrices", "model_matrices"]
 @dataclass(frozen=True)
 class Matrix:
     """One weight matrix: ``shape`` is (out, in) as ``nn.Linear.weight`` holds it, or (experts, out, in) for
-    the stacked routed experts; ``bias``: the linear has a bias of ``out`` values."""
+    the stacked routed experts; ``bias``: the linear has a bias of ``out`` values; ``split``: the row counts of
+    the parts a fused matrix holds, in order (empty: one matrix)."""
 
     role: str
     path: str  # the parameter's module inside the block, e.g. 'attn.c_attn'
     shape: tuple[int, ...]
     bias: bool = False
+    split: tuple[int, ...] = ()
 
     @property
     def linear(self) -> bool:
@@ -47,7 +51,7 @@ class Matrix:
 def _attention(m: ModelConfig) -> list[Matrix]:
     C, q, kv, b = m.n_embd, m.n_head * m.head_width, m.kv_heads * m.head_width, m.qkv_bias
     if m.fused_qkv:
-        qkv = [Matrix("qkv", "attn.c_attn", (q + 2 * kv, C), b)]
+        qkv = [Matrix("qkv", "attn.c_attn", (q + 2 * kv, C), b, (q, kv, kv))]
     else:
         qkv = [Matrix("q", "attn.q_proj", (q, C), b), Matrix("k", "attn.k_proj", (kv, C), b),
                Matrix("v", "attn.v_proj", (kv, C), b)]
@@ -68,7 +72,8 @@ def _dense_mlp(m: ModelConfig) -> list[Matrix]:
 
 def _sparse_mlp(m: ModelConfig) -> list[Matrix]:
     C, E, Ie, S = m.n_embd, m.moe_experts, m.expert_width, m.shared_width
-    out = [Matrix("router", "mlp.router", (E, C)), Matrix("experts_gate_up", "mlp.experts.gate_up", (E, 2 * Ie, C)),
+    out = [Matrix("router", "mlp.router", (E, C)),
+           Matrix("experts_gate_up", "mlp.experts.gate_up", (E, 2 * Ie, C), split=(Ie, Ie)),
            Matrix("experts_down", "mlp.experts.down", (E, C, Ie))]
     if S:
         out += _swiglu("mlp.shared", "shared_", C, S, False)

@@ -76,6 +76,8 @@ def _greedy(s: Search, spec: GPU, nproc: int, cap: float, numerics: bool) -> Non
                 trials.append((s.reserved(c, spec, nproc), ov, c))
             except TokenmillError:
                 continue
+            if cap and trials[-1][0] <= cap:
+                break  # the first that fits is the one chosen below: the rest need no estimate
         if not trials:
             return
         fitting = [t for t in trials if cap and t[0] <= cap]  # in the list's order: most commonly useful first

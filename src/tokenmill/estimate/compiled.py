@@ -189,7 +189,10 @@ def build_piece(name: str, g: Graphs, devmode: DeviceModel, rounds: int, x_nbyte
                          pad_balance=balance)
     for r in range(rounds):
         trace.rounds.append(_round(g, ids, fw_plan, bw_plan, x_name, x_nbytes, gy, zero_tangent,
-                                   checkpointed, accumulate=(r > 0), tied=accumulate_first if r == 0 else frozenset()))
+                                   checkpointed, accumulate=(r > 0), tied=accumulate_first if r == 0 else frozenset(),
+                                   offload=devmode.offload))
+    if devmode.offload:  # what goes to the host: everything the graph saves (checkpointed: its input, parameters)
+        trace.host_bytes = ((x_nbytes if x_name is not None else 0) + param_bytes(g)) if checkpointed else saved_bytes(g)
     return trace
 
 
@@ -209,7 +212,8 @@ def _forward(g: Graphs, ids: _Ids, fw_plan: GraphPlan, x: Optional[int], x_name:
 
 
 def _round(g: Graphs, ids: _Ids, fw_plan: GraphPlan, bw_plan: GraphPlan, x_name: Optional[str], x_nbytes: int,
-           gy_wanted: bool, zero_tangent: bool, checkpointed: bool, accumulate: bool, tied: frozenset) -> Round:
+           gy_wanted: bool, zero_tangent: bool, checkpointed: bool, accumulate: bool, tied: frozenset,
+           offload: bool = False) -> Round:
     fwd: list = []
     bwd: list = []
     x = ids.new(x_nbytes) if x_name is not None else None
@@ -222,14 +226,31 @@ def _round(g: Graphs, ids: _Ids, fw_plan: GraphPlan, bw_plan: GraphPlan, x_name:
     if checkpointed:  # only the input survives the forward; backward runs the forward again
         for s in {v for v in saved.values() if v is not None} - {x, *user}:
             fwd.append(("f", s))
+        if offload and x is not None:  # the checkpoint saves its input: to the host and back for the recomputation
+            fwd.append(("f", x))
+    elif offload:  # memory.offload_activations: every saved tensor copied to the host (offloaded() below)
+        for s in {v for v in saved.values() if v is not None} - set(user):
+            fwd.append(("f", s))
+        if x is not None and x not in saved.values():
+            fwd.append(("f", x))
     elif x is not None and x not in saved.values():
         fwd.append(("f", x))  # the harness drops its input after the forward
     bwd.append(("m", "bwd"))
+    xb = x  # the input backward reads: an offloaded one comes back as a new device tensor
+    params = None  # compiled, a checkpointed region saves its parameters too: back as copies while backward runs
+    if offload and checkpointed:
+        if x is not None:
+            xb = ids.new(x_nbytes)
+            bwd.append(("a", xb, x_nbytes, "unpacked"))
+        params = ids.new(param_bytes(g))
+        bwd.append(("a", params, param_bytes(g), "unpacked"))
+    elif offload:
+        saved = offloaded(g, saved, ids, bwd)
     if checkpointed:
-        fw_ids, _ = _forward(g, ids, fw_plan, x, x_name, bwd, "compiled")
+        fw_ids, _ = _forward(g, ids, fw_plan, xb, x_name, bwd, "compiled")
         again = {fw_ids.get(b) for b in fw_plan.outputs[: g.n_user] if b is not None}
         saved = _saved_ids(g, fw_ids, fw_plan)
-        for s in again - set(saved.values()) - {x}:
+        for s in again - set(saved.values()) - {xb}:
             bwd.append(("f", s))
     refs: dict[int, int] = {}
     bound: dict[str, int] = {}
@@ -246,8 +267,8 @@ def _round(g: Graphs, ids: _Ids, fw_plan: GraphPlan, bw_plan: GraphPlan, x_name:
         bwd.append(("a", gy, size, "gy" if gy_wanted else "zeros"))
         bound[tangents[0].name], refs[gy] = gy, 1
     bw_ids = _play(bw_plan, ids, bound, refs, "compiled", bwd)
-    if checkpointed and x is not None and x not in saved.values():
-        bwd.append(("f", x))  # the checkpoint's saved input
+    if checkpointed and xb is not None and xb not in saved.values():
+        bwd.append(("f", xb))  # the checkpoint's saved input
     grads, gx = _gradients(g, bw_plan, bw_ids, accumulate, tied, bwd)
     head_loss_only = not gy_wanted and not zero_tangent  # a head returning the loss alone
     y = None if head_loss_only or not user else user[0]
@@ -256,12 +277,43 @@ def _round(g: Graphs, ids: _Ids, fw_plan: GraphPlan, bw_plan: GraphPlan, x_name:
             bwd.append(("f", s))
     if y is not None and y in saved.values() and g.n_user > 1:
         y = None  # the logits backward needs: freed by the piece itself, not by the step
+    if params is not None:
+        bwd.append(("f", params))
     bwd.append(("m", "end"))
     costs_f = [k.cost for k in fw_plan.kernels]
     costs_b = ([k.cost for k in fw_plan.kernels] if checkpointed else []) + [k.cost for k in bw_plan.kernels]
     rnd = Round(fwd, bwd, costs_f, costs_b, grads, compiled=True)
     rnd.x, rnd.y, rnd.gy, rnd.gx = x, y, (gy if gy_wanted else None), gx
     return rnd
+
+
+def offloaded(g: Graphs, saved: dict[str, Optional[int]], ids: _Ids, bwd: list) -> dict[str, Optional[int]]:
+    """``memory.offload_activations`` (``save_on_cpu``) around a compiled piece: AOTAutograd saves the forward
+    graph's saved tensors through the saved-tensor hooks (parameters too, as eager autograd does), so each went to
+    the host in the forward, and its backward, reading ``ctx.saved_tensors`` once, brings all of them back at its
+    start as new device tensors, freed at their last use. Returns the placeholders bound to those copies."""
+    out = dict(saved)
+    for n in _placeholders(g.bw):
+        v = n.meta.get("val")
+        if n.name.startswith("tangents") or n.name not in saved or not isinstance(v, torch.Tensor):
+            continue
+        size = v.numel() * v.element_size()
+        out[n.name] = ids.new(size)
+        bwd.append(("a", out[n.name], size, "unpacked"))
+    return out
+
+
+def param_bytes(g: Graphs) -> int:
+    """Bytes of a captured piece's parameters: what a compiled checkpointed region saves besides its input (its
+    recomputation reads every one; measured with saved-tensor hooks on torch 2.13, tests/test_estimate_offload.py)."""
+    vals = [n.meta.get("val") for n, r in zip(_placeholders(g.fw), g.inputs) if r.startswith("param:")]
+    return sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))
+
+
+def saved_bytes(g: Graphs) -> int:
+    """Bytes of the tensors a compiled piece's forward saves for its backward (what offloading moves)."""
+    vals = [n.meta.get("val") for n in _placeholders(g.bw) if not n.name.startswith("tangents")]
+    return sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))
 
 
 def _gradients(g: Graphs, bw_plan: GraphPlan, bw_ids: dict[str, int], accumulate: bool, tied: frozenset,

@@ -7,6 +7,9 @@ training steps per rank (:mod:`.timeline`) and replayed through a model of the C
 
 from __future__ import annotations
 
+import copy
+import json
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -152,7 +155,7 @@ def estimate(cfg: C.Config, gpu: str | GPU = "h100-sxm", nproc: int = 1) -> Esti
         precision=cfg.train.precision + (" + tf32" if cfg.train.tf32 else ""),
     )
     _nf4_base(est, cfg, vocab)
-    apply_moe(est, cfg, lay, spec, plan)  # experts sharded by parallel.ep, grouped matmuls, all-to-all
+    apply_moe(est, cfg, lay, spec, plan, pieces, mem)  # experts sharded by parallel.ep, grouped matmuls, all-to-all
     add_learned_rate(est, cfg)
     if cuda:
         _ranges(est, cfg, nproc)
@@ -208,15 +211,36 @@ def _plan(cfg: C.Config, lay: Layout, vocab: int, cuda: bool, stage: int,
 
 
 def _replay(plan: Plan, pieces: Pieces, spec: GPU) -> Memory:
-    if plan.layout.pp > 1:
-        step = PipelineStep(pieces, plan)
-    else:
-        step = Step(pieces, plan)
-    tl = step.run()
+    """The step's memory on ``spec``. Memoised for the process (bounded; ``MEMO`` False: off): the timeline by
+    all the step reads (the traced pieces, the concrete config, the layout, the stage, the cuBLAS workspace), so
+    the GPUs of ``--finetune``'s table share it; its replay by the GPU's capacity too (a repeated estimate)."""
+    key = (id(pieces), json.dumps(plan.cfg.to_dict(), sort_keys=True, default=str), repr(plan.layout), plan.cuda,
+           tuple(plan.stage_blocks), plan.has_embed, plan.has_head, plan.workspace)
     cap = int(spec.memory_mb * MB) if plan.cuda else None
-    mem = tl.replay(plan.cuda, plan.cfg.memory, cap)
-    mem.host = step.host
-    return mem
+    kept = _MEMORIES.get((key, cap)) if MEMO else None
+    mem = kept[1] if kept else None
+    if mem is None:
+        made = _STEPS.get(key) if MEMO else None
+        if made is None:
+            step = PipelineStep(pieces, plan) if plan.layout.pp > 1 else Step(pieces, plan)
+            made = (pieces, step.run(), step.host)  # the pieces held: their id is not reused while memoised
+            _remember(_STEPS, key, made, 4)
+        mem = made[1].replay(plan.cuda, plan.cfg.memory, cap)
+        mem.host = made[2]
+        _remember(_MEMORIES, (key, cap), (pieces, mem), 64)  # the pieces held here too: keyed by their id
+    return copy.deepcopy(mem)
+
+
+MEMO = True  # False: every estimate steps and replays
+_STEPS: OrderedDict = OrderedDict()
+_MEMORIES: OrderedDict = OrderedDict()
+
+
+def _remember(memo: OrderedDict, key: tuple, value: Any, size: int) -> None:
+    if MEMO:
+        memo[key] = value
+        while len(memo) > size:
+            memo.popitem(last=False)
 
 
 def _per_block(pieces: Pieces) -> dict[str, int]:

@@ -40,7 +40,7 @@ from typing import Optional
 
 import torch
 
-from tokenmill.estimate.recorder import OpCost, _attention_flops, _dtype_name
+from tokenmill.estimate.recorder import OpCost, _attention_flops, _dtype_name, attention_shape
 
 _REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "var_mean", "var", "std", "prod", "any", "all",
                "argmax", "argmin", "logsumexp", "cumsum", "cumprod", "norm", "linalg_vector_norm"}
@@ -356,7 +356,7 @@ class _Graph:
                           aligned=all(d % 8 == 0 for d in dims), dims=(int(batch), *(int(d) for d in dims))), -1
         if "scaled_dot_product" in name and ins and ins[0].dim() == 4:
             return OpCost(name, flops=_attention_flops(name, (ins[0],)), math=_dtype_name(ins[0].dtype),
-                          attention=True), -1
+                          attention=True, attn=attention_shape(ins[0])), -1
         moved = sum(self.size(o) for o in made) + sum(self.size(b) for b in reads)
         numel = max([v.numel() for v in ins] or [0]) if self.kind[r] == "reduction" else \
             max((_val(self.by_name[o]).numel() for o in made if _val(self.by_name[o]) is not None), default=0)

@@ -6,13 +6,21 @@ The traced model (:mod:`.trace`) already holds every expert's weights (FSDP shar
 product over all ``tokens x top_k`` routed rows (:class:`tokenmill.model.moe.Experts`). What the trace cannot
 see is added here, from the config's shapes:
 
-- **memory with expert parallelism**: each rank holds ``E / ep`` experts, sharded further by FSDP over
-  ``dp_shard / ep`` ranks, so an expert's weights, gradients and optimizer state per rank are the total over
-  ``max(ep, dp_shard)``; FSDP gathers (and reduce-scatters the gradients of) only the local experts, so the
-  unsharded expert weights of the two blocks alive in backward (the current one and the prefetched one) and
-  the current block's unsharded expert gradients shrink by ``ep``; without FSDP (``ep`` over DDP replicas)
-  the whole weights, gradients, optimizer state and DDP buckets of the experts shrink by ``ep``. The
-  dispatch's send and receive buffers (``tokens x top_k`` rows each) are added as temporaries;
+- **memory with expert parallelism**: the trace's steps are replayed a second time as the layout holds them
+  (:class:`_EPStep`, :func:`ep_memory`) and the difference folded in, category by category: each rank holds
+  ``E / ep`` experts, FSDP-sharded over the ``dp / ep`` ranks holding the same ones (their own ``fully_shard``
+  over ``dp_mod_ep``), so an expert's sharded weights, gradients and optimizer state per rank are the total
+  over ``dp`` (``dp_shard`` without HSDP: what the trace already shards); FSDP gathers, and makes and
+  reduce-scatters the unsharded gradients of, only the local experts: a gathered sparse block is its dense
+  weights whole plus ``1 / ep`` of its experts, wherever the replay holds one (none in the head's backward,
+  the block in backward and the prefetched one in a block's backward). Without FSDP (``ep`` over DDP
+  replicas) the experts' weights, gradients and optimizer state are ``1 / ep`` and outside DDP's buckets.
+  The dispatch's send and receive buffers (``tokens x top_k`` rows each) are temporaries over each sparse
+  block's forward and backward. Qwen3-30B-A3B, FSDP x8 and EP x8, fp32 weights: the sharded floor is 30.53B
+  x 4 bytes / 8 = 14,559 MiB (+ 4 MiB of RoPE tables); a gathered sparse block 73 MiB of dense weights and
+  288 MiB of its 16 local experts (2,377 MiB with all 128); at the peak (the head's backward) the replay
+  holds the root gathered (embeddings, head, final norm: 622.3M x 4 bytes = 2,374 MiB) and no block, so
+  ``parameters`` = 16,937 MiB;
 - **the grouped expert matmuls at their real shapes**: under balanced routing each of a rank's ``E / ep``
   experts gets ``tokens x top_k x ep / E`` rows (padded to 16 on CUDA, as the grouped GEMM pads them), priced
   by the roofline's own matmul pricing (:func:`tokenmill.estimate.roofline._op_seconds`: efficiency falling
@@ -27,7 +35,7 @@ see is added here, from the config's shapes:
   the rank, at the GPU's link bandwidth (NVLink or PCIe, :mod:`.gpus`) and ``LINK_EFFICIENCY``, on the
   critical path (the experts wait for their tokens);
 - FSDP's all-gathers and reduce-scatters of the experts move ``1 / ep`` of the bytes, within groups of
-  ``dp_shard / ep`` ranks.
+  ``dp / ep`` ranks.
 
 :func:`apply_moe` folds these into an :class:`~tokenmill.estimate.core.Estimate` and keeps the parts in its
 ``moe`` field; :func:`format_moe` shows them.
@@ -35,6 +43,7 @@ see is added here, from the config's shapes:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Optional
 
@@ -42,6 +51,8 @@ from tokenmill import config as C
 from tokenmill.errors import ParallelError
 from tokenmill.estimate.gpus import GPU
 from tokenmill.estimate.recorder import OpCost
+from tokenmill.estimate.step import Step
+from tokenmill.estimate.timeline import _size
 
 MB = 1024 * 1024
 GROUP_ALIGN = 16  # rows of each expert's group on CUDA (tokenmill.model.moe.GROUP_ALIGN)
@@ -66,10 +77,13 @@ def check_ep(cfg: C.Config, dp: int) -> None:
                             f"multiple of {ep}.")
 
 
-def expert_ranks(ep: int, dp_shard: int) -> int:
+def expert_ranks(ep: int, dp_shard: int, dp: int) -> int:
     """Ranks one expert layer's weights are spread over: ``ep`` ranks of experts, each group FSDP-sharded
-    over ``dp_shard / ep`` (``max(ep, dp_shard)`` when one divides the other)."""
-    return max(ep, dp_shard)
+    over the ``dp / ep`` ranks holding the same experts (``dp_mod_ep``; every data-parallel rank, the
+    replicas of HSDP too); without FSDP the ``ep`` ranks; without ``ep``, FSDP's ``dp_shard``."""
+    if ep == 1:
+        return dp_shard
+    return dp if dp_shard > 1 else ep
 
 
 def a2a_bytes(tokens: int, top_k: int, width: int, act_bytes: int, ep: int, passes: int = 4) -> float:
@@ -125,14 +139,13 @@ def moe_terms(cfg: C.Config, lay, gpu: GPU, plan, tokens: int) -> dict[str, Any]
     from tokenmill.estimate.host import HOST_OP_US
     from tokenmill.estimate.roofline import LINK_EFFICIENCY
     from tokenmill.estimate.step import _state_bytes
-    from tokenmill.estimate.timeline import _size
 
     m, ep = cfg.model, cfg.parallel.ep
     E, k, C_, I_ = m.moe_experts, m.moe_top_k, m.n_embd, m.expert_width
     experts = [p for p in plan.params if ".experts." in p.name]
     layers = len({p.block for p in experts})
     trained = any(p.trainable for p in experts)
-    ranks = expert_ranks(ep, lay.dp_shard)
+    ranks = expert_ranks(ep, lay.dp_shard, lay.dp)
     numel = sum(p.numel for p in experts)
     width = _size(experts[0].dtype) if experts else 4
     state = sum(_state_bytes(cfg, p, 1.0 / ranks)[0] for p in experts if p.trainable)
@@ -178,36 +191,108 @@ def moe_terms(cfg: C.Config, lay, gpu: GPU, plan, tokens: int) -> dict[str, Any]
     }
 
 
-def _memory_deltas(cfg: C.Config, lay, t: dict[str, Any], at_peak: str, trained: bool) -> dict[str, float]:
-    """Bytes expert parallelism takes off (negative) or adds to each category at the peak (module doc)."""
-    ep = cfg.parallel.ep
-    if ep == 1:
-        return {}
-    cut = 1 - 1 / ep
-    running = "forward" in at_peak or "backward" in at_peak
-    out = {"temporaries": float(t["a2a_buffer_bytes"]) if running else 0.0}  # the dispatch's buffers
-    if lay.dp_shard > 1:  # FSDP gathers only the local experts: two blocks' weights, one block's gradients
-        width = t["param_width"]
-        numel = t["expert_params"] / max(t["sparse_layers"], 1)
-        gathered = numel * (2 if cfg.parallel.fsdp_mixed_precision == "bf16" else width)
-        if running:
-            out["parameters"] = -2 * gathered * cut
-        if "backward" in at_peak and trained:
-            out["gradients"] = -numel * width * cut  # the block's unsharded gradients before their reduce-scatter
-        return out
-    # ep over DDP replicas: each rank keeps only its experts (and no DDP bucket for them)
-    out["parameters"] = -t["expert_weights_mb"] * MB * (ep - 1)
-    out["optimizer state"] = -t["expert_optimizer_mb"] * MB * (ep - 1)
-    if trained and "optimizer" not in at_peak:
-        out["gradients"] = -t["expert_gradients_mb"] * MB * (ep - 1)
-        if lay.dp_replicate > 1:
-            out["communication buffers"] = -t["expert_gradients_mb"] * MB * (ep - 1)
+class _EPStep(Step):
+    """One rank's steps as the expert-parallel layout holds them (module doc): the routed experts' parameters
+    are this rank's ``E / ep`` (``self.local``) where they are gathered, their gradients made and reduced, and
+    FSDP-sharded over the ``dp / ep`` ranks holding the same experts; over DDP, kept whole, outside DDP's
+    buckets (``_ddp_params_and_buffers_to_ignore``) and stepped by the optimizer at ``E / ep``."""
+
+    def __init__(self, pieces, plan, ep: int):
+        self.ep = ep
+        self.expert = {p.name for p in plan.params if ".experts." in p.name}
+        self.local = {p.name: dataclasses.replace(p, shape=(p.shape[0] // ep, *p.shape[1:]))
+                      for p in plan.params if p.name in self.expert}
+        fsdp, rep = plan.layout.dp_shard > 1, plan.layout.dp_replicate
+        if not fsdp:  # a rank's optimizer steps only its experts
+            plan = dataclasses.replace(plan, params=[self.local.get(p.name, p) for p in plan.params])
+        elif rep > 1:  # HSDP: the experts' FSDP spans the replicas too, E / dp per rank where the rest is 1 / dp_shard
+            plan = dataclasses.replace(plan, params=[
+                dataclasses.replace(p, shape=(p.shape[0] // rep, *p.shape[1:]))
+                if p.name in self.expert and p.shape[0] % rep == 0 else p for p in plan.params])
+        super().__init__(pieces, plan)
+        self.by_name.update(self.local)  # the unsharded gradients: the local experts'
+        self.expert_shard = ep / plan.layout.dp if fsdp else 1.0  # FSDP over dp_mod_ep
+
+    def setup(self) -> None:
+        full = self.plan
+        self.plan = dataclasses.replace(full, params=[p for p in full.params if p.name not in self.expert])
+        super().setup()  # DDP's buckets leave the experts out
+        self.plan = full
+        if self.fsdp and self.cfg.parallel.fsdp_cpu_offload:  # the shards live on the host
+            return
+        for name in sorted(self.expert):
+            p = self.local[name]
+            self.tl.alloc(math.ceil(p.shape[0] * self.expert_shard) * (p.numel // p.shape[0]) * _size(p.dtype),
+                          "parameters")
+
+    def _on_grad(self, name: str, gid: int) -> None:
+        if self.ddp and name in self.expert and self.cfg.parallel.ddp_grad_as_bucket_view:  # DDP ignores them
+            self.grads[name] = gid
+            return
+        super()._on_grad(name, gid)
+
+    def _unshard(self, params: list) -> list[int]:
+        return super()._unshard([self.local.get(p.name, p) for p in params])
+
+    def _reduce_scatter(self, names: list[str], sync: bool) -> None:
+        """The block's own FSDP group over ``dp_shard``, the experts' over ``dp_mod_ep``."""
+        super()._reduce_scatter([n for n in names if n not in self.expert], sync)
+        shard, self.shard = self.shard, self.expert_shard
+        super()._reduce_scatter([n for n in names if n in self.expert], sync)
+        self.shard = shard
+
+
+def _local_pieces(pieces, ep: int, a2a: int):
+    """``pieces`` with each sparse block's expert gradients at ``1 / ep`` of the traced (all experts') size
+    (:func:`_expert_grad_events`), and the dispatch's send and receive buffers (``a2a`` bytes) alive over each
+    sparse block's forward and backward."""
+    blocks = {}
+    for kind, tr in pieces.blocks.items():
+        if not any(".experts." in n for n in tr.param_shape):
+            blocks[kind] = tr
+            continue
+        hits = _expert_grad_events(tr)
+        buf = [("a", "ep-a2a", a2a, "all_to_all")], [("f", "ep-a2a")]
+        rounds = [dataclasses.replace(rnd, fwd=buf[0] + rnd.fwd + buf[1], bwd=buf[0] + [
+            (e[0], e[1], e[2] // ep, *e[3:]) if i in hit else e for i, e in enumerate(rnd.bwd)] + buf[1])
+            for rnd, hit in zip(tr.rounds, hits)]
+        blocks[kind] = dataclasses.replace(tr, rounds=rounds)
+    return dataclasses.replace(pieces, blocks=blocks)
+
+
+def _expert_grad_events(tr) -> list[set[int]]:
+    """Per round, the positions in its backward of the expert gradients' allocations: in the first round the
+    gradients' own storages; in an accumulating round the new gradient added into them, found as the last
+    allocations of the same (label, bytes) (eager: ``select_backward``, the traced product's expert 0
+    scattered into the stacks; compiled: the graph's outputs, at its end)."""
+    first = tr.rounds[0]
+    made = {sid for n, sid in first.grads.items() if ".experts." in n}
+    keys = [(e[2], e[3] if len(e) > 3 else None) for e in first.bwd if e[0] == "a" and e[1] in made]
+    out = [{i for i, e in enumerate(first.bwd) if e[0] == "a" and e[1] in made}]
+    for rnd in tr.rounds[1:]:
+        want, hit = list(keys), set()
+        for i in range(len(rnd.bwd) - 1, -1, -1):
+            e = rnd.bwd[i]
+            key = (e[2], e[3] if len(e) > 3 else None) if e[0] == "a" else None
+            if key in want:
+                want.remove(key)
+                hit.add(i)
+        out.append(hit)
     return out
+
+
+def ep_memory(cfg: C.Config, spec: GPU, plan, pieces, t: dict[str, Any]):
+    """The replayed memory of one rank as the expert-parallel layout holds it
+    (:class:`~tokenmill.estimate.timeline.Memory`): the estimate's own traced ``pieces`` and step, with
+    :class:`_EPStep`'s local experts and :func:`_local_pieces`' gradients and all-to-all buffers."""
+    step = _EPStep(_local_pieces(pieces, cfg.parallel.ep, t["a2a_buffer_bytes"]), plan, cfg.parallel.ep)
+    tl = step.run()
+    return tl.replay(plan.cuda, cfg.memory, int(spec.memory_mb * MB) if plan.cuda else None)
 
 
 def _fsdp_expert_comm_delta(cfg: C.Config, lay, gpu: GPU, t: dict[str, Any]) -> float:
     """Seconds FSDP's expert all-gathers and reduce-scatters lose with ``ep`` (negative): the trace charged
-    every expert over ``dp_shard`` ranks; with ``ep`` each rank gathers ``1 / ep`` of them over ``dp_shard / ep``."""
+    every expert over ``dp_shard`` ranks; with ``ep`` each rank gathers ``1 / ep`` of them over ``dp / ep``."""
     from tokenmill.estimate.roofline import LINK_EFFICIENCY
 
     ep, n = cfg.parallel.ep, lay.dp_shard
@@ -218,23 +303,30 @@ def _fsdp_expert_comm_delta(cfg: C.Config, lay, gpu: GPU, t: dict[str, Any]) -> 
     numel, width = t["expert_params"], t["param_width"]
     gathers = (2 if cfg.parallel.fsdp_reshard_after_forward else 1) * cfg.train.grad_accum_steps
     volume = gathers * numel * (2 if mixed else width) + (numel * (4 if mixed else width) if t["trained"] else 0)
-    n2 = max(1, n // ep)
+    n2 = max(1, lay.dp // ep)  # dp_mod_ep
     return volume * ((n2 - 1) / n2 / ep - (n - 1) / n) / bw
 
 
-def apply_moe(est, cfg: C.Config, lay, spec: GPU, plan) -> None:
-    """Fold the MoE terms (module doc) into ``est`` and keep them in ``est.moe``; nothing for a dense model."""
+def apply_moe(est, cfg: C.Config, lay, spec: GPU, plan, pieces=None, base=None) -> None:
+    """Fold the MoE terms (module doc) into ``est`` and keep them in ``est.moe``; nothing for a dense model.
+    ``pieces`` and ``base``: the estimate's traced pieces and the memory it replayed from them (what
+    ``parallel.ep`` replays again with the local experts)."""
     check_ep(cfg, lay.dp)
     if not cfg.model.moe_experts:
         return
     B = cfg.train.batch_size
     t = moe_terms(cfg, lay, spec, plan, B * cfg.model.block_size)
-    deltas = _memory_deltas(cfg, lay, t, est.at_peak, t["trained"])
-    for cat, b in deltas.items():
-        est.breakdown_mb[cat] = est.breakdown_mb.get(cat, 0.0) + b / MB
-    shift = sum(deltas.values()) / MB
-    est.peak_alloc_mb += shift
-    est.peak_reserved_mb += shift
+    shift = 0.0
+    if cfg.parallel.ep > 1:  # the trace's memory replayed again with the local experts: the difference
+        mem = ep_memory(cfg, spec, plan, pieces, t)
+        for cat in set(base.breakdown) | set(mem.breakdown):
+            d = (mem.breakdown.get(cat, 0) - base.breakdown.get(cat, 0)) / MB
+            est.breakdown_mb[cat] = est.breakdown_mb.get(cat, 0.0) + d
+        shift = (mem.peak_alloc - base.peak_alloc) / MB
+        est.peak_alloc_mb += shift
+        est.peak_reserved_mb += (mem.peak_reserved - base.peak_reserved) / MB
+        est.allocator_slack_mb = est.peak_reserved_mb - est.peak_alloc_mb
+        est.at_peak = mem.at_peak
     if est.capacity_mb:
         est.fits = est.peak_reserved_mb <= est.capacity_mb
     t["memory_shift_mb"] = shift
@@ -281,8 +373,8 @@ def format_moe(est) -> list[str]:
         + ", ".join(f"{k} {v:,.1f} MiB" for k, v in ra.items()),
     ]
     if t["memory_shift_mb"]:
-        lines.append(f"  expert parallelism changes the peak by {t['memory_shift_mb']:+,.0f} MiB (only local experts "
-                     "gathered and reduced; the dispatch's send and receive buffers)")
+        lines.append(f"  expert parallelism changes the peak by {t['memory_shift_mb']:+,.0f} MiB (replayed with only the "
+                     "local experts gathered, reduced and stepped, and the dispatch's send and receive buffers)")
     if "all_to_all_ms" in est.time_breakdown_ms:
         eff = t["grouped_matmul_efficiency"]
         how = "grouped expert matmuls" if t["impl"] != "loop" else "expert matmuls, one per expert (model.moe_impl loop)"

@@ -22,7 +22,8 @@ from torch.utils._pytree import tree_flatten
 
 # matrix products: FLOPs from the shapes; everything else is charged the bytes it reads and writes
 _ATEN = torch.ops.aten
-_FREE_OPS = {"detach", "alias", "lift_fresh", "_to_copy_meta"}  # no kernel
+_FREE_OPS = {"detach", "alias", "lift_fresh", "_to_copy_meta", "_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty",
+             "new_empty_strided"}  # no kernel (an allocation is not a kernel: the recorder still counts its bytes held)
 
 
 @dataclass
@@ -38,6 +39,7 @@ class OpCost:
     aligned: bool = True  # every dimension a multiple of 8 (else tensor cores run slower kernels)
     launches: float = 1.0  # kernel launches (0: fused into the previous kernel by torch.compile)
     dims: tuple = ()  # a matrix product's (batch, M, K, N): its tiles and waves on the GPU's SMs
+    attn: tuple = ()  # a fused attention's (batch x heads, sequence, head size): estimate/attention.py
 
 
 def _dtype_name(dt: torch.dtype) -> str:
@@ -66,6 +68,11 @@ def _attention_flops(name: str, args: tuple) -> float:
     B, H, T, D = q.shape[0], q.shape[1], q.shape[2], q.shape[3]
     fwd = 2 * 2.0 * B * H * T * T * D * 0.5
     return fwd * (2.5 if "backward" in name else 1.0)
+
+
+def attention_shape(q: torch.Tensor) -> tuple[int, int, int]:
+    """(batch x heads, sequence, head size) of a fused attention's query (B, H, T, D)."""
+    return int(q.shape[0]) * int(q.shape[1]), int(q.shape[2]), int(q.shape[3])
 
 
 class Recorder(TorchDispatchMode):
@@ -144,7 +151,7 @@ class Recorder(TorchDispatchMode):
             return
         if "scaled_dot_product" in name:
             self.costs.append(OpCost(name, flops=_attention_flops(name, args), math=_dtype_name(args[0].dtype),
-                                     attention=True))
+                                     attention=True, attn=attention_shape(args[0])))
             return
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         moved = sum(_numel_bytes(t) for t in tensors) + sum(_numel_bytes(t) for t in outs)

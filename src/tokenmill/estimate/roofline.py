@@ -9,7 +9,8 @@ Every kernel the trace records (:class:`~tokenmill.estimate.trace.OpCost`) costs
   the share of the SMs the product's tiles keep busy (:func:`quantization`: tile and wave quantization over the
   GPU's SM count, NVIDIA's "Matrix Multiplication Background User's Guide"), times ``UNALIGNED`` when a
   dimension is not a multiple of 8 (an unpadded vocabulary: cuBLAS falls back to slower kernels); fused
-  attention kernels run at ``ATTENTION_EFFICIENCY``. The math mode is the operands' dtype (bf16/fp16); fp32
+  attention kernels run at FlashAttention-2's published share of the peak for their sequence length and head
+  size, scaled by the SMs their grid fills (:mod:`.attention`). The math mode is the operands' dtype (bf16/fp16); fp32
   matmuls run on TF32 tensor cores with ``train.tf32``. Peaks: :data:`tokenmill.model.flops.PEAK_FLOPS`;
   ``benchmarks/validation/gemm_efficiency.py`` measures all of it on a lent GPU (``benchmarks/session.py``);
 - QLoRA's base (``lora.quantize_base='nf4'``): torchao dequantises every adapted weight in the forward and
@@ -41,6 +42,7 @@ import dataclasses
 from typing import Any
 
 from tokenmill import config as C
+from tokenmill.estimate.attention import arch, attention_efficiency
 from tokenmill.estimate.gpus import GPU
 from tokenmill.estimate.host import (
     COMPILED_KERNEL_US,
@@ -53,7 +55,7 @@ from tokenmill.estimate.host import (
     round_host_seconds,
 )
 from tokenmill.estimate.recorder import OpCost
-from tokenmill.estimate.step import Plan
+from tokenmill.estimate.step import Plan, offloaded_bytes
 from tokenmill.estimate.techniques import (
     docmask_attention_seconds,
     fp8_linear_op,
@@ -74,10 +76,18 @@ from tokenmill.estimate.trace import Pieces
 # cuBLAS); to be replaced by gemm_efficiency.py's own figure per GPU.
 MATMUL_EFFICIENCY = 780 / 989
 UNALIGNED = 0.6  # not sourced: cuBLAS's kernels for a dimension not a multiple of 8; gemm_efficiency.py measures it
-# not sourced per shape: FlashAttention-2 (T. Dao, 2023, arXiv:2307.08691) reports 50-73% of the A100's peak in
-# forward and less in backward; 0.45 is a hand value below that range, measured by gemm_efficiency.py
+# bf16/fp16 fused attention on Ampere and newer: FlashAttention-2's published throughput by sequence length and
+# head size (estimate/attention.py). What is left, fp32 inputs (the memory-efficient kernel) and older GPUs, runs
+# at this hand value, not sourced (gemm_efficiency.py measures it)
 ATTENTION_EFFICIENCY = 0.45
-MEMORY_EFFICIENCY = 0.70  # not sourced: element-wise kernels' share of the datasheet bandwidth (gemm_efficiency.py)
+# Share of the datasheet bandwidth PyTorch's element-wise, softmax and reduction kernels reach, by architecture
+# (attention.arch: compute capability 8.x the A100's, 9.x and newer the H100's): the share with which this roofline
+# reproduces the 20 published measurements per GPU of a standard PyTorch attention (baddbmm, mask add, softmax,
+# bmm, forward and backward; attention.PYTORCH_TFLOPS, FlashAttention-2's release benchmark): the two-decimal
+# value whose mean signed error over them is nearest zero (-0.1% on the A100 80GB, 0.0% on the H100 SXM; mean
+# absolute 3.4% and 5.1%; tests/test_estimate_attention.py recomputes both). Read from those kernels, not from the
+# validation set; it absorbs what the byte count misses in them (softmax's passes).
+MEMORY_EFFICIENCY = {"a100": 0.53, "h100": 0.59}
 # multi-tensor-apply kernels (foreach and fused AdamW, clip_grad_norm_'s foreach norm and scale) launch at most 320
 # blocks per kernel (MultiTensorApply.cuh before CUDA 13): PyTorch PR #134373 measured 1,458 GB/s for
 # _foreach_copy_ on an H100 SXM (3,350 GB/s datasheet) through them
@@ -91,6 +101,7 @@ LAUNCH_US = HOST_OP_US + CUDA_LAUNCH_US  # host time per op of Muon's step (esti
 # _foreach_* calls, the fused kernel's one pass over parameter, gradient and both moments
 ADAMW_PASSES = 19
 FUSED_ADAMW_PASSES = 7
+PCIE_BYTES_S = 25e9  # not sourced: PCIe 4.0 x16's 32 GB/s less its protocol overhead (host <-> GPU copies)
 CPU_FLOPS_PER_THREAD = 3e10  # not sourced: a rough CPU guide (fp32, one thread); the CPU is no prediction target
 
 
@@ -140,16 +151,29 @@ def matmul_efficiency(c: OpCost, mode: str, gpu: GPU) -> float:
     return eff
 
 
+def memory_bandwidth(gpu: GPU) -> float:
+    """Bytes per second the GPU's element-wise kernels move: its datasheet bandwidth x ``MEMORY_EFFICIENCY``."""
+    return gpu.hbm_gbs * 1e9 * MEMORY_EFFICIENCY[arch(gpu.cc)]
+
+
+def attention_share(c: OpCost, mode: str, gpu: GPU) -> float:
+    """Share of the peak a fused attention kernel runs at: FlashAttention-2's for bf16/fp16 inputs on Ampere and
+    newer (:func:`tokenmill.estimate.attention.attention_efficiency`), else ``ATTENTION_EFFICIENCY``."""
+    if mode in ("bf16", "fp16") and c.attn and gpu.cc >= (8, 0):
+        return attention_efficiency(c.attn, gpu.cc, gpu.sm)
+    return ATTENTION_EFFICIENCY
+
+
 def _op_seconds(c: OpCost, cfg: C.Config, gpu: GPU, cpu_threads: int) -> float:
     if gpu.key == "cpu":
         if c.flops:
             return c.flops / (CPU_FLOPS_PER_THREAD * cpu_threads)
         return c.bytes / (gpu.hbm_gbs * 1e9)
-    bw = gpu.hbm_gbs * 1e9 * MEMORY_EFFICIENCY
+    bw = memory_bandwidth(gpu)
     if c.flops:
         mode = c.math if c.math != "fp32" else ("tf32" if cfg.train.tf32 else "fp32")
         peak = gpu.peak(mode) or gpu.peak("fp32") or 1e13
-        eff = ATTENTION_EFFICIENCY if c.attention else matmul_efficiency(c, mode, gpu)
+        eff = attention_share(c, mode, gpu) if c.attention else matmul_efficiency(c, mode, gpu)
         # the roofline: a product is as slow as its math or its memory traffic, whichever is longer
         t = max(c.flops / (peak * eff), (c.bytes if c.attention else matmul_bytes(c)) / bw)
     else:  # a compiled piece's costs are already Inductor's fused kernels (estimate/inductor.py)
@@ -223,10 +247,10 @@ def _pieces_time(pieces: Pieces, plan: Plan, cfg: C.Config, gpu: GPU, threads: i
             s = _op_seconds(c, cfg, gpu, threads)
             if block and fp8 and fp8_linear_op(c, cfg):
                 bf16 = _op_seconds(dataclasses.replace(c, math="bf16"), cfg, gpu, threads)
-                f8, k = fp8_op_seconds(bf16, c, cfg, gpu.hbm_gbs * 1e9 * MEMORY_EFFICIENCY, KERNEL_MIN_US * 1e-6)
+                f8, k = fp8_op_seconds(bf16, c, cfg, memory_bandwidth(gpu), KERNEL_MIN_US * 1e-6)
                 s, out["kernels"] = f8, out["kernels"] + (k - 1)
             if block and c.attention:  # data.document_mask: the whole T x T and the mask's read (techniques.py)
-                s = docmask_attention_seconds(s, cfg, pieces.batch, pieces.seq, gpu.hbm_gbs * 1e9 * MEMORY_EFFICIENCY,
+                s = docmask_attention_seconds(s, cfg, pieces.batch, pieces.seq, memory_bandwidth(gpu),
                                               plan.cuda)
             out["matmul" if c.flops else "memory"] += s
             out["flops"] += c.flops
@@ -279,7 +303,10 @@ def step_time(cfg: C.Config, lay: Layout, gpu: GPU, stages: list[tuple[Plan, Pie
         part = _pieces_time(pieces, plan, cfg, gpu, threads)
         n_mb = (cfg.parallel.pp_microbatches or lay.pp) if lay.pp > 1 else 1
         per_step = {k: v * A * n_mb for k, v in part.items() if k != "segments"}
-        gpu_s = per_step["matmul"] + per_step["memory"]
+        # memory.offload_activations: save_on_cpu copies each saved tensor to pinned host memory and back on the
+        # compute stream (its D2H copy_ waits for it): the bytes cross PCIe twice, in line with the compute
+        offload_s = 2 * A * n_mb * offloaded_bytes(plan, pieces) / PCIE_BYTES_S if gpu.key != "cpu" else 0.0
+        gpu_s = per_step["matmul"] + per_step["memory"] + offload_s
         param_bytes = sum(p.nbytes for p in plan.params if p.trainable)  # what the optimizer steps
         shard = lay.dp_shard if lay.dp_shard > 1 else (lay.dp_replicate if cfg.parallel.zero1 else 1)
         opt_s, opt_kernels = _optimizer_seconds(cfg, plan, gpu, param_bytes / shard)
@@ -290,13 +317,14 @@ def step_time(cfg: C.Config, lay: Layout, gpu: GPU, stages: list[tuple[Plan, Pie
         opt_host = optimizer_host_seconds(cfg, [p for p in plan.params if p.trainable])
         if gpu.key != "cpu":
             host_t, gpu_t = overlap(part["segments"] * (A * n_mb) + [(opt_host, opt_s)])
+            gpu_t += offload_s
             launch_s = per_step["host"] + opt_host
             total = max(host_t, gpu_t) + comm_exposed + bubble
         else:
             launch_s = 0.0
             total = gpu_s + opt_s + comm_exposed + bubble
         if total > worst.get("total", -1):
-            worst = {"total": total, "matmul": per_step["matmul"], "memory": per_step["memory"],
+            worst = {"total": total, "matmul": per_step["matmul"], "memory": per_step["memory"], "offload": offload_s,
                      "launch": launch_s, "optimizer": opt_s, "comm": comm_s, "comm_exposed": comm_exposed,
                      "bubble": bubble, "flops": per_step["flops"]}
     data_s = 0.0
@@ -314,6 +342,7 @@ def step_time(cfg: C.Config, lay: Layout, gpu: GPU, stages: list[tuple[Plan, Pie
         "step_ms": 1000 * total,
         "matmul_ms": 1000 * worst["matmul"], "memory_bound_ms": 1000 * worst["memory"],
         "launch_ms": 1000 * worst["launch"], "optimizer_ms": 1000 * worst["optimizer"],
+        "activation_offload_ms": 1000 * worst["offload"],
         "collectives_ms": 1000 * worst["comm"], "collectives_exposed_ms": 1000 * worst["comm_exposed"],
         "pipeline_bubble_ms": 1000 * worst["bubble"], "data_ms": 1000 * data_s, "mfu": mfu,
     }
@@ -328,7 +357,7 @@ def _optimizer_seconds(cfg: C.Config, plan: Plan, gpu: GPU, param_bytes: float) 
         adam_s, adam_k = _adamw_seconds(cfg, gpu, param_bytes * sum(p.nbytes for p in rest) / total, len(rest))
         launch = LAUNCH_US * 1e-6 if gpu.key != "cpu" else 0.0
         muon_s, muon_k = muon_seconds(cfg, trained, gpu.peak("bf16") or 1e13, MATMUL_EFFICIENCY,
-                                      gpu.hbm_gbs * 1e9 * MEMORY_EFFICIENCY, gpu.link_gbs * 1e9 * LINK_EFFICIENCY,
+                                      memory_bandwidth(gpu), gpu.link_gbs * 1e9 * LINK_EFFICIENCY,
                                       shard, launch)
         return adam_s + muon_s, int(adam_k + muon_k)
     return _adamw_seconds(cfg, gpu, param_bytes, sum(p.trainable for p in plan.params))
@@ -339,12 +368,12 @@ def _adamw_seconds(cfg: C.Config, gpu: GPU, param_bytes: float, n_tensors: int) 
     if mem.optimizer_offload or cfg.parallel.fsdp_cpu_offload:  # the step runs on the host; copies both ways
         elems = param_bytes / 4
         host = elems * 4 * ADAMW_PASSES / 20e9  # not sourced: a multi-threaded CPU AdamW, ~20 GB/s
-        pcie = 2 * param_bytes / 25e9  # not sourced: PCIe 4.0 x16's 32 GB/s less its protocol overhead
+        pcie = 2 * param_bytes / PCIE_BYTES_S
         return host + pcie, 0
     passes = FUSED_ADAMW_PASSES if impl == "fused" else ADAMW_PASSES
     if mem.optimizer_8bit:
         passes = ADAMW_PASSES // 2
-    bw = gpu.hbm_gbs * 1e9 * MEMORY_EFFICIENCY
+    bw = memory_bandwidth(gpu)
     # foreach and fused AdamW run multi-tensor-apply kernels; for-loop AdamW (and the step in backward) runs
     # ordinary element-wise kernels, 8-bit AdamW torchao's
     per_tensor = impl == "for-loop" or mem.optimizer_in_backward or mem.optimizer_8bit

@@ -356,10 +356,7 @@ class Step:
                 tl.release(g)
 
     def _activation_host_bytes(self) -> int:
-        """Host memory of memory.offload_activations: every saved tensor of one micro-batch's forward."""
-        p = self.pieces
-        total = sum(p.blocks[p.kinds[i]].host_bytes for i in self.plan.stage_blocks)
-        return total + (p.embed.host_bytes if self.plan.has_embed else 0) + (p.head.host_bytes if self.plan.has_head else 0)
+        return offloaded_bytes(self.plan, self.pieces)
 
     def _block_params(self, i: int) -> list[Param]:
         return [p for p in self.plan.params if p.block == i]
@@ -465,3 +462,10 @@ class PipelineStep(Step):
         tl.release(gy)  # sent to the previous stage (or consumed by the embeddings)
         if "recv" in st:
             tl.release(st["recv"])
+
+
+def offloaded_bytes(plan: Plan, pieces) -> int:
+    """Host memory of memory.offload_activations: every saved tensor of one micro-batch's forward of the stage
+    (the bytes that cross PCIe each way: ``roofline.step_time``)."""
+    total = sum(pieces.blocks[pieces.kinds[i]].host_bytes for i in plan.stage_blocks)
+    return total + (pieces.embed.host_bytes if plan.has_embed else 0) + (pieces.head.host_bytes if plan.has_head else 0)

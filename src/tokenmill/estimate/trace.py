@@ -13,6 +13,7 @@ the gradients created and, where the step accumulates, a second time with them a
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -284,35 +285,51 @@ def trace_pieces(cfg: C.Config, vocab_size: int, device: str, batch: Optional[in
     Configs that differ only in what the trace does not see (optimizer, tf32, data, layout) share it.
     ``pad_balance``: the GPU's FLOP/byte balance, for Inductor's padding of misaligned matrix products in
     compiled pieces (:func:`tokenmill.estimate.inductor.plan_graph`)."""
-    key = (tuple(sorted(cfg.model.__dict__.items())), cfg.train.precision, batch or cfg.train.batch_size,
-           cfg.train.grad_accum_steps > 1, cfg.memory.activation_checkpointing,
-           cfg.memory.activation_checkpointing_policy, tuple(sorted(cfg.lora.__dict__.items())),
-           cfg.memory.offload_activations, vocab_size, device, tp, pipelined,
-           tuple(sorted(compiled_pieces(cfg, pipelined))), pad_balance)
-    hit = _CACHE.get(key)
+    key = trace_key(cfg, vocab_size, device, batch, tp, pipelined, pad_balance)
+    hit = _CACHE.get(key) if CACHE_SIZE else None
     if hit is None:
         hit = _trace_pieces(cfg, vocab_size, device, batch, tp, pipelined, pad_balance)
-        _CACHE[key] = hit
-        while len(_CACHE) > 8:
-            _CACHE.pop(next(iter(_CACHE)))
+        if CACHE_SIZE:
+            _CACHE[key] = hit
+            while len(_CACHE) > CACHE_SIZE:
+                _CACHE.popitem(last=False)
+    else:
+        _CACHE.move_to_end(key)
     return hit
 
 
-_CACHE: dict[tuple, Pieces] = {}
+def trace_key(cfg: C.Config, vocab_size: int, device: str, batch: Optional[int] = None, tp: int = 1,
+              pipelined: bool = False, pad_balance: Optional[float] = None) -> tuple:
+    """Every value :func:`_trace_pieces` reads: two calls with the same key trace the same pieces. The whole
+    model and LoRA sections; of ``train``, the precision, the micro-batch and whether gradients accumulate
+    (the second round; the factor only scales a scalar); of ``memory``, checkpointing, its policy and the
+    activation offload; the pieces ``torch.compile`` covers. ``pad_balance`` (the GPU's) only where a piece
+    is compiled: an eager trace never reads it, so one trace serves every GPU of the table."""
+    parts = tuple(sorted(compiled_pieces(cfg, pipelined)))
+    return (tuple(sorted(cfg.model.__dict__.items())), cfg.train.precision, batch or cfg.train.batch_size,
+            cfg.train.grad_accum_steps > 1, cfg.memory.activation_checkpointing,
+            cfg.memory.activation_checkpointing_policy, tuple(sorted(cfg.lora.__dict__.items())),
+            cfg.memory.offload_activations, vocab_size, device, tp, pipelined, parts,
+            pad_balance if parts else None)
 
 
+# traced pieces by :func:`trace_key`, least recently used first; the pieces are only read downstream (the
+# timeline, the roofline), never changed. ``CACHE_SIZE`` 0: no cache (every call traces).
+_CACHE: OrderedDict[tuple, Pieces] = OrderedDict()
+CACHE_SIZE = 16
 
 
 def compiled_pieces(cfg: C.Config, pipelined: bool = False) -> set[str]:
     """The pieces ``torch.compile`` covers under ``cfg.compile`` (:mod:`.compiled`), as
     :func:`tokenmill.model.build.apply_compile` compiles them: {'embed', 'block', 'head'} for the whole
     model with the loss, without 'head' when the loss stays outside (``compile.loss_outside``, the chunked
-    loss, a pipeline's loss), {'block'} for ``compile.scope='block'``; empty when compile is off (or
-    activations are offloaded: traced eager)."""
+    loss, a pipeline's loss), {'block'} for ``compile.scope='block'``; empty when compile is off. Offloaded
+    activations (``memory.offload_activations``) go through the compiled graphs' saved tensors
+    (:func:`tokenmill.estimate.compiled.offloaded`)."""
     from tokenmill.model.build import compile_scope
 
     scope = compile_scope(cfg.compile)
-    if scope is None or cfg.memory.offload_activations:
+    if scope is None:
         return set()
     if scope == "blocks":
         return {"block"}

@@ -1,8 +1,9 @@
 """How far an estimate may be off: the mean absolute error of the estimator against published measurements in
-the same *regime* (eager / compiled, small / large micro-batch, one GPU / several), from
-``benchmarks/validation/published.toml`` (:mod:`.validation`; ``tests/test_estimate_validation.py`` checks that
-:data:`REGIME_ERRORS` is what the file gives). A regime with fewer than :data:`MIN_CASES` measurements of a
-quantity borrows the error of all measurements of that quantity (stated as such).
+the same *regime* (eager / compiled, small / large micro-batch, one GPU / several, and the fine-tuning method:
+full, LoRA or QLoRA), from ``benchmarks/validation/published.toml`` (:mod:`.validation`;
+``tests/test_estimate_validation.py`` checks that :data:`REGIME_ERRORS` is what the file gives). A regime with
+fewer than :data:`MIN_CASES` measurements of a quantity borrows the error of all measurements of that quantity
+(stated as such).
 """
 
 from __future__ import annotations
@@ -12,16 +13,22 @@ from typing import Any, Optional
 from tokenmill import config as C
 
 MIN_CASES = 3
+METHOD_NAMES = {"full": "full", "lora": "LoRA", "qlora": "QLoRA"}  # regime_of's fourth part, as printed
 # regime -> (memory error, memory cases, speed error, speed cases); None: no measurement in the regime
-REGIME_ERRORS: dict[tuple[str, str, str], tuple[Optional[float], int, Optional[float], int]] = {
-    ("compiled", "large", "many"): (0.103, 3, 0.077, 3),
-    ("compiled", "large", "one"): (0.023, 4, 0.165, 6),
-    ("compiled", "small", "one"): (0.007, 5, 0.152, 5),
-    ("eager", "large", "many"): (0.027, 2, 0.022, 5),
-    ("eager", "large", "one"): (None, 0, 0.448, 1),
-    ("eager", "small", "one"): (0.076, 4, 0.188, 4),
+REGIME_ERRORS: dict[tuple[str, str, str, str], tuple[Optional[float], int, Optional[float], int]] = {
+    ("compiled", "large", "many", "full"): (0.103, 3, 0.078, 3),
+    ("compiled", "large", "one", "full"): (0.053, 6, 0.087, 8),
+    ("compiled", "large", "one", "lora"): (0.03, 1, 0.13, 1),
+    ("compiled", "small", "many", "lora"): (0.095, 1, None, 0),
+    ("compiled", "small", "one", "full"): (0.007, 5, 0.126, 5),
+    ("compiled", "small", "one", "qlora"): (0.02, 1, 0.242, 1),
+    ("eager", "large", "many", "full"): (0.027, 2, 0.021, 5),
+    ("eager", "large", "one", "full"): (0.088, 1, 0.154, 2),
+    ("eager", "small", "one", "full"): (0.076, 4, 0.182, 4),
+    ("eager", "small", "one", "lora"): (0.049, 3, None, 0),
+    ("eager", "small", "one", "qlora"): (0.135, 2, None, 0),
 }
-OVERALL = {"memory": (0.044, 18), "speed": (0.137, 24)}  # all measurements: (error, cases)
+OVERALL = {"memory": (0.058, 29), "speed": (0.106, 29)}  # all measurements: (error, cases)
 
 
 def regime_table(summary: dict[str, Any]) -> dict:
@@ -41,9 +48,10 @@ def regime_markdown() -> str:
         return f"{100 * err:.1f}% ({n}{': ' + overall if n < MIN_CASES else ''})"
 
     rows = ["| regime | memory error (cases) | tokens/s error (cases) |", "|---|---|---|"]
-    for (mode, size, gpus), (mem, n_mem, speed, n_speed) in sorted(REGIME_ERRORS.items()):
+    for (mode, size, gpus, method), (mem, n_mem, speed, n_speed) in sorted(REGIME_ERRORS.items()):
         where = "one GPU" if gpus == "one" else "several"
-        rows.append(f"| {mode}, {size}, {where} | {cell(mem, n_mem, 'memory')} | {cell(speed, n_speed, 'speed')} |")
+        rows.append(f"| {mode}, {size}, {where}, {METHOD_NAMES[method]} | {cell(mem, n_mem, 'memory')} "
+                    f"| {cell(speed, n_speed, 'speed')} |")
     return "\n".join(rows)
 
 

@@ -3,7 +3,9 @@
 :func:`load` reads the cases, :func:`run_case` estimates one (with the source's differences the config cannot
 express: memory its model holds that training never uses, a compiled model that returns only the loss),
 :func:`summarize` gives the mean absolute errors overall and per *regime* (eager / compiled, small / large
-micro-batch, one GPU / several), and :func:`markdown_table` the table of docs/estimate.md. The per-regime
+micro-batch, one GPU / several, and the fine-tuning method: every weight trained, LoRA or QLoRA), and
+:func:`markdown_table` the table of docs/estimate.md. The same functions run ``benchmarks/validation/heldout.toml``,
+the held-out cases evaluated once after the estimator is frozen (``update.py --heldout``). The per-regime
 errors are what :mod:`.uncertainty` prints beside every estimate; ``tests/test_estimate_validation.py``
 recomputes all of it, so the file, the doc and the printed ranges cannot drift apart.
 """
@@ -57,16 +59,24 @@ def config_of(case: Case) -> C.Config:
     return C.resolve(case.preset, overrides=overrides, overrides_from_string=False)
 
 
-def regime(case: Case) -> tuple[str, str, str]:
-    """(compiled | eager, small | large micro-batch, one | many GPUs) of a case."""
+def regime(case: Case) -> tuple[str, str, str, str]:
+    """(compiled | eager, small | large micro-batch, one | many GPUs, full | lora | qlora) of a case."""
     cfg = config_of(case)
     return regime_of(cfg, case.nproc)
 
 
-def regime_of(cfg: C.Config, nproc: int) -> tuple[str, str, str]:
+def method_of(cfg: C.Config) -> str:
+    """The fine-tuning method: 'full' (every weight trains, pre-training included), 'lora' (``lora.rank`` > 0) or
+    'qlora' (LoRA over an NF4 base, ``lora.quantize_base``)."""
+    if not cfg.lora.rank:
+        return "full"
+    return "lora" if cfg.lora.quantize_base == "none" else "qlora"
+
+
+def regime_of(cfg: C.Config, nproc: int) -> tuple[str, str, str, str]:
     tokens = cfg.train.batch_size * cfg.model.block_size
     return ("compiled" if cfg.compile.enabled else "eager", "small" if tokens < SMALL_BATCH_TOKENS else "large",
-            "one" if nproc == 1 else "many")
+            "one" if nproc == 1 else "many", method_of(cfg))
 
 
 def run_case(case: Case) -> dict[str, Any]:

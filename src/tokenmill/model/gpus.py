@@ -101,10 +101,19 @@ GPU_TABLE: tuple[GPUFacts, ...] = (
 def gpu_facts(device_name: str, mig: bool = False) -> Optional[GPUFacts]:
     """The row of :data:`GPU_TABLE` for the name torch reports, or None (unlisted, a CPU, a MIG slice). With
     ``mig``, a MIG slice gets its full GPU's row: for the facts a slice keeps (tensor cores, FP8), never a peak."""
+    kept = _ROWS.get((device_name, mig))  # the estimator asks once per traced kernel: remembered per table
+    if kept is not None and kept[0] is GPU_TABLE:
+        return kept[1]
     words = set(re.split(r"[\s\-_/]+", device_name.upper()))
-    if "MIG" in words and not mig:  # a slice of the GPU: the full-GPU peak would be wrong
-        return None
-    return next((row for row in GPU_TABLE if all(_has(words, w) for w in row.words)), None)
+    row = None
+    if "MIG" not in words or mig:  # a slice of the GPU: the full-GPU peak would be wrong
+        row = next((r for r in GPU_TABLE if all(_has(words, w) for w in r.words)), None)
+    if len(_ROWS) < 256:
+        _ROWS[(device_name, mig)] = (GPU_TABLE, row)
+    return row
+
+
+_ROWS: dict[tuple[str, bool], tuple[tuple, Optional[GPUFacts]]] = {}
 
 
 def _has(words: set[str], word: str) -> bool:

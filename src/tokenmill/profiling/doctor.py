@@ -156,16 +156,16 @@ def facts_from_metrics(rows: list[dict[str, Any]], tokens_per_step: Optional[int
     keys = [*PHASES, "other"]
     phase_ms = {p: [r.get(f"{p}_ms") or 0.0 for r in rows] for p in keys}
     w = confidence.window_set([r["step_ms"] for r in rows], phase_ms, "log window")
-    total = sum(w["step_ms"]) or 1.0
+    total = sum(w.step_ms) or 1.0
     step, f["step_source"] = steady_step_ms(rows, tokens_per_step)
     for p in keys:
-        share = sum(w["phase_ms"][p]) / total
+        share = sum(w.phase_ms[p]) / total
         f[f"{p}_share" if p != "other" else "idle_share"] = share
         f[f"{p}_ms" if p != "other" else "idle_ms"] = share * step
     f["step_ms"] = step
     f["other_ms"] = f["idle_ms"]
-    f.update(share_errors({p: w["phase_ms"][p] for p in PHASES}, w["step_ms"]))
-    f["windows"] = w
+    f.update(share_errors({p: w.phase_ms[p] for p in PHASES}, w.step_ms))
+    f["windows"] = w  # typed: Run.timing.windows
     f["loop_share"] = f["idle_share"]  # the trainer's windows leave logging out of other_ms
     f["phase_source"] = "metrics.jsonl (trainer's always-on breakdown)"
     return f
@@ -183,7 +183,7 @@ def steady_step_ms(rows: list[dict[str, Any]], tokens_per_step: Optional[int]) -
     return statistics.median(r["step_ms"] for r in rows), "median window step time"
 
 
-def share_errors(phase_ms: dict[str, list[float]], step_ms: list[float]) -> dict[str, float]:
+def share_errors(phase_ms: dict[str, tuple[float, ...]], step_ms: tuple[float, ...]) -> dict[str, float]:
     """``<phase>_share_se``: the standard error of each phase's share of the step over the run's own
     steps or log windows (0 from a single one): the noise the rules allow for."""
     out = {}
@@ -243,10 +243,10 @@ def _sync_facts(p: dict[str, Any], f: dict[str, Any]) -> None:
     if each:
         f["windows"] = w = confidence.window_set(each["step"], {k: v for k, v in each.items() if k != "step"},
                                                  "profiled step")
-        f.update(share_errors(w["phase_ms"], w["step_ms"]))
-        if w["left_out"] and w["step_ms"]:  # the split over the steps used, scaled to the profile's step
-            total = sum(w["step_ms"])
-            for k, v in w["phase_ms"].items():
+        f.update(share_errors(w.phase_ms, w.step_ms))
+        if w.left_out and w.step_ms:  # the split over the steps used, scaled to the profile's step
+            total = sum(w.step_ms)
+            for k, v in w.phase_ms.items():
                 f[f"{k}_share"] = sum(v) / total
                 f[f"{k}_ms"] = f[f"{k}_share"] * ms["step"]
     else:  # a profile of an older version: no per-step figures, no noise estimate
@@ -404,19 +404,19 @@ def _compute_share(f: dict[str, Any]) -> Optional[float]:
 
 def diagnose(run_dir: str | Path) -> dict[str, Any]:
     """The verdict for a run directory (also what ``--json`` prints)."""
-    run = load_run(run_dir)
-    facts = gather_facts(run)
-    found = rank(facts)
+    raw = load_run(run_dir)
+    run = Run.of(gather_facts(raw))  # typed once: the rules, the ratings and the figures read it
+    found = rank(run)
     return {
         "run_dir": str(run_dir),
-        "device": facts["device"],
-        "sources": [n for n, ok in (("profile.json", run["profile"]), ("metrics.jsonl", run["metrics"]),
-                                    ("summary.json", run["summary"])) if ok],
+        "device": run.device,
+        "sources": [n for n, ok in (("profile.json", raw["profile"]), ("metrics.jsonl", raw["metrics"]),
+                                    ("summary.json", raw["summary"])) if ok],
         **verdict_of(found),
-        "findings": found,
-        "figures": _figures(facts),
-        "warnings": run["warnings"],
-        "config_error": run["config_error"],  # why config.toml does not load (None: it does); --try refuses
+        "findings": [{**x, "confidence": x["confidence"].to_json()} for x in found],  # the JSON's keys
+        "figures": _figures(run),
+        "warnings": raw["warnings"],
+        "config_error": raw["config_error"],  # why config.toml does not load (None: it does); --try refuses
     }
 
 
@@ -424,7 +424,7 @@ def verdict_of(found: list[dict[str, Any]]) -> dict[str, Any]:
     """``verdict`` and ``main``: the first major finding that is not within the run's noise; "too noisy to
     judge" when every major finding is, "nothing stands out" when there is none."""
     major = [x for x in found if not x["minor"]]
-    judged = [x for x in major if x["confidence"]["level"] != confidence.NOISY]
+    judged = [x for x in major if not x["confidence"].noisy]
     if judged:
         return {"verdict": judged[0]["title"], "main": judged[0]["key"]}
     if major:
@@ -433,27 +433,31 @@ def verdict_of(found: list[dict[str, Any]]) -> dict[str, Any]:
     return {"verdict": "nothing stands out", "main": None}
 
 
-def rank(facts: dict[str, Any]) -> list[dict[str, Any]]:
-    """Apply every rule; findings best first, each with its rule name as ``key`` and its ``confidence``
-    (:func:`confidence.rate`); major findings within the run's noise after the judged ones."""
-    out, run = [], Run.of(facts)  # typed once; a rule written for it (facts.typed) takes it, the rest the dict
-    for rule in rules.RULES:
-        res: Optional[rules.Finding] = rule(run if getattr(rule, "typed", False) else facts)
+def rank(facts: Run | dict[str, Any]) -> list[dict[str, Any]]:
+    """Apply every rule to the typed run (or the flat facts, typed once here); findings best first, each with its
+    rule name as ``key`` and its :class:`confidence.Confidence`; major findings within the run's noise last."""
+    out, run = [], facts if isinstance(facts, Run) else Run.of(facts)
+    for rule in rules.RULES:  # a rule written for the Run (facts.typed) takes it, the rest the flat dict
+        res: Optional[rules.Finding] = rule(run if getattr(rule, "typed", False) else run.facts)
         if res is not None:
             x = {"key": rule.__name__, **res._asdict(), "minor": res.score < rules.MIN_SCORE}
             x["confidence"] = confidence.rate(x, run)
             out.append(x)
-    return sorted(out, key=lambda x: (x["minor"], x["confidence"]["level"] == confidence.NOISY, -x["score"]))
+    return sorted(out, key=lambda x: (x["minor"], x["confidence"].noisy, -x["score"]))
 
 
-def _figures(f: dict[str, Any]) -> dict[str, Any]:
-    keys = ["step_ms", *[f"{p}_share" for p in (*PHASES, "idle")], "syncs_per_step", "device_busy_fraction",
-            "sync_share", "tokens_per_step", "host_ops_per_step", "flops_per_op", "tokens_per_sec", "mfu", "peak_mb",
-            "memory_total_mb", "phase_source", "step_source", "tokens_per_sec_source"]
-    out = {k: f[k] for k in keys if f.get(k) is not None}
-    if f.get("windows"):
-        out["windows"] = confidence.describe(f["windows"])
-    return out
+def _figures(run: Run) -> dict[str, Any]:
+    """``figures`` of ``--json`` from the typed run: the step and its split, work, speed, memory peak, where they
+    come from and the windows (described); an unknown figure is left out."""
+    t, w, m = run.timing, run.work, run.memory
+    values = {"step_ms": t.step_ms, **{f"{p}_share": confidence.phase_share(run, p) for p in (*PHASES, "idle")},
+              "syncs_per_step": t.syncs_per_step, "device_busy_fraction": run.kernels.device_busy_fraction,
+              "sync_share": t.sync_share, "tokens_per_step": w.tokens_per_step and int(w.tokens_per_step),
+              "host_ops_per_step": w.host_ops_per_step, "flops_per_op": w.flops_per_op, "tokens_per_sec":
+              w.tokens_per_sec, "mfu": w.mfu, "peak_mb": m.peak_mb, "memory_total_mb": m.memory_total_mb,
+              "phase_source": t.phase_source, "step_source": t.step_source, "tokens_per_sec_source":
+              w.tokens_per_sec_source, "windows": t.windows and confidence.describe(t.windows)}
+    return {k: v for k, v in values.items() if v is not None and v != ""}
 
 
 def format_verdict(v: dict[str, Any]) -> str:
@@ -477,12 +481,11 @@ def format_verdict(v: dict[str, Any]) -> str:
         lines.append(f"Too noisy to judge: every finding is within the run's own noise. For a clearer run: "
                      f"{confidence.CLEARER}.")
     for i, x in enumerate(major, 1):
-        noisy = x["confidence"]["level"] == confidence.NOISY
-        head = "Main bottleneck" if i == 1 and not noisy else f"{i}." + (" (too noisy to judge)" if noisy else "")
+        rating = confidence.Confidence.of_json(x["confidence"])  # the verdict's JSON keys, typed back
+        head = "Main bottleneck" if i == 1 and not rating.noisy else f"{i}." + " (too noisy to judge)" * rating.noisy
         lines.append(f"\n{head}: {x['title']} (expected gain ~{100 * x['score']:.0f}%)")
-        lines.append(f"  {confidence.label(x['confidence'])}")
-        lines += [f"  - {e}" for e in x["evidence"]]
-        lines.append("  try, best first:")
+        lines.append(f"  {rating.label()}")
+        lines += [*(f"  - {e}" for e in x["evidence"]), "  try, best first:"]
         for s in x["suggestions"]:
             lines.append(f"    {s['switch']:<44} {s['why']}" if s["switch"] else f"    {s['why']}")
     minor = [x for x in v["findings"] if x["minor"]]

@@ -5,7 +5,8 @@
 :meth:`Run.of` types it once: the config becomes a :class:`Config` (the run's values over the config's own
 defaults, so a rule reads ``run.config.model.head_width``, never a default re-derived), and the facts become
 frozen dataclasses (:class:`Timing`, :class:`Data`, :class:`Memory`, :class:`Host`) whose every figure is a
-number or None, checked here. A misspelt fact is an ``AttributeError`` where it is read, not a silent None.
+number or None, checked here; the windows the split is judged over are a :class:`Windows`
+(``run.timing.windows``). A misspelt fact is an ``AttributeError`` where it is read, not a silent None.
 
 A rule written for the typed run is wrapped with :func:`typed`: it takes a :class:`Run` and returns a
 :class:`~tokenmill.profiling.findings.Finding` or None; the wrapper still accepts the flat dict (the rule
@@ -53,6 +54,12 @@ def _from(cls: type, f: dict[str, Any]) -> Any:
         elif x.type == "Seconds":
             part = f.get(x.name) or {}
             out[x.name] = {k: _num(part, k, f"{x.name}.") for k in part}
+        elif x.type == "Optional[Windows]":
+            w = f.get(x.name)
+            if w is not None and not isinstance(w, Windows):
+                raise DoctorError(f"the doctor's fact '{x.name}' is a {type(w).__name__}, not Windows "
+                                  "(confidence.window_set builds them)")
+            out[x.name] = w
     return cls(**out)
 
 
@@ -66,11 +73,30 @@ def _nums(cls: type, f: dict[str, Any]) -> Any:
 
 
 @dataclass(frozen=True)
+class Windows:
+    """The windows a run's split is judged over (:func:`tokenmill.profiling.confidence.window_set`): their
+    ``kind`` ("log window", "profiled step"), how many the run had (``total``), the ones used and the ones left
+    out (numbered from 1; a window at least ``confidence.SPIKE`` times the median step is left out), and over the
+    windows used: each one's step time, each phase's time and each phase's share of the step; the median step
+    of all of them."""
+
+    kind: str
+    total: int
+    used: tuple[int, ...]
+    left_out: tuple[int, ...]
+    step_ms: tuple[float, ...]
+    phase_ms: dict[str, tuple[float, ...]]
+    shares: dict[str, tuple[float, ...]]
+    median_step_ms: float
+
+
+@dataclass(frozen=True)
 class Timing:
     """The steady step and its phases (ms per step; shares of the step; each share's standard error over the
     run's own steps or log windows), activation checkpointing's recompute (measured or estimated), the host-device
     synchronisations per step and what they cost, the share of forward, backward, optimizer and the loop
-    (``compute_share``), and where the step time, split and recompute come from."""
+    (``compute_share``), where the step time, split and recompute come from, and the windows the split is
+    over (None without per-window figures)."""
 
     step_ms: Num = None
     forward_ms: Num = None
@@ -93,6 +119,7 @@ class Timing:
     step_source: str = ""
     phase_source: str = ""
     recompute_source: str = ""
+    windows: Optional[Windows] = None
 
     def share_lo(self, phase: str) -> Num:
         """``phase``'s share less twice its standard error over the run's own steps or log windows: what the
@@ -166,7 +193,8 @@ class Device:
 @dataclass(frozen=True)
 class Work:
     """What a step computes and how fast: tokens per step, the model's FLOPs per token (``summary.json``), the
-    host operators per step and the FLOPs per operator (profile), the steady tokens/s and MFU."""
+    host operators per step and the FLOPs per operator (profile), the steady tokens/s and MFU, and where those
+    come from ("summary.json", or "metrics.jsonl" when its windows are not the summary's)."""
 
     tokens_per_step: Num = None
     flops_per_token: Num = None
@@ -174,6 +202,7 @@ class Work:
     flops_per_op: Num = None
     tokens_per_sec: Num = None
     mfu: Num = None
+    tokens_per_sec_source: str = ""
 
 
 @dataclass(frozen=True)

@@ -1,53 +1,53 @@
 """Doctor rules for the optimizer choice: Muon's Newton-Schulz cost on small batches, Muon on a fine-tune.
 
 Muon (``optim.name = 'muon'``, :mod:`tokenmill.optim.muon`) orthogonalises the update of every hidden matrix
-(the blocks' 2-D weights; a fused q/k/v matrix as its three parts) with five Newton-Schulz iterations per
-optimizer step. Their FLOPs (the estimator's :func:`tokenmill.estimate.techniques.ns_flops`) do not grow with
-the batch, while the model's forward and backward (``flops_per_token`` x tokens per step) do: on a small
-batch the orthogonalisation is a measurable share of the step. The share is counted (FLOPs, from the
-model's own hidden matrices, built on ``meta``), not timed, so machine load does not move it; the profile's
-optimizer share is shown beside it.
+with five Newton-Schulz iterations per optimizer step: the blocks' 2-D weights (a fused q/k/v matrix as its
+three parts), and in a mixture-of-experts layer each routed expert's matrices on their own (its gate and up
+rows apart, and its down matrix), while the router and the shared-expert gate go to AdamW. Their FLOPs (the
+estimator's :func:`tokenmill.estimate.techniques.ns_flops`) do not grow with the batch, while the model's
+forward and backward (``flops_per_token`` x tokens per step) do: on a small batch the orthogonalisation is a
+measurable share of the step. The share is counted (FLOPs, from the model's matrices as
+:mod:`tokenmill.config.matrices` describes them, block by block: dense and sparse layers as
+``model.moe_every`` and ``model.moe_dense_layers`` place them), not timed, so machine load does not move it;
+the profile's optimizer share is shown beside it. With LoRA (``lora.rank``) Muon steps the adapters only
+(rank-wide matrices: a negligible orthogonalisation), so the rule stays quiet.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from typing import Any, Optional
 
+from tokenmill.config.matrices import Matrix, model_matrices
 from tokenmill.profiling.facts import Run, typed
 from tokenmill.profiling.findings import Finding, _clamp, advice, pct, switch
 
 MUON_SHARE = 0.05  # Newton-Schulz FLOPs at least this share of the step's FLOPs: worth naming
+ADAMW_ROLES = ("router", "shared_router")  # a mixture of experts' gates: AdamW's (optim/muon.py _moe_parameters)
 
 
-@functools.lru_cache(maxsize=32)
-def _hidden_shapes(model_items: tuple) -> tuple[tuple[int, int], ...]:
-    """The matrices Muon orthogonalises in one block of the model (a fused q/k/v split into its parts)."""
-    from tokenmill import config as C
-    from tokenmill.model.build import build_gpt
-
-    model_cfg = dataclasses.replace(C.ModelConfig(**dict(model_items)), n_layer=1)
-    gpt = build_gpt(model_cfg, 256, "meta")
-    out = []
-    for p, rows in gpt.hidden_matrices():
-        out += [(r, p.shape[1]) for r in rows] if rows else [tuple(p.shape)]
-    return tuple(out)
+def muon_parts(x: Matrix) -> list[tuple[int, tuple[int, int]]]:
+    """The matrices Muon orthogonalises in ``x``: (how many, each one's (rows, cols)), one entry per part of a
+    fused matrix (``x.split``); a routed experts' stack is as many matrices as experts. Nothing for AdamW's."""
+    if x.role in ADAMW_ROLES:
+        return []
+    count, cols = (x.shape[0] if len(x.shape) == 3 else 1), x.shape[-1]
+    return [(count, (rows, cols)) for rows in (x.split or (x.shape[-2],))]
 
 
 @typed
 def newton_schulz_flops(run: Run) -> Optional[float]:
-    """Newton-Schulz FLOPs of one optimizer step for the run's model (all blocks), or None when the run's
-    model config cannot be built here."""
+    """Newton-Schulz FLOPs of one optimizer step for the run's model (every block, dense or sparse), or None
+    when the run's model config cannot be described here or LoRA leaves the matrices frozen."""
     from tokenmill.errors import TokenmillError
     from tokenmill.estimate.techniques import ns_flops
 
-    try:
-        items = {**dataclasses.asdict(run.config.model), "vocab_size": None}
-        shapes = _hidden_shapes(tuple(sorted(items.items())))
-    except (TokenmillError, TypeError, ValueError, RuntimeError):
+    if run.config.lora.rank:
         return None
-    return run.config.model.n_layer * sum(ns_flops(s) for s in shapes)
+    try:
+        blocks = model_matrices(run.config.model)
+    except (TokenmillError, TypeError, ValueError):
+        return None
+    return float(sum(k * ns_flops(shape) for block in blocks for x in block for k, shape in muon_parts(x)))
 
 
 @typed
@@ -69,6 +69,9 @@ def muon_newton_schulz(run: Run) -> Optional[Finding]:
     ev = [f"optim.name = muon: five Newton-Schulz iterations per hidden matrix every optimizer step, "
           f"{ns / 1e9:,.2f} GFLOP, against {model / 1e9:,.2f} GFLOP of forward and backward for {tokens:,} tokens: "
           f"{pct(share)} of the step's FLOPs (counted, not timed)"]
+    if run.config.model.sparse_layers():
+        ev.append(f"{run.config.model.moe_experts} routed experts in each of {len(run.config.model.sparse_layers())} "
+                  "sparse layer(s): each expert's matrices are orthogonalised on their own")
     if run.timing.optimizer_share is not None:
         ev.append(f"the optimizer step measured {pct(run.timing.optimizer_share)} of the step")
     four = ns / (ns + 4 * model)

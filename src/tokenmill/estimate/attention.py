@@ -1,0 +1,90 @@
+"""How fast a fused attention kernel runs: FlashAttention-2's published throughput by sequence length and head
+size, times the share of the SMs its grid keeps busy.
+
+PyTorch's ``scaled_dot_product_attention`` runs FlashAttention-2's kernels on A100 and H100 (its flash backend,
+picked first for bf16/fp16 inputs), eager and under torch.compile (Inductor calls it as it is). Their
+throughput is published: the FlashAttention-2 release's forward + backward benchmark
+(:data:`SOURCE_A100`, :data:`SOURCE_H100`: bar charts read by eye, to the integer they print), run by
+``benchmarks/benchmark_flash_attention.py`` of :data:`BENCH_COMMIT`: batch x sequence = 16,384 tokens, hidden
+2,048 (32 heads of 64 or 16 of 128), fp16, with the causal mask, TFLOP/s of forward + backward where the
+forward counts ``4 B T^2 H D / 2`` FLOPs (causal) and the backward 2.5 times that. The estimator's recorder
+counts attention's FLOPs the same way (:func:`tokenmill.estimate.recorder._attention_flops`), so one share of
+the peak prices both passes: ``share = TFLOP/s / the benchmark GPU's dense fp16 peak``.
+
+Between the measured sequence lengths the share is interpolated in log2(T), between head sizes 64 and 128
+linearly in the head size; outside, it is held at the nearest measurement (below 512 tokens, an upper end: the
+measured curve still falls there). GPUs other than A100 and H100 take the share of the nearest architecture
+(compute capability 8.x: the A100's, 9.x and newer: the H100's; assumed, not measured).
+
+The benchmark's grids fill every SM; a small batch does not: the forward runs one thread block per 128 query
+rows of each (batch, head) (FlashAttention-2's ``flash_fwd_launch_template.h``: ``kBlockM = 128`` for head sizes
+64 and 128), in waves over the SMs, so :func:`grid_fill` scales the share by the SMs the last wave leaves idle,
+as :func:`tokenmill.estimate.roofline.quantization` does for matrix products.
+"""
+
+from __future__ import annotations
+
+import math
+
+BENCH_COMMIT = "60499abcfda1fabd48e1b97341f4f888c66991a3"
+_ASSETS = "https://github.com/Dao-AILab/flash-attention/blob/4f285b354796fb17df8636485b9a04df3ebbb7dc/assets/"
+SOURCE_A100 = _ASSETS + "flash2_a100_fwd_bwd_benchmark.png"  # "A100 80GB SXM4", panels (c) and (d)
+SOURCE_H100 = _ASSETS + "flash2_h100_fwd_bwd_benchmark.png"  # "H100 80GB SXM5", panels (c) and (d)
+SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+# forward + backward TFLOP/s with the causal mask, by (architecture, head size), at SEQLENS
+FA2_CAUSAL_TFLOPS: dict[tuple[str, int], tuple[int, ...]] = {
+    ("a100", 64): (88, 119, 140, 156, 165, 171),
+    ("a100", 128): (99, 133, 155, 173, 182, 189),
+    ("h100", 64): (141, 192, 232, 257, 273, 284),
+    ("h100", 128): (163, 221, 265, 294, 308, 328),
+}
+# the same figures' "Pytorch" bars: the benchmark's standard attention (a baddbmm of the scores, the causal mask
+# added, softmax, a bmm with the values; forward + backward, FLOPs counted as above), at SEQLENS[:5] (16k: out of
+# memory), by (architecture, causal, head size): what MEMORY_EFFICIENCY is read from (estimate/roofline.py)
+PYTORCH_TFLOPS: dict[tuple[str, bool, int], tuple[int, ...]] = {
+    ("a100", True, 64): (15, 16, 17, 18, 18), ("a100", True, 128): (23, 28, 32, 32, 34),
+    ("a100", False, 64): (36, 40, 43, 45, 46), ("a100", False, 128): (53, 67, 76, 79, 86),
+    ("h100", True, 64): (26, 29, 31, 32, 32), ("h100", True, 128): (40, 50, 57, 61, 63),
+    ("h100", False, 64): (62, 72, 81, 86, 87), ("h100", False, 128): (93, 120, 145, 160, 167),
+}
+BENCH_GPUS = {"a100": "a100-80gb", "h100": "h100-sxm"}  # the benchmark GPUs' keys in tokenmill's GPU table
+BENCH_PEAK_TFLOPS = {"a100": 312.0, "h100": 989.4}  # dense fp16 tensor-core peaks of the benchmark GPUs
+BLOCK_M = 128  # query rows per thread block of the forward kernel
+
+
+def arch(cc: tuple) -> str:
+    """The benchmark architecture whose figures stand for a GPU of compute capability ``cc`` (module doc)."""
+    return "h100" if tuple(cc) >= (9, 0) else "a100"
+
+
+def _along_seq(row: tuple[int, ...], seq: int) -> float:
+    x = math.log2(min(max(seq, SEQLENS[0]), SEQLENS[-1]))
+    xs = [math.log2(s) for s in SEQLENS]
+    i = min(max(sum(v <= x for v in xs) - 1, 0), len(xs) - 2)
+    w = (x - xs[i]) / (xs[i + 1] - xs[i])
+    return row[i] + w * (row[i + 1] - row[i])
+
+
+def fa2_share(cc: tuple, seq: int, head_dim: int) -> float:
+    """Share of the dense bf16/fp16 peak FlashAttention-2's causal forward + backward reaches at sequence length
+    ``seq`` and head size ``head_dim`` on a GPU of compute capability ``cc``, its grid full (module doc)."""
+    a = arch(cc)
+    lo, hi = (_along_seq(FA2_CAUSAL_TFLOPS[(a, d)], seq) for d in (64, 128))
+    w = (min(max(head_dim, 64), 128) - 64) / 64
+    return (lo + w * (hi - lo)) / BENCH_PEAK_TFLOPS[a]
+
+
+def grid_fill(batch_heads: int, seq: int, sm: int) -> float:
+    """Share of the SMs the kernel's grid keeps busy: ``batch_heads x ceil(seq / BLOCK_M)`` thread blocks in waves
+    of one block per SM (the last wave's idle SMs)."""
+    if not sm:
+        return 1.0
+    blocks = batch_heads * -(-seq // BLOCK_M)
+    waves = -(-blocks // sm)
+    return blocks / (waves * sm)
+
+
+def attention_efficiency(shape: tuple, cc: tuple, sm: int) -> float:
+    """Share of the peak a fused causal attention of ``shape`` = (batch x heads, sequence, head size) runs at."""
+    batch_heads, seq, head_dim = shape
+    return fa2_share(cc, seq, head_dim) * grid_fill(batch_heads, seq, sm)
