@@ -239,10 +239,11 @@ def _est_cfg(**over) -> C.Config:
     return C.resolve(None, overrides={**base, **over}, overrides_from_string=False)
 
 
-def _attention_extra_ms(B: int, T: int, L: int, H: int, D: int) -> float:
+def _attention_extra_ms(B: int, T: int, L: int, H: int, D: int, over_flex: bool = False) -> float:
     """The H100 bf16 estimate's extra milliseconds per step from data.document_mask: each fused attention kernel
     (forward, and backward at 2.5 times its FLOPs) computes the whole T x T instead of the causal half (twice the
-    time), and reads the bf16 mask once."""
+    time), and reads the bf16 mask once. ``over_flex``: over FlexAttention's time instead (synthetic data: every
+    causal tile, at its published speed over FlashAttention-2's, estimate/attention.py FLEX_VS_FA2)."""
     from tokenmill.estimate import gpu_spec
     from tokenmill.estimate import roofline as R
 
@@ -253,7 +254,8 @@ def _attention_extra_ms(B: int, T: int, L: int, H: int, D: int) -> float:
     share = attention_efficiency((B * H, T, D), spec.cc, spec.sm)  # FlashAttention-2's, at this shape
     kernel = [max(f / (spec.peak("bf16") * share), R.KERNEL_MIN_US * 1e-6) for f in (fwd, 2.5 * fwd)]
     read = B * T * T * 2 / R.memory_bandwidth(spec)
-    return L * sum(k + read for k in kernel) * 1e3
+    flex = sum(k * (1 - 1 / speed) for k, speed in zip(kernel, (1.25, 1.03))) if over_flex else 0.0
+    return L * (sum(k + read for k in kernel) + flex) * 1e3
 
 
 def test_estimate_counts_the_mask_and_the_lost_causal_skip():
@@ -305,7 +307,7 @@ def test_doctor_names_the_cost_of_document_masking():
     assert dropout.suggestions[0]["switch"] == "--model.document_attention auto --model.dropout 0.0"
     found = document_mask_cost(facts)
     assert found is not None and "without the flash kernel" in found.title
-    assert f"{_attention_extra_ms(B, T, 2, 4, 64):.1f} ms of " in found.evidence[1], found.evidence
+    assert f"{_attention_extra_ms(B, T, 2, 4, 64, over_flex=True):.1f} ms of " in found.evidence[1], found.evidence
     assert f"{B * T * T * 2 / 2**20:.0f} MB more at the peak" in found.evidence[1]
     assert found.suggestions[0]["switch"] == "--model.document_attention auto"
     assert found.suggestions[1]["switch"] == "--data.document_mask false"

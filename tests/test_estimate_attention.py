@@ -92,3 +92,34 @@ def test_the_roofline_prices_fused_attention_by_its_shape():
     # an older GPU: the hand value
     old = type(h100)(**{**h100.__dict__, "cc": (7, 0)})
     assert R.attention_share(op, "bf16", old) == R.ATTENTION_EFFICIENCY
+
+
+def test_flex_tile_share_is_what_create_block_mask_keeps():
+    """The tiles the estimator counts for documents packed in a window are the non-empty tiles (partial and full)
+    of torch's own block mask for the same documents (causal, same document), exactly."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    T, rng = 1024, torch.Generator().manual_seed(0)
+    windows = []
+    for _ in range(3):
+        lengths = []
+        while True:
+            n = int(torch.randint(20, 400, (1,), generator=rng))
+            if sum(lengths) + n > T - 50:
+                break
+            lengths.append(n)
+        windows.append(lengths)
+    doc = torch.zeros(len(windows), T, dtype=torch.long)
+    for b, lengths in enumerate(windows):  # the rest of each window: one more document (packed padding)
+        doc[b, sum(lengths):] = len(lengths)
+        for i, start in enumerate([0, *torch.tensor(lengths).cumsum(0).tolist()[:-1]]):
+            doc[b, start:start + lengths[i]] = i
+
+    def same_document(b, h, q, k):
+        return (q >= k) & (doc[b, q] == doc[b, k])
+
+    mask = create_block_mask(same_document, len(windows), None, T, T, device="cpu")
+    n = T // A.FLEX_BLOCK
+    kept = int(mask.kv_num_blocks.sum()) + int(mask.full_kv_num_blocks.sum())
+    assert A.flex_tile_share(windows, T) == kept / (len(windows) * n * (n + 1) // 2)
+    assert A.flex_tile_share([[512, 512]], 1024) == pytest.approx(20 / 36) and A.flex_tile_share([[1024]], 1024) == 1

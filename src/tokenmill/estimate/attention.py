@@ -20,6 +20,11 @@ The benchmark's grids fill every SM; a small batch does not: the forward runs on
 rows of each (batch, head) (FlashAttention-2's ``flash_fwd_launch_template.h``: ``kBlockM = 128`` for head sizes
 64 and 128), in waves over the SMs, so :func:`grid_fill` scales the share by the SMs the last wave leaves idle,
 as :func:`tokenmill.estimate.roofline.quantization` does for matrix products.
+
+FlexAttention (``data.document_mask`` or packed chat windows with ``model.document_attention`` flex) computes only
+the 128 x 128 tiles of the causal triangle that hold a query and a key of one document (``create_block_mask``'s
+block size; :func:`flex_tile_share` counts them from the windows' documents), at its published speed relative to
+FlashAttention-2 (:data:`FLEX_VS_FA2`).
 """
 
 from __future__ import annotations
@@ -88,3 +93,36 @@ def attention_efficiency(shape: tuple, cc: tuple, sm: int) -> float:
     """Share of the peak a fused causal attention of ``shape`` = (batch x heads, sequence, head size) runs at."""
     batch_heads, seq, head_dim = shape
     return fa2_share(cc, seq, head_dim) * grid_fill(batch_heads, seq, sm)
+
+
+# FlexAttention's speed over FlashAttention-2's, (forward, backward), by architecture: "90% of FlashAttention2's
+# performance in forward passes and 85% in backward passes" on A100s; on H100s "~25% faster than FlashAttention2"
+# forward and "~3% faster" backward (D. Guessous, "FlexAttention: The Flexibility of PyTorch With the Performance
+# of FlashAttention", NVIDIA GTC 2025 session abstract; the A100 figures also in pytorch.org/blog/flexattention)
+FLEX_VS_FA2 = {"a100": (0.90, 0.85), "h100": (1.25, 1.03)}
+FLEX_BLOCK = 128  # torch.nn.attention.flex_attention.create_block_mask's default BLOCK_SIZE
+
+
+def flex_tile_share(windows: list[list[int]], seq: int) -> float:
+    """Share of the causal triangle's ``FLEX_BLOCK``-tiles (query tile >= key tile) that FlexAttention computes
+    when each window is cut into documents of the given lengths (summing to at most ``seq``; the rest of a window
+    is one more document, as packed padding is): a tile is computed when one document holds a query of its row
+    and a key of its column. The mean over ``windows``."""
+    import numpy as np
+
+    n = -(-seq // FLEX_BLOCK)
+    causal = n * (n + 1) // 2
+    if not windows:
+        return 1.0
+    total = 0
+    for lengths in windows:
+        tiles = np.zeros((n, n), dtype=bool)
+        start = 0
+        for length in list(lengths) + ([seq - sum(lengths)] if sum(lengths) < seq else []):
+            if length <= 0:
+                continue
+            a, b = start // FLEX_BLOCK, (start + length - 1) // FLEX_BLOCK
+            tiles[a : b + 1, a : b + 1] = True
+            start += length
+        total += int(np.tril(tiles).sum())
+    return total / (causal * len(windows))

@@ -251,7 +251,7 @@ def _pieces_time(pieces: Pieces, plan: Plan, cfg: C.Config, gpu: GPU, threads: i
                 s, out["kernels"] = f8, out["kernels"] + (k - 1)
             if block and c.attention:  # data.document_mask: the whole T x T and the mask's read (techniques.py)
                 s = docmask_attention_seconds(s, cfg, pieces.batch, pieces.seq, memory_bandwidth(gpu),
-                                              plan.cuda)
+                                              plan.cuda, "backward" in c.name, gpu.cc)
             out["matmul" if c.flops else "memory"] += s
             out["flops"] += c.flops
             out["kernels"] += c.launches

@@ -61,6 +61,37 @@ def chat_shares(cfg: C.Config) -> Optional[dict[str, Any]]:
             "learned_share": learned * kept / ds.n_windows / T}
 
 
+WINDOWS_READ = 512  # packed windows whose documents are read, evenly spread over the split
+
+
+def packed_tile_share(cfg: C.Config) -> float:
+    """Share of the causal attention tiles FlexAttention computes on the config's packed chat windows
+    (:func:`tokenmill.estimate.attention.flex_tile_share` over up to ``WINDOWS_READ`` of them, planned as the
+    trainer plans them); 1.0 for other data (its documents are not read)."""
+    if not packs_chat(cfg):
+        return 1.0
+    return _tile_share(str(cfg.data.path), cfg.model.block_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _tile_share(path: str, block_size: int) -> float:
+    import numpy as np
+
+    from tokenmill.data.chat_windows import plan_windows, sequence_starts
+    from tokenmill.estimate.attention import flex_tile_share
+
+    tf = open_token_data(path, "train", None, "quick")
+    starts = sequence_starts(tf)
+    offsets, used = plan_windows(starts, len(tf), block_size + 1, "pack")
+    picks = np.unique(np.linspace(0, len(offsets) - 1, min(WINDOWS_READ, len(offsets))).astype(np.int64))
+    windows = []
+    for j in picks.tolist():
+        off, u = int(offsets[j]), min(int(used[j]), block_size)
+        inside = starts[(starts >= off) & (starts < off + u)] - off  # the window's sequence starts (the inputs)
+        windows.append(np.diff(np.append(inside, u)).tolist())
+    return flex_tile_share(windows, block_size)
+
+
 def add_learned_rate(est: Any, cfg: C.Config) -> None:
     """``est.chat`` (:func:`chat_shares`, with ``learned_tokens_per_sec``) for a chat fine-tune; else unchanged."""
     shares = chat_shares(cfg)

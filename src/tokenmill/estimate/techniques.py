@@ -196,12 +196,20 @@ def docmask_bytes(cfg: C.Config, batch: int, seq: int, cuda: bool = False) -> in
 
 
 def docmask_attention_seconds(seconds: float, cfg: C.Config, batch: int, seq: int, hbm_bytes_s: float,
-                              cuda: bool = True) -> float:
+                              cuda: bool = True, backward: bool = False, cc: tuple = (8, 0)) -> float:
     """A fused attention kernel's seconds (forward or backward, causal: the half of T x T the flash kernel
     computes) with ``data.document_mask``: the whole T x T computed (twice the time) plus one read of the
-    additive mask (module doc); unchanged with FlexAttention (:func:`docmask_flex`)."""
-    if not (cfg.data.document_mask or packs_chat(cfg)) or cfg.model.attention != "sdpa" or docmask_flex(cfg, cuda):
+    additive mask (module doc); with FlexAttention (:func:`docmask_flex`) the share of the causal tiles its block
+    mask keeps (packed chat windows: :func:`tokenmill.estimate.sft.packed_tile_share`; other documents are not
+    read here: all of them) at FlexAttention's published speed relative to FlashAttention-2's
+    (:data:`tokenmill.estimate.attention.FLEX_VS_FA2`, on a GPU of compute capability ``cc``)."""
+    if not (cfg.data.document_mask or packs_chat(cfg)) or cfg.model.attention != "sdpa":
         return seconds
+    if docmask_flex(cfg, cuda):
+        from tokenmill.estimate.attention import FLEX_VS_FA2, arch
+        from tokenmill.estimate.sft import packed_tile_share
+
+        return seconds * packed_tile_share(cfg) / FLEX_VS_FA2[arch(cc)][1 if backward else 0]
     low = cfg.train.precision in ("bf16", "bf16-autocast", "fp16-autocast")
     return 2.0 * seconds + batch * seq * seq * (2 if low else 4) / hbm_bytes_s
 
