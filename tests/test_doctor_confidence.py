@@ -235,6 +235,7 @@ def test_muon_on_a_fine_tune_is_a_minor_note():
     assert found["muon_finetune"]["minor"] and "--optim.name adamw" in found["muon_finetune"]["suggestions"][0]["why"]
 
 
+@pytest.mark.slow  # one real optimizer step
 def test_muon_newton_schulz_on_a_mixture_of_experts_counts_what_muon_orthogonalises(monkeypatch):
     """Dense and sparse blocks mixed (3 layers, layer 0 dense), 4 routed experts, a gated shared expert, a fused
     q/k/v with grouped k/v: the rule's Newton-Schulz FLOPs equal those of the matrices one real MuonWithAdamW step

@@ -92,6 +92,7 @@ def test_finetune_report_names_the_roles_the_moe_model_has():
     assert " on q,k,v,o,experts: " in line, line
 
 
+@pytest.mark.slow  # one real optimizer step
 def test_muon_estimate_follows_the_matrices_orthogonalised(monkeypatch):
     """optim.name='muon', fused q/k/v with grouped k/v (4 query heads, 2 k/v heads): the estimator's Newton-Schulz
     parts and FLOPs equal the matrices one real MuonWithAdamW step hands to newton_schulz (q, k and v apart;

@@ -223,29 +223,11 @@ def _round(g: Graphs, ids: _Ids, fw_plan: GraphPlan, bw_plan: GraphPlan, x_name:
     fw_ids, _ = _forward(g, ids, fw_plan, x, x_name, fwd, "compiled")
     user = [fw_ids.get(b) if b is not None else None for b in fw_plan.outputs[: g.n_user]]
     saved = _saved_ids(g, fw_ids, fw_plan)
-    if checkpointed:  # only the input survives the forward; backward runs the forward again
-        for s in {v for v in saved.values() if v is not None} - {x, *user}:
-            fwd.append(("f", s))
-        if offload and x is not None:  # the checkpoint saves its input: to the host and back for the recomputation
-            fwd.append(("f", x))
-    elif offload:  # memory.offload_activations: every saved tensor copied to the host (offloaded() below)
-        for s in {v for v in saved.values() if v is not None} - set(user):
-            fwd.append(("f", s))
-        if x is not None and x not in saved.values():
-            fwd.append(("f", x))
-    elif x is not None and x not in saved.values():
-        fwd.append(("f", x))  # the harness drops its input after the forward
+    fwd += [("f", s) for s in _dropped(set(saved.values()) - {None}, x, user, checkpointed, offload)]
     bwd.append(("m", "bwd"))
-    xb = x  # the input backward reads: an offloaded one comes back as a new device tensor
-    params = None  # compiled, a checkpointed region saves its parameters too: back as copies while backward runs
-    if offload and checkpointed:
-        if x is not None:
-            xb = ids.new(x_nbytes)
-            bwd.append(("a", xb, x_nbytes, "unpacked"))
-        params = ids.new(param_bytes(g))
-        bwd.append(("a", params, param_bytes(g), "unpacked"))
-    elif offload:
-        saved = offloaded(g, saved, ids, bwd)
+    xb, params = x, None  # offloaded, what backward reads comes back as new device tensors (offloaded())
+    if offload:
+        saved, xb, params = offloaded(g, saved, ids, bwd, x, x_nbytes, checkpointed)
     if checkpointed:
         fw_ids, _ = _forward(g, ids, fw_plan, xb, x_name, bwd, "compiled")
         again = {fw_ids.get(b) for b in fw_plan.outputs[: g.n_user] if b is not None}
@@ -287,11 +269,34 @@ def _round(g: Graphs, ids: _Ids, fw_plan: GraphPlan, bw_plan: GraphPlan, x_name:
     return rnd
 
 
-def offloaded(g: Graphs, saved: dict[str, Optional[int]], ids: _Ids, bwd: list) -> dict[str, Optional[int]]:
+def _dropped(saved: set, x: Optional[int], user: list, checkpointed: bool, offload: bool) -> set:
+    """The storages a compiled piece's forward leaves behind: checkpointed, all it saved but its input (which the
+    checkpoint saves: offloaded, to the host too); offloaded, all it saved and its input (copied to the host);
+    else its input when backward does not read it (the harness drops it)."""
+    xs = {x} - {None}
+    if checkpointed:
+        return (saved - xs - set(user)) | (xs if offload else set())
+    if offload:
+        return (saved | xs) - set(user)
+    return xs - saved
+
+
+def offloaded(g: Graphs, saved: dict[str, Optional[int]], ids: _Ids, bwd: list, x: Optional[int], x_nbytes: int,
+              checkpointed: bool) -> tuple[dict[str, Optional[int]], Optional[int], Optional[int]]:
     """``memory.offload_activations`` (``save_on_cpu``) around a compiled piece: AOTAutograd saves the forward
     graph's saved tensors through the saved-tensor hooks (parameters too, as eager autograd does), so each went to
     the host in the forward, and its backward, reading ``ctx.saved_tensors`` once, brings all of them back at its
-    start as new device tensors, freed at their last use. Returns the placeholders bound to those copies."""
+    start as new device tensors, freed at their last use. A checkpointed region saves its input and its
+    parameters instead: both come back, the parameters' copies held through its backward. Returns the
+    placeholders bound to the copies, the input backward reads and the parameters' copy (None: not checkpointed)."""
+    if checkpointed:
+        xb = x
+        if x is not None:
+            xb = ids.new(x_nbytes)
+            bwd.append(("a", xb, x_nbytes, "unpacked"))
+        params = ids.new(param_bytes(g))
+        bwd.append(("a", params, param_bytes(g), "unpacked"))
+        return saved, xb, params
     out = dict(saved)
     for n in _placeholders(g.bw):
         v = n.meta.get("val")
@@ -300,7 +305,7 @@ def offloaded(g: Graphs, saved: dict[str, Optional[int]], ids: _Ids, bwd: list) 
         size = v.numel() * v.element_size()
         out[n.name] = ids.new(size)
         bwd.append(("a", out[n.name], size, "unpacked"))
-    return out
+    return out, x, None
 
 
 def param_bytes(g: Graphs) -> int:
