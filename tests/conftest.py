@@ -142,8 +142,9 @@ def run_cli(*args, cwd=None) -> subprocess.CompletedProcess:
 
 TWO_RANK = {"gpt2": "test_parallel", "llama": "test_parallel_families", "muon": "test_muon",
             "lora": "test_lora_cli", "async": "test_async_checkpoint", "moe": "test_moe_everything",
-            "sft_layouts": "test_sft_layouts", "sft": "test_sft_train", "moe_metrics": "test_moe_metrics"}
-FOUR_RANK = {"gpt2": "test_parallel", "llama": "test_parallel_families"}
+            "sft_layouts": "test_sft_layouts", "sft": "test_sft_train", "moe_metrics": "test_moe_metrics",
+            "ep": "test_expert_parallel", "hf": "test_hf_cli"}
+FOUR_RANK = {"gpt2": "test_parallel", "llama": "test_parallel_families", "ep": "test_expert_parallel"}
 _LAUNCH_USERS: dict[int, set[str]] = {2: set(), 4: set()}  # nproc -> the files whose selected tests read its launch
 
 

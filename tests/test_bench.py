@@ -3,13 +3,12 @@
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import cpu_env, run_cli
+from conftest import run_cli
 from tokenmill import config as C
 from tokenmill.bench import report
 from tokenmill.bench.cli import parse_sets, sizing_config
@@ -521,6 +520,27 @@ def test_report_shows_the_task_scores_a_rung_measured():
     assert "arc_easy" not in report.markdown_table(no_tasks)
 
 
+def test_device_facts_come_from_this_process_only_where_torch_can_reach_no_gpu(monkeypatch):
+    """A torch built without CUDA and ROCm can create no GPU context: its facts are read in the bench process;
+    a CUDA or ROCm build reads them in a subprocess (so the bench process holds no GPU memory)."""
+    from tokenmill.bench import env as E
+
+    asked = []
+    monkeypatch.setattr(E, "device_facts_subprocess", lambda timeout_s: asked.append(timeout_s) or {"torch": "sub"})
+    monkeypatch.setattr(E, "driver_version", lambda: {"driver": None})
+    monkeypatch.setattr(E, "host_facts", lambda: {"host": "h"})
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    facts = E.probe_environment(timeout_s=7.0)
+    assert not asked and facts == {**E.device_facts(), "driver": None, "host": "h"}
+    assert facts["torch"] == torch.__version__ and facts["cuda_available"] == torch.cuda.is_available()
+    for build in ("cuda", "hip"):
+        monkeypatch.setattr(torch.version, build, "12.4")
+        assert E.probe_environment(timeout_s=7.0) == {"torch": "sub", "driver": None, "host": "h"}
+        monkeypatch.setattr(torch.version, build, None)
+    assert asked == [7.0, 7.0]
+
+
 @pytest.mark.slow
 def test_git_commit_only_from_tokenmills_own_checkout(tmp_path, monkeypatch):
     monkeypatch.delenv("TOKENMILL_GIT_COMMIT", raising=False)
@@ -541,27 +561,33 @@ def test_git_commit_only_from_tokenmills_own_checkout(tmp_path, monkeypatch):
     assert git_facts(installed)["git_commit"] == "abc123"
 
 
-SMOKE_RUNGS = {"rasbt": ["baseline", "native-norm-gelu", "batch-32"],
-               "book-memory": ["baseline", "grad-accum-2", "adamw-for-loop", "fsdp-2gpu"],
-               "llama": ["baseline", "native-rmsnorm", "fused-qkv", "batch-8"]}
+SMOKE_RUNGS = {"rasbt": ["baseline", "batch-32"],
+               "book-memory": ["baseline", "fsdp-2gpu"],
+               "llama": ["baseline", "batch-8"]}
 
 
 @pytest.fixture(scope="module")
 def smoke_runs(tmp_path_factory):
-    """rasbt, book-memory and llama --smoke through the real CLI, run side by side, each on a few of its rungs
-    (every rung's config is resolved by test_shipped_ladder_parses_and_every_rung_resolves; here the machinery
-    runs). Each ladder runs once: test_smoke_llama_through_the_cli reads the llama run made here."""
+    """rasbt, book-memory and llama --smoke through the CLI (in this process; each rung in its own), each on a
+    few of its rungs, 2 timed steps a rung. Every rung's config is resolved by
+    test_shipped_ladder_parses_and_every_rung_resolves; here the machinery runs: a measured baseline, a measured
+    switch (rasbt's batch-32: a larger batch, its speedup reported), a batch rung --smoke flattens to the batch
+    before it (llama's batch-8, whose speedup is not reported; it trains every Llama switch carried to it), a
+    multi-GPU rung skipped (book-memory's fsdp-2gpu), and rungs left out by --rungs whose configs are still
+    resolved and carried. Each ladder runs once for the three tests below."""
     root = tmp_path_factory.mktemp("bench-smoke")
-    env = dict(cpu_env(), TOKENMILL_CACHE=str(root / "cache"))
-    procs = {}
-    for name, chosen in SMOKE_RUNGS.items():
-        cmd = [sys.executable, "-m", "tokenmill", "bench", "ladder", name, "--smoke", "--quiet", "--out",
-               str(root / name), "--rungs", ",".join(chosen)]
-        procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     results = {}
-    for name, p in procs.items():
-        out, err = p.communicate(timeout=600)
-        results[name] = (p.returncode, out, err, root / name)
+    from tokenmill.train.device import NOTED_ENV
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")  # the rungs' processes inherit it (as from conftest.cpu_env)
+        mp.setenv(NOTED_ENV, "")  # recorded, so that a threads note said here does not outlive the fixture
+        mp.delenv(NOTED_ENV)
+        mp.setenv("TOKENMILL_CACHE", str(root / "cache"))
+        for name, chosen in SMOKE_RUNGS.items():
+            p = run_cli("bench", "ladder", name, "--smoke", "--quiet", "--steps", "2", "--out", root / name,
+                        "--rungs", ",".join(chosen))
+            results[name] = (p.returncode, p.stdout, p.stderr, root / name)
     return results
 
 
@@ -606,6 +632,8 @@ def test_smoke_rasbt(smoke_runs):
     rungs = _check_smoke(smoke_runs["rasbt"], "rasbt")
     assert rungs["baseline"]["status"] == "measured" and rungs["batch-32"]["status"] == "measured"
     assert rungs["batch-32"]["config"]["train"]["batch_size"] > rungs["baseline"]["config"]["train"]["batch_size"]
+    m = rungs["batch-32"]["metrics"]  # a switch --smoke keeps: its speedup over the rung before is reported
+    assert m["flattened"] == [] and m["vs_rung"] == "baseline" and m["speedup_vs_prev"] is not None
     assert rungs["baseline"]["config"]["model"]["n_layer"] == 2
     if CPU_ONLY:
         for name in ("tf32", "pin-memory", "bf16"):
@@ -635,6 +663,9 @@ def test_smoke_llama_through_the_cli(smoke_runs):
         "rmsnorm", "manual", "swiglu", 2, 1)
     last = rungs["batch-8"]
     assert last["status"] == "measured" and last["config"]["model"]["loss_impl"] == "chunked"
+    # --smoke shrinks batch 8 to the baseline's batch: flattened, no speedup over the rung before reported
+    assert last["metrics"]["flattened"] == ["train.batch_size"] and last["metrics"]["speedup_vs_prev"] is None
+    assert "flattened by --smoke" in smoke_runs["llama"][1]
     measured = [r for r in rungs.values() if r["status"] == "measured"]
     assert not any(r["metrics"]["loss_flag"] for r in measured)  # every form keeps the loss near ln(500)
     if CPU_ONLY:

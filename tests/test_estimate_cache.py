@@ -102,3 +102,31 @@ def test_compiled_pieces_keep_the_gpu_balance_in_the_key():
     assert T.trace_key(cfg, 256, "cuda", pad_balance=100.0) != T.trace_key(cfg, 256, "cuda", pad_balance=300.0)
     eager = C.concrete(_tiny(), "cuda")
     assert T.trace_key(eager, 256, "cuda", pad_balance=100.0) == T.trace_key(eager, 256, "cuda", pad_balance=300.0)
+
+
+@pytest.mark.slow  # captures compiled graphs
+def test_compiled_graphs_shared_across_gpus_and_accumulation_answer_as_uncached(fresh, monkeypatch):
+    """The captured graphs of a compiled piece (compiled.captured) are shared by configs that differ only in what
+    reads them later (the GPU's balance, the accumulation's second round, the checkpoint wrapper, the loss
+    switches for the blocks and embeddings): each estimate is exactly what a fresh capture gives."""
+    from tokenmill.estimate import compiled as CP
+
+    monkeypatch.setattr(CP, "_GRAPHS", OrderedDict())
+    calls = []
+    real = CP.capture
+    monkeypatch.setattr(CP, "capture", lambda *a, **k: calls.append(1) or real(*a, **k))
+    tiny = {"model.n_layer": 1, "model.n_embd": 32, "model.n_head": 2, "model.n_kv_head": 1, "model.block_size": 16,
+            "model.vocab_size": 64, "train.batch_size": 2, "compile.enabled": True}
+    runs = [({}, "h100-sxm"), ({"train.grad_accum_steps": 2}, "a100-40gb"), ({"model.return_logits": False}, "l4")]
+
+    def answers() -> list:
+        return [core.estimate(C.resolve("tiny-llama", overrides={**tiny, **ov}, overrides_from_string=False),
+                              gpu).to_dict() for ov, gpu in runs]
+
+    cached, n_cached = answers(), len(calls)
+    assert n_cached == 4  # embed, block, head once; the head again without the logits
+    calls.clear()
+    monkeypatch.setattr(T, "CACHE_SIZE", 0)
+    monkeypatch.setattr(core, "MEMO", False)
+    monkeypatch.setattr(CP, "GRAPH_CACHE_SIZE", 0)
+    assert answers() == cached and len(calls) == 3 * len(runs)

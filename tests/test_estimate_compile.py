@@ -136,7 +136,7 @@ MEASURE = textwrap.dedent("""
 CPU_COMPILE_CASES = {
     "gpt2-autocast-loss-inside": {"compile.enabled": True, "model.vocab_size": 4096, "train.precision": "bf16-autocast"},
     "llama-gqa-block-checkpointed": {"compile.enabled": True, "compile.scope": "block", "model.vocab_size": 256,
-                                     "model.n_layer": 4, "model.block_size": 256, "model.pos_emb": "rope",
+                                     "model.n_layer": 2, "model.block_size": 256, "model.pos_emb": "rope",
                                      "model.norm_type": "rmsnorm", "model.mlp": "swiglu", "model.n_kv_head": 2,
                                      "model.bias": False, "memory.activation_checkpointing": 2,
                                      "train.precision": "bf16-autocast"},

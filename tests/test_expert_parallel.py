@@ -9,27 +9,26 @@ theirs from the Qwen3-MoE folder. Every run trains on the same global batch of 4
 processes, 1 on 4), so its per-step losses, gradient norms and expert loads equal the one-process run's
 within 1e-5 relative (fp32; only the order of sums differs). The load-balancing loss is off: it is a product
 of per-rank statistics, so data parallelism changes it with or without experts split. A 2-process step-3
-checkpoint resumes under 4 processes (another EP degree) and in one process to the same losses. Last,
+checkpoint resumes in one process, and a 4-process HSDP x EP 4 one under FSDP x EP 2 (another EP degree and
+mesh), to the same losses. Last,
 ``tokenmill export`` writes the final checkpoints of an EP run and of its one-process reference back as
 folders of the source's class: transformers loads them and gives the tokenmill runs' logits (1e-5), and the
 EP run's equal the reference's within 1e-5 of the largest logit (fp32).
-This file is also the worker script of its two torchrun launches (``... test_expert_parallel.py --worker
-SPEC``), each training several layouts in turn.
+No torchrun launch of its own: its multi-process runs train in the shared 2- and 4-rank launches
+(conftest.two_rank_launch and four_rank_launch; the workers are tests/test_parallel.py's).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import cpu_env, run_cli
+from conftest import run_cli
+from test_parallel import _cut_run
 
 REL_TOL = 1e-5
 STEPS = 6
@@ -50,7 +49,7 @@ TWO = {
 FOUR = {
     "fsdp_ep2": ["--parallel.dp_shard", "4", "--parallel.dp_replicate", "1", "--parallel.ep", "2",
                  "--memory.activation_checkpointing", "1"],  # the recomputed forward exchanges tokens again
-    "hsdp_ep4": ["--parallel.dp_shard", "2", "--parallel.dp_replicate", "2", "--parallel.ep", "4"],
+    "hsdp_ep4": ["--parallel.dp_shard", "2", "--parallel.dp_replicate", "2", "--parallel.ep", "4", *CKPT],
 }
 START = {2: "mixtral", 4: "qwen3_moe"}  # the folder each launch (and its one-process references) starts from
 # the folders (class, its settings): the runs take their shape from them, not from the preset's [model]
@@ -80,28 +79,6 @@ def assert_same(got: dict, ref: dict, what: str) -> None:
     assert list(got) == list(ref), (what, list(got), list(ref))
     for s in ref:
         assert abs(got[s] - ref[s]) <= REL_TOL * abs(ref[s]), (what, s, got[s], ref[s])
-
-
-def launch(tmp: Path, jobs: list[dict], nproc: int) -> None:
-    spec = tmp / f"spec-{nproc}.json"
-    spec.write_text(json.dumps({"jobs": jobs}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           __file__, "--worker", str(spec)]
-    env = cpu_env()
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=tmp)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
-
-
-def cut_run(src: Path, dst: Path, step: int) -> None:
-    """A copy of run ``src`` as it was right after its step-``step`` checkpoint (later ones and the later metrics
-    removed, so the resumed run logs them afresh)."""
-    shutil.copytree(src, dst)
-    lines = (dst / "metrics.jsonl").read_text().splitlines()
-    (dst / "metrics.jsonl").write_text("".join(ln + "\n" for ln in lines if json.loads(ln).get("step", 0) <= step))
-    for p in (dst / "checkpoints").iterdir():
-        if int(p.name[5:13]) > step:
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -209,25 +186,50 @@ def hf_folder(path: Path, name: str) -> Path:
     return path
 
 
+HAS_HF = importlib.util.find_spec("transformers") is not None
+
+
+def two_rank_jobs(tmp: Path) -> list[dict]:
+    """The 2-process layouts from the Mixtral folder (built here first, in ``tmp/mixtral``): run in the shared
+    2-rank launch with other files' 2-rank jobs (conftest.two_rank_launch, TWO_RANK; the workers are
+    tests/test_parallel.py's)."""
+    if not HAS_HF:
+        return []
+    start = ["--train.init_from", str(hf_folder(tmp / START[2], START[2]))]
+    return [{"argv": args(2, *start, *o), "run_dir": str(tmp / f"2_{n}")} for n, o in TWO.items()]
+
+
+def four_rank_jobs(tmp: Path) -> list[dict]:
+    """The 4-process layouts from the Qwen3-MoE folder (built in ``tmp/qwen3_moe``), then the HSDP x EP 4
+    run's step-3 checkpoint resumed under FSDP x EP 2 (another EP degree and mesh): run in the shared 4-rank
+    launch (conftest.four_rank_launch, FOUR_RANK)."""
+    if not HAS_HF:
+        return []
+    start = ["--train.init_from", str(hf_folder(tmp / START[4], START[4]))]
+    jobs = [{"argv": args(4, *start, *o), "run_dir": str(tmp / f"4_{n}")} for n, o in FOUR.items()]
+    jobs.append({"cut": {"src": str(tmp / "4_hsdp_ep4"), "step": 3, "trim_metrics": True},
+                 "run_dir": str(tmp / "4_resume_ep2"), "argv": args(
+                     4, "--parallel.dp_shard", "4", "--parallel.dp_replicate", "1", "--parallel.ep", "2", "--resume")})
+    return jobs
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Path:
-    """The two folders; both launches: 2 processes from Mixtral (FSDP x EP with checkpoints, DDP x EP with
-    accumulation), then 4 from Qwen3-MoE (FSDP x EP 2, HSDP x EP 4) and the 2-process FSDP run's step-3
-    checkpoint resumed under FSDP x EP 4; and the one-process references from the same folders."""
+def runs(two_rank_launch, four_rank_launch, tmp_path_factory) -> dict[str, Path]:
+    """Run name -> its folder: the two source folders and the multi-process runs (trained in the shared
+    launches, see two_rank_jobs and four_rank_jobs), and the one-process references from the same folders,
+    trained here."""
     pytest.importorskip("transformers", reason="transformers is not installed (pip install 'tokenmill[hf]')")
-    tmp = tmp_path_factory.mktemp("ep")
     from tokenmill.cli import main
 
-    start = {n: ["--train.init_from", str(hf_folder(tmp / name, name))] for n, name in START.items()}
+    found = {}
+    for launched in (two_rank_launch, four_rank_launch):
+        found.update({p.name: p for p in (launched / "ep").iterdir() if p.is_dir()})
+    tmp = tmp_path_factory.mktemp("ep")
+    start = {n: ["--train.init_from", str(found[name])] for n, name in START.items()}
     for nproc, name in START.items():
         assert main(["train", *args(1, *start[nproc]), "--run-dir", str(tmp / f"ref_{name}")]) == 0
     assert main(["train", *args(1, *start[2], *ACCUM), "--run-dir", str(tmp / "ref_accum")]) == 0
-    launch(tmp, [{"argv": args(2, *start[2], *o), "run_dir": str(tmp / f"2_{n}")} for n, o in TWO.items()], 2)
-    jobs = [{"argv": args(4, *start[4], *o), "run_dir": str(tmp / f"4_{n}")} for n, o in FOUR.items()]
-    jobs.append({"cut": [str(tmp / "2_fsdp_ep2"), 3], "run_dir": str(tmp / "resume_ep4"), "argv": args(
-        4, "--parallel.dp_shard", "4", "--parallel.dp_replicate", "1", "--parallel.ep", "4", "--resume")})
-    launch(tmp, jobs, 4)
-    return tmp
+    return {**found, **{p.name: p for p in tmp.iterdir()}}
 
 
 def reference(name: str) -> str:
@@ -239,20 +241,20 @@ def reference(name: str) -> str:
 def test_expert_parallel_layouts_match_one_process(runs):
     from tokenmill import config as C
 
-    names = [f"2_{n}" for n in TWO] + [f"4_{n}" for n in FOUR] + ["resume_ep4"]
+    names = [f"2_{n}" for n in TWO] + [f"4_{n}" for n in FOUR] + ["4_resume_ep2"]
     for name in names:
-        ref = runs / reference(name)
+        ref = runs[reference(name)]
         # with accumulation the logged load is the last micro-batch's, a different slice of the batch per layout
         keys = ("loss", "grad_norm", "val_loss") + (() if "accum" in name else ("moe_load_max", "moe_load_1"))
         for key in keys:
-            assert_same(metric(runs / name, key), metric(ref, key), f"{name} {key}")
-        model = C.load_toml(runs / name / "config.toml")["model"]  # the source's shape, not the preset's
+            assert_same(metric(runs[name], key), metric(ref, key), f"{name} {key}")
+        model = C.load_toml(runs[name] / "config.toml")["model"]  # the source's shape, not the preset's
         assert model == C.load_toml(ref / "config.toml")["model"], name
         assert (model["moe_router"], model["qk_norm"]) == (
             ("softmax-topk", True) if ref.name == "ref_qwen3_moe" else ("softmax-topk-renorm", False)), name
-    summary = json.loads((runs / "2_fsdp_ep2" / "summary.json").read_text())
+    summary = json.loads((runs["2_fsdp_ep2"] / "summary.json").read_text())
     assert summary["layout"] == "fsdp+ep"
-    assert summary["params"] == json.loads((runs / "ref_mixtral" / "summary.json").read_text())["params"]
+    assert summary["params"] == json.loads((runs["ref_mixtral"] / "summary.json").read_text())["params"]
 
 
 @pytest.mark.slow
@@ -262,17 +264,17 @@ def test_expert_parallel_checkpoint_is_whole_and_resumes_in_one_process(runs, tm
     from tokenmill.checkpoint import load_model
     from tokenmill.cli import main
 
-    got, _, path = load_model(runs / "2_fsdp_ep2")
-    want, _, _ = load_model(runs / "ref_mixtral")
+    got, _, path = load_model(runs["2_fsdp_ep2"])
+    want, _, _ = load_model(runs["ref_mixtral"])
     assert path.suffix == ".dcp"
     got_sd, want_sd = got.state_dict(), want.state_dict()
     assert got_sd.keys() == want_sd.keys()
     for k in want_sd:
         assert torch.allclose(got_sd[k], want_sd[k], rtol=1e-4, atol=2e-5), k
     cut = tmp_path / "cut"
-    cut_run(runs / "2_fsdp_ep2", cut, 3)
+    _cut_run(runs["2_fsdp_ep2"], cut, 3, trim_metrics=True)
     assert main(["train", *args(1, *ONE), "--run-dir", str(cut), "--resume"]) == 0
-    assert_same(metric(cut, "loss"), metric(runs / "ref_mixtral", "loss"), "ep2 -> one process")
+    assert_same(metric(cut, "loss"), metric(runs["ref_mixtral"], "loss"), "ep2 -> one process")
 
 
 def logits(m, x: torch.Tensor) -> torch.Tensor:
@@ -294,43 +296,14 @@ def test_expert_parallel_run_exports_to_its_source_class(runs, tmp_path, run, na
     x = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(1))
     got = {}
     for which in (run, f"ref_{name}"):
-        r = run_cli("export", "--run-dir", runs / which, "--out", tmp_path / which)
+        r = run_cli("export", "--run-dir", runs[which], "--out", tmp_path / which)
         assert r.returncode == 0, r.stderr
         out = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / which).eval()
         assert type(out).__name__ == FOLDERS[name][0]
-        model = load_model(runs / which)[0].eval()
+        model = load_model(runs[which])[0].eval()
         got[which] = logits(out, x)
         torch.testing.assert_close(got[which], logits(model, x), atol=EXPORT_ATOL, rtol=0, msg=which)
     ref = got[f"ref_{name}"]  # EP's logits within REL_TOL of the largest one (~1; measured ~1e-6 apart)
     torch.testing.assert_close(got[run], ref, atol=REL_TOL * float(ref.abs().max()), rtol=0)
-    src = transformers.AutoModelForCausalLM.from_pretrained(runs / name).eval()
+    src = transformers.AutoModelForCausalLM.from_pretrained(runs[name]).eval()
     assert (logits(src, x) - got[run]).abs().max() > 1e-2  # the 6 steps moved them (~0.3)
-
-
-# ----------------------------------------------------------------------------------------------
-# The worker (run by torchrun, not by pytest)
-
-
-def _worker(spec_path: str) -> None:
-    import torch.distributed as dist
-
-    from tokenmill.cli import main
-    from tokenmill.parallel.world import init_process_group
-
-    init_process_group("gloo", torch.device("cpu"))
-    try:
-        for job in json.loads(Path(spec_path).read_text())["jobs"]:
-            if "cut" in job:
-                if dist.get_rank() == 0:
-                    cut_run(Path(job["cut"][0]), Path(job["run_dir"]), job["cut"][1])
-                dist.barrier()
-            code = main(["train", *job["argv"], "--run-dir", job["run_dir"]])
-            if code:
-                raise SystemExit(f"{job['run_dir']}: exit {code}")
-    finally:
-        dist.destroy_process_group()
-
-
-if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
-    torch.set_num_threads(1)
-    _worker(sys.argv[2])

@@ -13,15 +13,13 @@ import math
 import os
 import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import cpu_env, run_cli, tiny_cfg
+from conftest import run_cli, tiny_cfg
 from tokenmill import checkpoint
 from tokenmill.cli import main
 from tokenmill.errors import CheckpointError, ConfigError
@@ -262,23 +260,40 @@ def test_export_refuses_what_gpt2_cannot_express_and_never_overwrites(tmp_path, 
         torch.testing.assert_close(hf_logits(out, x), model.eval()(x)[0], atol=1e-4, rtol=0)
 
 
+def fsdp_args(d: Path) -> list[str]:
+    return ["--train.init_from", str(d / "gpt2-untied"), "--data.path", str(d / "data"), "--train.max_steps", "2",
+            *TRAIN]
+
+
+def two_rank_jobs(tmp: Path) -> list[dict]:
+    """The FSDP run of test_fsdp_init_from_and_sharded_export, from an untied GPT-2 folder and text prepared
+    with its tokenizer (built here first, in ``tmp``), trained in the shared 2-rank launch
+    (conftest.two_rank_launch, TWO_RANK)."""
+    from tokenmill.data import load_tokenizer_for_data, prepare
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "base.txt").write_text(TEXT)
+    (tmp / "new.txt").write_text(NEW)
+    tok = load_tokenizer_for_data(prepare(tmp / "base.txt", tmp / "base", "bpe", vocab_size=320, workers=1,
+                                          progress=False))
+    hf_gpt2(tmp / "gpt2-untied", tok, tie=False, seed=1, safetensors=False)
+    assert main(["prepare", str(tmp / "new.txt"), "--out", str(tmp / "data"), "--tokenizer-from",
+                 str(tmp / "gpt2-untied"), "--no-progress", "--workers", "1"]) == 0
+    return [{"argv": [*fsdp_args(tmp), "--parallel.dp_shard", "2"], "run_dir": str(tmp / "fsdp")}]
+
+
 @pytest.mark.slow
-def test_fsdp_init_from_and_sharded_export(world, tmp_path):
-    """FSDP over 2 gloo processes: the HF weights are loaded before sharding (the run equals one
-    process on the same global batch), its DCP checkpoint exports to the same logits."""
-    args = ["train", "--train.init_from", str(world / "gpt2-untied"), "--data.path", str(world / "data"),
-            "--train.max_steps", "2", *TRAIN]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "tokenmill",
-           *args, "--parallel.dp_shard", "2", "--run-dir", str(tmp_path / "fsdp")]
-    r = subprocess.run(cmd, env=cpu_env(), capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    path = checkpoint.list_checkpoints(tmp_path / "fsdp")[-1][1]
+def test_fsdp_init_from_and_sharded_export(two_rank_launch, tmp_path):
+    """FSDP over 2 gloo processes (the shared torchrun launch): the HF weights are loaded before sharding (the
+    run equals one process on the same global batch), its DCP checkpoint exports to the same logits."""
+    d = two_rank_launch / "hf"
+    path = checkpoint.list_checkpoints(d / "fsdp")[-1][1]
     assert path.suffix == ".dcp" and len(list(path.glob("*.distcp"))) == 2
-    assert main([*args, "--train.batch_size", "4", "--run-dir", str(tmp_path / "one")]) == 0  # the same global batch
-    x = ids(vocab(world / "gpt2-untied"))
-    fsdp = tm_logits(tmp_path / "fsdp", x)
+    assert main(["train", *fsdp_args(d), "--train.batch_size", "4", "--run-dir", str(tmp_path / "one")]) == 0  # the same global batch
+    x = ids(vocab(d / "gpt2-untied"))
+    fsdp = tm_logits(d / "fsdp", x)
     torch.testing.assert_close(fsdp, tm_logits(tmp_path / "one", x), atol=1e-4, rtol=0)
-    assert main(["export", "--run-dir", str(tmp_path / "fsdp"), "--out", str(tmp_path / "hf")]) == 0
+    assert main(["export", "--run-dir", str(d / "fsdp"), "--out", str(tmp_path / "hf")]) == 0
     torch.testing.assert_close(hf_logits(tmp_path / "hf", x), fsdp, atol=1e-4, rtol=0)
 
 

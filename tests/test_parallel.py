@@ -129,13 +129,27 @@ def test_layouts_match_single_process(two_rank_runs, ref, tmp_path):
 
 
 @pytest.mark.slow
-def test_one_process_fsdp_under_torchrun(tmp_path, ref):
+def test_one_process_fsdp_under_torchrun(tmp_path, ref, monkeypatch):
     """``--parallel.dp_shard -1`` under a one-process torchrun shards over a 1-rank mesh (the FSDP path on
-    one GPU): layout 'fsdp', DCP checkpoints, and the single-process losses (the same global batch 8)."""
-    from tokenmill.checkpoint import list_checkpoints
+    one GPU): layout 'fsdp', DCP checkpoints, and the single-process losses (the same global batch 8).
+    Trained in this process, in the environment torchrun gives its one worker (the trainer joins and leaves
+    the 1-rank gloo group itself); a torchrun launch would only add its processes' imports."""
+    import socket
 
+    from tokenmill.checkpoint import list_checkpoints
+    from tokenmill.train.trainer import train
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for k, v in {"RANK": 0, "LOCAL_RANK": 0, "WORLD_SIZE": 1, "LOCAL_WORLD_SIZE": 1, "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": port}.items():
+        monkeypatch.setenv(k, str(v))
     over = common(**{"train.batch_size": 8, "checkpoint.every_steps": 3})
-    launch(tmp_path, [{"cfg": {**over, "parallel.dp_shard": -1, "parallel.dp_replicate": 1}, "run_dir": str(tmp_path / "fsdp1")}], nproc=1)
+    train(tiny_cfg(**over, **{"parallel.dp_shard": -1, "parallel.dp_replicate": 1}), tmp_path / "fsdp1", quiet=True)
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # the trainer left the group it joined
     summary = json.loads((tmp_path / "fsdp1" / "summary.json").read_text())
     assert (summary["layout"], summary["world_size"]) == ("fsdp", 1)
     assert [p.name for _, p in list_checkpoints(tmp_path / "fsdp1")][-1] == f"step_{STEPS:08d}.dcp"
@@ -268,19 +282,18 @@ def test_four_rank_combinations_match_single_process(four_rank_launch, tmp_path)
 
 
 @pytest.mark.slow
-def test_elastic_restart_resumes_after_a_rank_dies(tmp_path):
+def test_elastic_restart_resumes_after_a_rank_dies(tmp_path, ref):
     """Rank 1 exits hard after step 5 on the first attempt (test-only fault injection through the
     ``on_step_end`` callback); torchrun restarts both workers, which resume from the step-4
-    checkpoint and finish with the full loss trajectory."""
-    over = common(**{"train.max_steps": 8, "checkpoint.every_steps": 2})
+    checkpoint and finish with the full loss trajectory (the uninterrupted run's, ``ref``)."""
+    over = common(**{"checkpoint.every_steps": 2})
     launch(tmp_path, [{"cfg": over, "run_dir": str(tmp_path / "run"), "kill_rank1_at_step": 5}], max_restarts=1)
-    ref = single(tmp_path, "ref", **{"train.max_steps": 8})
     assert_same_losses(losses(tmp_path / "run"), ref, what="elastic")
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["start_step"] == 4
 
 
 @pytest.mark.slow
-def test_two_nodes_rendezvous_with_c10d(tmp_path):
+def test_two_nodes_rendezvous_with_c10d(tmp_path, ref):
     """The multi-node command line of docs/parallel.md: two torchrun agents ("nodes", one worker
     each) meet through the c10d rendezvous at one endpoint and train as one 2-rank DDP job."""
     import socket
@@ -300,7 +313,7 @@ def test_two_nodes_rendezvous_with_c10d(tmp_path):
     outs = [n.communicate(timeout=150)[0] for n in nodes]
     assert [n.returncode for n in nodes] == [0, 0], "\n".join(o[-3000:] for o in outs)
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["world_size"] == 2
-    assert_same_losses(losses(tmp_path / "run"), single(tmp_path, "ref"), what="c10d")
+    assert_same_losses(losses(tmp_path / "run"), ref, what="c10d")
 
 
 def test_cpu_only_switches_are_refused():
@@ -344,9 +357,13 @@ def test_strided_shard_counts_as_a_shard_in_the_grad_norm():
     assert _is_shard(_StridedShard(0, split_factor=2))
 
 
-def _cut_run(src: Path, dst: Path, step: int) -> None:
-    """A copy of run ``src`` as it was right after its step-``step`` checkpoint (later ones removed)."""
+def _cut_run(src: Path, dst: Path, step: int, trim_metrics: bool = False) -> None:
+    """A copy of run ``src`` as it was right after its step-``step`` checkpoint (later ones removed; with
+    ``trim_metrics`` the later metrics too, so the resumed run logs them afresh)."""
     shutil.copytree(src, dst)
+    if trim_metrics:
+        lines = (dst / "metrics.jsonl").read_text().splitlines()
+        (dst / "metrics.jsonl").write_text("".join(ln + "\n" for ln in lines if json.loads(ln).get("step", 0) <= step))
     for p in (dst / "checkpoints").iterdir():
         if int(p.name[5:13]) > step:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
@@ -369,8 +386,15 @@ def _worker(spec_path: str) -> None:
         for job in json.loads(Path(spec_path).read_text())["jobs"]:
             if "cut" in job:
                 if dist.get_rank() == 0:
-                    _cut_run(Path(job["cut"]["src"]), Path(job["run_dir"]), job["cut"]["step"])
+                    cut = job["cut"]
+                    _cut_run(Path(cut["src"]), Path(job["run_dir"]), cut["step"], cut.get("trim_metrics", False))
                 dist.barrier()
+            if "argv" in job:  # a command line: ``tokenmill train ARGV --run-dir RUN_DIR``
+                from tokenmill.cli import main
+
+                if code := main(["train", *job["argv"], "--run-dir", job["run_dir"]]):
+                    raise SystemExit(f"{job['run_dir']}: exit {code}")
+                continue
             kill_at = job.get("kill_rank1_at_step")
 
             def fault(step, kill_at=kill_at):
@@ -389,3 +413,6 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
 
     torch.set_num_threads(1)
     _worker(sys.argv[2])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # every run's files are written and closed: skip the interpreter's teardown (~1 s of CPU a rank)

@@ -2,7 +2,8 @@
 
 The GPU facts are read in a short-lived subprocess (``python -m tokenmill.bench.env`` prints them as
 JSON), so the bench process itself never creates a CUDA context that would hold GPU memory while
-the rungs run.
+the rungs run; a torch built without CUDA and ROCm (a CPU wheel) can create none, so there they are
+read in the bench process.
 """
 
 from __future__ import annotations
@@ -87,17 +88,32 @@ def source_fingerprint(root: Optional[Path] = None) -> str:
 
 
 def probe_environment(timeout_s: float = 120.0) -> dict[str, Any]:
-    """Device facts from a subprocess plus host, Python and git facts from here."""
-    try:
-        out = subprocess.run([sys.executable, "-m", "tokenmill.bench.env"], capture_output=True, text=True,
-                             timeout=timeout_s, check=True)
-        facts = json.loads(out.stdout.strip().splitlines()[-1])
-    except (subprocess.SubprocessError, ValueError, IndexError) as e:
-        facts = {"torch": None, "cuda": None, "cuda_available": False, "gpu_count": 0, "gpu_names": [],
-                 "probe_error": str(e)}
+    """Device facts (from a subprocess where torch could reach a GPU) plus host, Python and git facts
+    from here."""
+    facts = device_facts() if gpuless_torch() else device_facts_subprocess(timeout_s)
     facts.update(driver_version())
     facts.update(host_facts())
     return facts
+
+
+def gpuless_torch() -> bool:
+    """Whether this torch is built without CUDA and ROCm: it can create no GPU context, so its device
+    facts are read in this process (sparing an interpreter start that imports torch)."""
+    import torch
+
+    return torch.version.cuda is None and getattr(torch.version, "hip", None) is None
+
+
+def device_facts_subprocess(timeout_s: float) -> dict[str, Any]:
+    """:func:`device_facts` read by ``python -m tokenmill.bench.env``, so that this process creates no CUDA
+    context; a probe that fails or times out gives CPU facts with ``probe_error``."""
+    try:
+        out = subprocess.run([sys.executable, "-m", "tokenmill.bench.env"], capture_output=True, text=True,
+                             timeout=timeout_s, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError) as e:
+        return {"torch": None, "cuda": None, "cuda_available": False, "gpu_count": 0, "gpu_names": [],
+                "probe_error": str(e)}
 
 
 def host_facts() -> dict[str, Any]:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from tokenmill import config as C
-from tokenmill.checkpoint import background, dcp
+from tokenmill.checkpoint import background
 from tokenmill.checkpoint.files import (
     DCP_NAME,
     FILE_NAME,
@@ -39,6 +39,14 @@ from tokenmill.errors import CheckpointError, ConfigError, DataError, ParallelEr
 from tokenmill.optim import consolidated_state_dict
 from tokenmill.parallel import World, unwrap
 from tokenmill.parallel.world import barrier
+
+
+def _dcp():
+    """The sharded-checkpoint module, imported where a DCP folder is read or written (torch.distributed.checkpoint
+    costs about a second of every process's start, and most runs keep single files)."""
+    from tokenmill.checkpoint import dcp
+
+    return dcp
 
 __all__ = [
     "background", "checkpoint_dir", "clean_stale_tmp", "data_position", "global_batch", "list_checkpoints", "load_latest",
@@ -133,7 +141,7 @@ def save_checkpoint(run_dir, step, model, optimizer, scheduler, scaler, cfg, wor
         _prune(run_dir, step, cfg.checkpoint.keep_last)  # before the write: the peak is keep_last + 1
     if world.sharded:
         extra = _extra(model, scheduler, scaler, cfg, world, step, global_samples) if world.is_rank0 else None
-        path = dcp.save_dcp(dcp_path(run_dir, step), model, optimizer, world, extra, rotate, in_background)
+        path = _dcp().save_dcp(dcp_path(run_dir, step), model, optimizer, world, extra, rotate, in_background)
     else:
         path = file_path(run_dir, step)
         optim_sd = consolidated_state_dict(optimizer, world)
@@ -213,7 +221,7 @@ def read_state(path: Path) -> dict[str, Any]:
     (model weights included), ``extra.pt`` (step, config, scheduler, ...) for a DCP folder."""
     if path.is_dir():
         # refuse a folder whose metadata would run code, or whose weights are pickled objects, before reading
-        _refuse_object_weights(path, dcp.read_metadata(path))
+        _refuse_object_weights(path, _dcp().read_metadata(path))
         return read_file(path / "extra.pt")
     return read_file(path)
 
@@ -246,7 +254,7 @@ def load_latest(run_dir, model, optimizer, world: World,
                 check(state)
             _check_optimizer_kind(path, state, optimizer)
             if path.is_dir():
-                dcp.load_dcp(path, model, optimizer)
+                _dcp().load_dcp(path, model, optimizer)
             else:
                 if world.sharded:
                     raise ParallelError(
@@ -321,7 +329,7 @@ def load_model(run_dir: str | Path, checkpoint: str | Path | None = None):
             vocab = state.get("vocab_size") or cfg.model.vocab_size or _data_vocab(run_dir, cfg)
             _check_shapes(path, state, cfg, vocab)  # before allocating: a bad config could ask for any size
             model = apply_lora(GPT(cfg.model, vocab), cfg.lora, init=False)  # lora.rank 0: the plain GPT
-            weights = dcp.load_model_weights(path, model) if path.is_dir() else state["model"]
+            weights = _dcp().load_model_weights(path, model) if path.is_dir() else state["model"]
             model.load_state_dict(weights)
             return merge_lora(model), cfg, path
         except (CheckpointError, ConfigError) as e:
@@ -356,7 +364,7 @@ def _check_shapes(path: Path, state: dict[str, Any], cfg: C.Config, vocab: Any) 
     if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
         raise CheckpointError(f"checkpoint {path} is damaged: its vocabulary size is {vocab!r}.")
     if path.is_dir():
-        md = _refuse_object_weights(path, dcp.read_metadata(path)).state_dict_metadata
+        md = _refuse_object_weights(path, _dcp().read_metadata(path)).state_dict_metadata
         have = {k[len("model."):]: tuple(m.size) for k, m in md.items() if k.startswith("model.")}
     else:
         weights = state.get("model")

@@ -84,8 +84,9 @@ class CachingAllocator:
         self._expand: dict[bool, int] = {}  # pool -> its expandable segment
 
     # public ---------------------------------------------------------------------------------
-    def malloc(self, key: object, nbytes: int) -> None:
-        size = round_size(nbytes)
+    def malloc(self, key: object, nbytes: int) -> int:
+        """Returns the size of the block handed out (what the allocated figure counts)."""
+        size = 512 if nbytes < 512 else (nbytes + 511) // 512 * 512  # round_size
         small = size <= SMALL
         block = self._best_fit(small, size)
         if block is None:
@@ -93,7 +94,9 @@ class CachingAllocator:
         self._take(block, size, small)
         self._blocks[key] = block
         self.allocated += block.size
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        if self.allocated > self.peak_allocated:
+            self.peak_allocated = self.allocated
+        return block.size
 
     def free(self, key: object) -> None:
         block = self._blocks.pop(key)

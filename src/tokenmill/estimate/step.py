@@ -168,6 +168,9 @@ class Step:
         self.state: dict[str, list[int]] = {}
         self.host = 0
         self.by_name = {p.name: p for p in plan.params}
+        self.by_block: dict[Optional[int], list[Param]] = defaultdict(list)  # each block's, in the plan's order
+        for p in plan.params:
+            self.by_block[p.block].append(p)
         self.first_step = True
         # optim.zero_grad='after_forward': the last step's gradients live on into the next forward
         self.late_zero = self.cfg.optim.zero_grad == "after_forward"
@@ -359,7 +362,7 @@ class Step:
         return offloaded_bytes(self.plan, self.pieces)
 
     def _block_params(self, i: int) -> list[Param]:
-        return [p for p in self.plan.params if p.block == i]
+        return self.by_block.get(i, [])
 
     def _on_grad_renamed(self, block: Optional[int]):
         def hook(name: str, gid: int) -> None:

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from tokenmill import config as C
-from tokenmill.estimate.allocator import CachingAllocator, round_size
+from tokenmill.estimate.allocator import CachingAllocator
 from tokenmill.estimate.trace import PieceTrace
 
 CATEGORIES = ("parameters", "gradients", "optimizer state", "activations", "logits and loss", "temporaries",
@@ -132,24 +132,24 @@ class Timeline:
         total = peak = 0
         best: dict[str, int] = {}
         where, mark = "", ""
-        for e in self.ev:
-            if e[0] == "a":
-                _, gid, nbytes, cat = e
-                size = round_size(nbytes) if cuda else nbytes
-                if alloc is not None:
-                    alloc.malloc(gid, nbytes)
-                    size = alloc._blocks[gid].size
+        malloc, free = (alloc.malloc, alloc.free) if alloc is not None else (None, None)
+        for e in self.ev:  # the hot loop of an estimate: kept flat
+            kind = e[0]
+            if kind == "a":
+                _, gid, size, cat = e
+                if malloc is not None:
+                    size = malloc(gid, size)  # the block the allocator hands out
                 live[gid] = (size, cat)
                 by_cat[cat] += size
                 total += size
                 if total > peak:
                     peak, best, where = total, dict(by_cat), mark
-            elif e[0] == "f":
+            elif kind == "f":
                 size, cat = live.pop(e[1])
                 by_cat[cat] -= size
                 total -= size
-                if alloc is not None:
-                    alloc.free(e[1])
+                if free is not None:
+                    free(e[1])
             else:
                 mark = e[1]
         reserved = alloc.peak_reserved if alloc is not None else peak
