@@ -265,13 +265,15 @@ CUDA_TIER = [
     *[f"tests/test_gpu.py::test_switch_runs_on_cuda[{name}]" for name in (
         "hand-written-tf32-accum", "manual-attention-mask-on-the-fly", "sdpa-flash-autocast-fused-ckpt",
         "sdpa-efficient-pure-bf16-chunked", "sdpa-cudnn-autocast-accum", "sdpa-math-optimizer-in-backward",
-        "fp16-gradscaler", "optimizer-offload", "optimizer-offload-gradients-autocast-accum", "adamw-8bit",
+        "fp16-gradscaler", "optimizer-offload", "offload-activations-autocast-ckpt",
+        "optimizer-offload-gradients-autocast-accum", "adamw-8bit",
         "pinned-non-blocking-workers", "triton-layernorm", "cuda-prefetch-narrow-ids",
         "pure-bf16-no-fp32-islands-padded-loss")],
     "tests/test_gpu.py::test_resume_on_cuda_equals_uninterrupted_run",
     "tests/test_gpu.py::test_profile_on_cuda_writes_memory_snapshot",
     "tests/test_gpu.py::test_sdpa_backend_matches_math_kernel",
     "tests/test_gpu.py::test_chunked_loss_matches_full_loss_in_bf16",
+    "tests/test_gpu.py::test_activation_offload_on_cuda_keeps_the_math_and_frees_the_device",  # side-stream copies
     "tests/test_flex_attention.py::test_flex_gradients_equal_explicit_on_cuda",  # no backward on CPU: GPU only
     "tests/test_loader.py::test_prefetcher_on_cuda_side_stream_same_batches_in_order",
     "tests/test_async_checkpoint.py::test_background_checkpoints_on_cuda_equal_synchronous_ones",

@@ -1,6 +1,6 @@
 """memory.offload_activations in the estimator: the bytes it moves to the host are the bytes the saved-tensor
-hooks see on the real model (eager, compiled, with and without activation checkpointing), compiled pieces stay
-compiled under it, and the step pays the copies over PCIe both ways."""
+hooks (tokenmill.model.offload) move on the real model (eager, compiled, with and without activation checkpointing),
+compiled pieces stay compiled under it, and the step waits only for the copies the compute cannot hide."""
 
 import pytest
 import torch
@@ -10,6 +10,7 @@ from tokenmill.estimate import estimate
 from tokenmill.estimate import roofline as R
 from tokenmill.estimate.trace import compiled_pieces, trace_pieces
 from tokenmill.model.build import apply_activation_checkpointing, build_gpt
+from tokenmill.model.offload import ActivationOffload
 
 VOCAB = 128
 
@@ -28,8 +29,8 @@ def _estimated_host_bytes(cfg) -> int:
 
 
 def _real_host_bytes(cfg, compiled: bool) -> int:
-    """What save_on_cpu would copy: every tensor autograd saves in one forward of the real model (on the CPU,
-    through saved-tensor hooks that only count), compiled block by block as apply_compile does."""
+    """What tokenmill's offload moves (tokenmill.model.offload.ActivationOffload, the trainer's hooks) in one
+    forward of the real model on the CPU, compiled block by block as apply_compile does."""
     torch.manual_seed(0)
     model = build_gpt(cfg.model, VOCAB, "cpu")
     if cfg.memory.activation_checkpointing:
@@ -37,16 +38,10 @@ def _real_host_bytes(cfg, compiled: bool) -> int:
     if compiled:
         for block in model.blocks:
             block.compile()
-    seen: list[int] = []
-
-    def pack(t):
-        seen.append(t.numel() * t.element_size())
-        return t
-
     idx = torch.randint(0, VOCAB, (2, 32))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with ActivationOffload(model, torch.device("cpu")) as hooks:
         model(idx, idx)
-    return sum(seen)
+    return hooks.moved
 
 
 @pytest.mark.parametrize("ac", [0, 1])
@@ -57,23 +52,35 @@ def test_eager_offload_moves_what_the_hooks_see(ac):
 
 @pytest.mark.slow
 def test_compiled_offload_moves_what_the_hooks_see():
-    """AOTAutograd saves its graph's tensors through the hooks: without checkpointing exactly those; a compiled
-    checkpointed block saves its input and its parameters (within 0.5%: one bias the graph does not keep)."""
+    """AOTAutograd saves its graph's tensors through the hooks: without checkpointing those, parameters aside; a
+    compiled checkpointed block saves its input and its parameters, of which only the input moves."""
     for ac in (0, 1):
         cfg = _cfg(**{"memory.activation_checkpointing": ac, "compile.enabled": True, "compile.scope": "block"})
         assert compiled_pieces(cfg) == {"block"}  # offloading no longer turns the compiled trace into an eager one
         est, real = _estimated_host_bytes(cfg), _real_host_bytes(cfg, compiled=True)
-        assert est == (real if ac == 0 else pytest.approx(real, rel=0.005)), ac
+        assert est == real > 0, ac
 
 
-def test_offload_pays_pcie_both_ways_and_frees_device_memory():
+@pytest.mark.slow
+def test_offload_waits_only_for_what_the_compute_cannot_hide_and_frees_device_memory(monkeypatch):
+    """GPT-2 124M at batch 4, compiled, on an H100: without checkpointing the blocks save far more than the link
+    moves in a forward (the step waits, never longer than the two copies in a row would take); a link 1000 times
+    faster hides the copies altogether."""
     base = {"data.source": "synthetic", "train.batch_size": 4, "compile.enabled": True}
-    on = C.resolve("gpt2-124m", overrides={**base, "memory.offload_activations": True}, overrides_from_string=False)
-    off = C.resolve("gpt2-124m", overrides=base, overrides_from_string=False)
-    assert compiled_pieces(on) == compiled_pieces(off) == {"embed", "block", "head"}
-    e_on, e_off = estimate(on, "h100-sxm"), estimate(off, "h100-sxm")
-    moved = e_on.host_mb * 2 ** 20
-    assert moved > 0 and e_off.host_mb == 0
-    assert e_on.time_breakdown_ms["activation_offload_ms"] == pytest.approx(2 * moved / R.PCIE_BYTES_S * 1e3, rel=1e-6)
-    assert e_on.step_ms == pytest.approx(e_off.step_ms + e_on.time_breakdown_ms["activation_offload_ms"], rel=0.02)
-    assert e_on.peak_alloc_mb < e_off.peak_alloc_mb
+
+    def pair(**extra):
+        on = C.resolve("gpt2-124m", overrides={**base, **extra, "memory.offload_activations": True},
+                       overrides_from_string=False)
+        off = C.resolve("gpt2-124m", overrides={**base, **extra}, overrides_from_string=False)
+        assert compiled_pieces(on) == compiled_pieces(off) == {"embed", "block", "head"}
+        return estimate(on, "h100-sxm"), estimate(off, "h100-sxm")
+
+    e_on, e_off = pair()
+    moved, waited = e_on.host_mb * 2 ** 20, e_on.time_breakdown_ms["activation_offload_ms"]
+    assert moved > 0 and e_off.host_mb == 0 and e_on.peak_alloc_mb < e_off.peak_alloc_mb
+    assert moved / R.PCIE_BYTES_S * 1e3 > e_off.step_ms  # one direction alone outlasts the step without it
+    assert e_off.step_ms < waited < 2 * moved / R.PCIE_BYTES_S * 1e3
+    assert e_on.step_ms == pytest.approx(e_off.step_ms + waited, rel=0.02)
+    monkeypatch.setattr(R, "PCIE_BYTES_S", R.PCIE_BYTES_S * 1000)
+    fast, _ = pair()
+    assert fast.time_breakdown_ms["activation_offload_ms"] < 0.01 * e_off.step_ms

@@ -11,6 +11,9 @@
   FlashAttention-2 shares (this GPU's own, and fp32's ``ATTENTION_EFFICIENCY``);
 - ``launch``: host microseconds per eager op (a tiny add, dispatched 2,000 times) and GPU microseconds per
   tiny kernel replayed in a CUDA graph: ``HOST_OP_US`` + ``CUDA_LAUNCH_US`` on a GPU host, ``KERNEL_MIN_US``;
+- ``host_link``: pinned host <-> GPU copies of 256 MiB (GB/s), each direction alone, both at once (one copy engine
+  per direction?), and a device-to-host copy on a side stream beside a matmul on the compute stream (does it
+  hide?): against ``roofline.PCIE_BYTES_S`` and activation offloading's overlap (``techniques.offload_stall_seconds``);
 - ``nf4``: torchao's NF4 dequantisation of a 4096 x 4096 weight (when torchao imports), against
   ``roofline.nf4_dequant_costs``.
 
@@ -133,6 +136,35 @@ def _nf4() -> dict:
     return {"numel": 4096 * 4096, "ms": ms, "est_bytes": sum(c.bytes for c in costs), "est_kernels": len(costs)}
 
 
+def _host_link() -> dict:
+    dev = torch.empty(2 ** 27, device="cuda", dtype=torch.bfloat16)  # 256 MiB
+    host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
+    host2 = torch.empty_like(host).pin_memory()
+    dev2 = torch.empty_like(dev)
+    side = torch.cuda.Stream()
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+
+    def both():
+        with torch.cuda.stream(side):
+            host.copy_(dev, non_blocking=True)
+        dev2.copy_(host2, non_blocking=True)
+        torch.cuda.current_stream().wait_stream(side)
+
+    def beside():
+        with torch.cuda.stream(side):
+            host.copy_(dev, non_blocking=True)
+        for _ in range(4):
+            a @ a
+        torch.cuda.current_stream().wait_stream(side)
+
+    d2h = _time_ms(lambda: host.copy_(dev, non_blocking=True), 5)
+    h2d = _time_ms(lambda: dev2.copy_(host2, non_blocking=True), 5)
+    matmuls = _time_ms(lambda: [a @ a for _ in range(4)], 5)
+    gb = dev.nbytes / 1e6
+    return {"bytes": dev.nbytes, "d2h_gbs": gb / d2h, "h2d_gbs": gb / h2d, "both_ms": _time_ms(both, 5),
+            "d2h_ms": d2h, "h2d_ms": h2d, "matmuls_ms": matmuls, "d2h_beside_matmuls_ms": _time_ms(beside, 5)}
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="gemm_efficiency.json")
@@ -152,7 +184,7 @@ def main(argv: list[str]) -> int:
     start = time.monotonic()
     doc = {"device": name, "sm": torch.cuda.get_device_properties(0).multi_processor_count,
            "torch": torch.__version__, "cuda": torch.version.cuda, "launch": _launch(), "bandwidth": _bandwidth(),
-           "attention": _attention(), "nf4": _nf4()}
+           "attention": _attention(), "host_link": _host_link(), "nf4": _nf4()}
     doc["matmul"] = _matmuls(gpu, start + args.budget_s - 15)
     doc["wall_s"] = time.monotonic() - start
     write_json(args.out, doc, indent=1)

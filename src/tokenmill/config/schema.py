@@ -209,8 +209,9 @@ class MemoryConfig:
     )
     offload_activations: bool = F(
         False,
-        "Move the activations saved for backward to (pinned) CPU memory during the forward and back in "
-        "backward (torch.autograd.graph.save_on_cpu): less device memory, more host-device traffic.",
+        "Move the activations saved for backward (not the weights) to pinned CPU memory during the forward "
+        "and back in backward, the copies on a side stream beside the compute (tokenmill.model.offload): less "
+        "device memory; the step waits only where the host link is slower than the compute. Off on a CPU run.",
     )
     expandable_segments: bool = F(
         False,

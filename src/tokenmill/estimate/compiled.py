@@ -23,12 +23,14 @@ of an output nobody used), and backward may overwrite a saved tensor in place (m
 the profiler: ``tests/test_estimate_compile.py``).
 
 Cost: one ``aot_function`` trace per kind of piece, about a second for a GPT-2 block on a laptop core,
-plus a one-time import of ``torch._functorch`` (about 1.5 s).
+plus a one-time import of ``torch._functorch`` (about 1.5 s). The graphs are kept for the process (:func:`captured`):
+estimates that differ only in the GPU, the accumulation or the checkpoint wrapper trace them once.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
@@ -56,7 +58,7 @@ class _Call(nn.Module):
 class Graphs:
     fw: object
     bw: object
-    inputs: list[str]  # role of each forward input: 'param:NAME', 'buffer', 'x', 'aux'
+    inputs: list[str]  # role of each forward input: 'param:NAME', 'buffer' (the model's), 'x', 'aux'
     n_user: int  # user outputs of the forward (the rest is saved for backward)
 
 
@@ -95,17 +97,40 @@ def capture(module: nn.Module, fn: Callable, names: list[str], acts: list[tuple]
                                               strict=False)
 
     compiled = aot_function(run, keep("fw"), keep("bw"), partition_fn=min_cut_rematerialization_partition,
-                            decompositions=_decompositions(select_decomp_table()), num_params_buffers=len(keys))
+                            decompositions=_decompositions(select_decomp_table()), num_params_buffers=len(keys),
+                            enable_log=False)  # no printed graphs for torch's logs: only the graphs are kept
     with fake:
         outs = compiled(*tensors, *extra)
         outs = outs if isinstance(outs, (tuple, list)) else (outs,)
-        roots = [outs[i] for i in grad_of]
-        torch.autograd.backward(roots, [torch.ones_like(r) if r.dim() == 0 else torch.empty_like(r) for r in roots])
+        if "bw" not in got:  # a backward compiled lazily (else the forward compiled both: nothing to run)
+            roots = [outs[i] for i in grad_of]
+            torch.autograd.backward(roots, [torch.ones_like(r) if r.dim() == 0 else torch.empty_like(r) for r in roots])
     roles = [f"param:{n}" if isinstance(own[n], nn.Parameter) else "buffer" for n in names]
     roles += [r for r, *_ in acts]
     fw, bw = got["fw"], got["bw"]
     n_saved = sum(1 for n in bw.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents"))
     return Graphs(fw, bw, roles, len(_outputs(fw)) - n_saved)
+
+
+def captured(key: tuple, module: nn.Module, fn: Callable, names: list[str], acts: list[tuple],
+             devmode: DeviceModel, grad_of: list[int]) -> Graphs:
+    """:func:`capture`, memoised for the process by ``key`` (empty: not memoised; ``GRAPH_CACHE_SIZE`` 0: off):
+    everything that shapes the graphs (the piece's model, its input shapes, the device model), nothing they do
+    not depend on (the GPU's balance and the number of rounds read the graphs later: :func:`build_piece`)."""
+    hit = _GRAPHS.get(key) if key and GRAPH_CACHE_SIZE else None
+    if hit is not None:
+        _GRAPHS.move_to_end(key)
+        return hit
+    g = capture(module, fn, names, acts, devmode, grad_of)
+    if key and GRAPH_CACHE_SIZE:  # the graphs are only read downstream (inductor.plan_graph, build_piece)
+        _GRAPHS[key] = g
+        while len(_GRAPHS) > GRAPH_CACHE_SIZE:
+            _GRAPHS.popitem(last=False)
+    return g
+
+
+_GRAPHS: OrderedDict[tuple, Graphs] = OrderedDict()
+GRAPH_CACHE_SIZE = 32
 
 
 def _null():
@@ -191,8 +216,8 @@ def build_piece(name: str, g: Graphs, devmode: DeviceModel, rounds: int, x_nbyte
         trace.rounds.append(_round(g, ids, fw_plan, bw_plan, x_name, x_nbytes, gy, zero_tangent,
                                    checkpointed, accumulate=(r > 0), tied=accumulate_first if r == 0 else frozenset(),
                                    offload=devmode.offload))
-    if devmode.offload:  # what goes to the host: everything the graph saves (checkpointed: its input, parameters)
-        trace.host_bytes = ((x_nbytes if x_name is not None else 0) + param_bytes(g)) if checkpointed else saved_bytes(g)
+    if devmode.offload:  # what goes to the host: what the graph saves but parameters (checkpointed: its input)
+        trace.host_sizes = ([x_nbytes] if x_name is not None else []) if checkpointed else moved_sizes(g, fw_plan)
     return trace
 
 
@@ -225,9 +250,9 @@ def _round(g: Graphs, ids: _Ids, fw_plan: GraphPlan, bw_plan: GraphPlan, x_name:
     saved = _saved_ids(g, fw_ids, fw_plan)
     fwd += [("f", s) for s in _dropped(set(saved.values()) - {None}, x, user, checkpointed, offload)]
     bwd.append(("m", "bwd"))
-    xb, params = x, None  # offloaded, what backward reads comes back as new device tensors (offloaded())
+    xb = x  # offloaded, what backward reads comes back as new device tensors (offloaded())
     if offload:
-        saved, xb, params = offloaded(g, saved, ids, bwd, x, x_nbytes, checkpointed)
+        saved, xb = offloaded(g, saved, ids, bwd, x, x_nbytes, checkpointed)
     if checkpointed:
         fw_ids, _ = _forward(g, ids, fw_plan, xb, x_name, bwd, "compiled")
         again = {fw_ids.get(b) for b in fw_plan.outputs[: g.n_user] if b is not None}
@@ -259,8 +284,6 @@ def _round(g: Graphs, ids: _Ids, fw_plan: GraphPlan, bw_plan: GraphPlan, x_name:
             bwd.append(("f", s))
     if y is not None and y in saved.values() and g.n_user > 1:
         y = None  # the logits backward needs: freed by the piece itself, not by the step
-    if params is not None:
-        bwd.append(("f", params))
     bwd.append(("m", "end"))
     costs_f = [k.cost for k in fw_plan.kernels]
     costs_b = ([k.cost for k in fw_plan.kernels] if checkpointed else []) + [k.cost for k in bw_plan.kernels]
@@ -282,43 +305,37 @@ def _dropped(saved: set, x: Optional[int], user: list, checkpointed: bool, offlo
 
 
 def offloaded(g: Graphs, saved: dict[str, Optional[int]], ids: _Ids, bwd: list, x: Optional[int], x_nbytes: int,
-              checkpointed: bool) -> tuple[dict[str, Optional[int]], Optional[int], Optional[int]]:
-    """``memory.offload_activations`` (``save_on_cpu``) around a compiled piece: AOTAutograd saves the forward
-    graph's saved tensors through the saved-tensor hooks (parameters too, as eager autograd does), so each went to
-    the host in the forward, and its backward, reading ``ctx.saved_tensors`` once, brings all of them back at its
-    start as new device tensors, freed at their last use. A checkpointed region saves its input and its
-    parameters instead: both come back, the parameters' copies held through its backward. Returns the
-    placeholders bound to the copies, the input backward reads and the parameters' copy (None: not checkpointed)."""
+              checkpointed: bool) -> tuple[dict[str, Optional[int]], Optional[int]]:
+    """``memory.offload_activations`` (``tokenmill.model.offload``) around a compiled piece: AOTAutograd saves the
+    forward graph's saved tensors through the saved-tensor hooks, which keep the parameters on the device and
+    send the rest to the host in the forward; its backward, reading ``ctx.saved_tensors`` once, brings them back
+    at its start as new device tensors, freed at their last use. A checkpointed region saves its input (and its
+    parameters, kept): the input comes back. Returns the placeholders bound to the copies and the input backward
+    reads."""
     if checkpointed:
-        xb = x
-        if x is not None:
-            xb = ids.new(x_nbytes)
-            bwd.append(("a", xb, x_nbytes, "unpacked"))
-        params = ids.new(param_bytes(g))
-        bwd.append(("a", params, param_bytes(g), "unpacked"))
-        return saved, xb, params
+        if x is None:
+            return saved, x
+        xb = ids.new(x_nbytes)
+        bwd.append(("a", xb, x_nbytes, "unpacked"))
+        return saved, xb
     out = dict(saved)
     for n in _placeholders(g.bw):
         v = n.meta.get("val")
-        if n.name.startswith("tangents") or n.name not in saved or not isinstance(v, torch.Tensor):
-            continue
+        if n.name.startswith("tangents") or saved.get(n.name) is None or not isinstance(v, torch.Tensor):
+            continue  # a parameter (None) stays on the device
         size = v.numel() * v.element_size()
         out[n.name] = ids.new(size)
         bwd.append(("a", out[n.name], size, "unpacked"))
-    return out, x, None
+    return out, x
 
 
-def param_bytes(g: Graphs) -> int:
-    """Bytes of a captured piece's parameters: what a compiled checkpointed region saves besides its input (its
-    recomputation reads every one; measured with saved-tensor hooks on torch 2.13, tests/test_estimate_offload.py)."""
-    vals = [n.meta.get("val") for n, r in zip(_placeholders(g.fw), g.inputs) if r.startswith("param:")]
-    return sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))
-
-
-def saved_bytes(g: Graphs) -> int:
-    """Bytes of the tensors a compiled piece's forward saves for its backward (what offloading moves)."""
-    vals = [n.meta.get("val") for n in _placeholders(g.bw) if not n.name.startswith("tangents")]
-    return sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))
+def moved_sizes(g: Graphs, fw_plan: GraphPlan) -> list[int]:
+    """Bytes of each of the tensors a compiled piece's forward saves for its backward but the model's parameters and
+    buffers, or views of them (what offloading moves; ``tokenmill.model.offload.keeps``)."""
+    kept = {n.name for n, r in zip(_placeholders(g.fw), g.inputs) if r.startswith("param:") or r == "buffer"}
+    names = [n for n in _placeholders(g.bw) if not n.name.startswith("tangents")]
+    vals = [n.meta.get("val") for n, b in zip(names, fw_plan.outputs[g.n_user:]) if b not in kept]
+    return [v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor)]
 
 
 def _gradients(g: Graphs, bw_plan: GraphPlan, bw_ids: dict[str, int], accumulate: bool, tied: frozenset,
@@ -357,21 +374,21 @@ def _finish(trace: PieceTrace, params: dict[str, torch.Tensor], prefix: str = ""
 
 
 def compiled_block(model: nn.Module, block: nn.Module, shape: tuple, act_dtype: torch.dtype, devmode: DeviceModel,
-                   rounds: int) -> PieceTrace:
+                   rounds: int, key: tuple = ()) -> PieceTrace:
     """One compiled transformer block (an activation-checkpointed one recomputes its forward in backward)."""
     inner = getattr(block, "_checkpoint_wrapped_module", block)
     params = dict(inner.named_parameters())
     names = list(params) + [n for n, _ in inner.named_buffers()]
     acts = [("x", shape, act_dtype, True)]
     if model.cfg.pos_emb == "rope":
-        acts += [("aux", tuple(model.rope_cos.shape), model.rope_cos.dtype, False)] * 2
+        acts += [("buffer", tuple(model.rope_cos.shape), model.rope_cos.dtype, False)] * 2  # the model's buffers
 
         def fn(x, cos, sin):
             return inner(x, (cos, sin))
     else:
         def fn(x):
             return inner(x)
-    g = capture(inner, fn, names, acts, devmode, grad_of=[0])
+    g = captured(key, inner, fn, names, acts, devmode, grad_of=[0])
     x_nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=act_dtype).element_size()
     trace = build_piece("block", g, devmode, rounds, x_nbytes=x_nbytes, checkpointed=inner is not block)
     trace.buffer_bytes = sum(b.numel() * b.element_size() for b in block.buffers())
@@ -380,7 +397,7 @@ def compiled_block(model: nn.Module, block: nn.Module, shape: tuple, act_dtype: 
 
 
 def compiled_head(model: nn.Module, shape: tuple, act_dtype: torch.dtype, devmode: DeviceModel,
-                  rounds: int) -> PieceTrace:
+                  rounds: int, key: tuple = ()) -> PieceTrace:
     """The final norm, the head and the loss compiled with the model: the logits are returned (and get a
     zero gradient) unless ``model.return_logits`` is off, the cross-entropy fused."""
     params = {n: p for n, p in model.named_parameters() if n.startswith(("ln_f.", "lm_head."))}
@@ -393,21 +410,22 @@ def compiled_head(model: nn.Module, shape: tuple, act_dtype: torch.dtype, devmod
         logits, loss = model.head_loss(model.ln_f(x), t)
         return (logits, loss) if keep else loss
 
-    g = capture(model, fn, list(params), acts, devmode, grad_of=[1 if keep else 0])
+    g = captured(key, model, fn, list(params), acts, devmode, grad_of=[1 if keep else 0])
     x_nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=act_dtype).element_size()
     trace = build_piece("head", g, devmode, rounds, x_nbytes=x_nbytes, gy=False, zero_tangent=keep)
     return _finish(trace, params)
 
 
-def compiled_embed(model: nn.Module, batch: int, seq: int, devmode: DeviceModel, rounds: int) -> PieceTrace:
+def compiled_embed(model: nn.Module, batch: int, seq: int, devmode: DeviceModel, rounds: int,
+                   key: tuple = ()) -> PieceTrace:
     """Token (and learned position) embeddings, compiled with the model; with a tied head the token
     embedding's gradient of the first micro-batch adds into the head's."""
     params = {n: p for n, p in model.named_parameters() if n.startswith(("wte.", "wpe."))}
     blocks, ln_f = model.blocks, model.ln_f
     model.blocks, model.ln_f = nn.ModuleList(), None  # trunk() = the embeddings only
     try:
-        g = capture(model, lambda idx: model.trunk(idx), list(params), [("aux", (batch, seq), torch.long, False)],
-                    devmode, grad_of=[0])
+        g = captured(key, model, lambda idx: model.trunk(idx), list(params),
+                     [("aux", (batch, seq), torch.long, False)], devmode, grad_of=[0])
     finally:
         model.blocks, model.ln_f = blocks, ln_f
     tied = frozenset({"wte.weight"}) if model.cfg.tie_embeddings else frozenset()

@@ -10,8 +10,8 @@ memory (:class:`DeviceModel`, a ``TorchFunctionMode`` active while a piece is tr
 - autocast: the ``meta`` device has none, so its policy is applied here: CUDA's op lists
   (ATen/autocast_mode.h) for a GPU, CPU autocast's (read from the CPU on tiny tensors) for a CPU,
   with the cast cache for parameters that autocast keeps for the whole forward;
-- ``memory.offload_activations`` (``save_on_cpu``): saved tensors leave the device during the forward
-  and come back one node at a time in backward (on a CPU run they stay: ``.cpu()`` is a no-op).
+- ``memory.offload_activations`` (``tokenmill.model.offload``): saved tensors but the parameters leave the device
+  during the forward and come back one node at a time in backward (a CPU run does not offload).
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from tokenmill.model.offload import keeps, storages
 
 _ATEN = torch.ops.aten
 
@@ -121,8 +123,8 @@ class DeviceModel(TorchFunctionMode):
                  dropout: float = 0.0, offload_activations: bool = False):
         super().__init__()
         self.cuda = device == "cuda"
-        self.offload = offload_activations and self.cuda  # on a CPU run, save_on_cpu keeps the tensor itself
-        self.packed = 0  # bytes the offload put in host memory
+        self.offload = offload_activations and self.cuda  # a CPU run does not offload (train/device.py)
+        self.packed: list[int] = []  # bytes of each tensor the offload put in host memory, in order
         # asked of the CPU now, outside any trace (a probe inside would be recorded)
         self._cpu_fused = {} if self.cuda else {
             dt: cpu_sdpa_is_fused(dt, dropout) for dt in (torch.float32, torch.bfloat16, torch.float16)}
@@ -149,18 +151,24 @@ class DeviceModel(TorchFunctionMode):
                 self._active = False
                 self._cache.clear()  # autocast empties its cast cache when the region ends
 
-    def saved_on_host(self):
-        """``memory.offload_activations`` (``torch.autograd.graph.save_on_cpu`` around the forward): every
-        tensor autograd saves is copied to the host, so the device copy lives only as long as the forward
+    def saved_on_host(self, model: nn.Module):
+        """``memory.offload_activations`` (:class:`tokenmill.model.offload.ActivationOffload` around the forward):
+        every tensor autograd saves but ``model``'s parameters and buffers (:func:`~tokenmill.model.offload.keeps`,
+        the trainer's own choice) is copied to the host, so the device copy lives only as long as the forward
         needs it; backward brings each one back as a new device tensor while its node runs."""
         if not self.offload:
             return contextlib.nullcontext()
+        kept = storages(model)
 
         def pack(t: torch.Tensor):
-            self.packed += t.numel() * t.element_size()
+            if keeps(t, kept):
+                return t
+            self.packed.append(t.numel() * t.element_size())
             return tuple(t.shape), t.dtype
 
         def unpack(packed):
+            if isinstance(packed, torch.Tensor):
+                return packed
             return torch.empty(packed[0], dtype=packed[1], device="meta")
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)

@@ -47,4 +47,9 @@ class PieceTrace:
     param_trainable: dict[str, bool] = field(default_factory=dict)  # False: frozen (LoRA's base)
     harness: set[int] = field(default_factory=set)  # storages made by the harness, not the model
     buffer_bytes: int = 0
-    host_bytes: int = 0  # saved tensors moved to the host by memory.offload_activations, per forward
+    host_sizes: list[int] = field(default_factory=list)  # memory.offload_activations: what one forward moves, in order
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of the saved tensors moved to the host by memory.offload_activations, per forward."""
+        return sum(self.host_sizes)

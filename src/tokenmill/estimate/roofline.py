@@ -55,7 +55,7 @@ from tokenmill.estimate.host import (
     round_host_seconds,
 )
 from tokenmill.estimate.recorder import OpCost
-from tokenmill.estimate.step import Plan, offloaded_bytes
+from tokenmill.estimate.step import Plan
 from tokenmill.estimate.techniques import (
     docmask_attention_seconds,
     fp8_linear_op,
@@ -63,6 +63,7 @@ from tokenmill.estimate.techniques import (
     fp8_op_seconds,
     muon_hidden,
     muon_seconds,
+    offload_stall_seconds,
 )
 from tokenmill.estimate.timeline import Layout
 from tokenmill.estimate.trace import Pieces
@@ -101,7 +102,9 @@ LAUNCH_US = HOST_OP_US + CUDA_LAUNCH_US  # host time per op of Muon's step (esti
 # _foreach_* calls, the fused kernel's one pass over parameter, gradient and both moments
 ADAMW_PASSES = 19
 FUSED_ADAMW_PASSES = 7
-PCIE_BYTES_S = 25e9  # not sourced: PCIe 4.0 x16's 32 GB/s less its protocol overhead (host <-> GPU copies)
+# not sourced: PCIe 4.0 x16's 32 GB/s per direction less its protocol overhead (pinned host <-> GPU copies); measured
+# with both directions at once and beside a matmul by benchmarks/validation/gemm_efficiency.py (host_link)
+PCIE_BYTES_S = 25e9
 CPU_FLOPS_PER_THREAD = 3e10  # not sourced: a rough CPU guide (fp32, one thread); the CPU is no prediction target
 
 
@@ -273,18 +276,23 @@ def _pieces_time(pieces: Pieces, plan: Plan, cfg: C.Config, gpu: GPU, threads: i
         return (h_f, g_f), (h_b, g_b)
 
     fwd, bwd = [], []  # (host, GPU) seconds of each piece in the order the step issues them
+    moved = []  # the bytes of each tensor each piece offloads (memory.offload_activations), in forward order
     if plan.has_embed:
         f, b = piece(pieces.embed.rounds[0])
         fwd.append(f)
         bwd.append(b)
+        moved.append(pieces.embed.host_sizes)
     for i in plan.stage_blocks:
         f, b = piece(pieces.blocks[pieces.kinds[i]].rounds[0], block=True, kind=pieces.kinds[i])
         fwd.append(f)
         bwd.insert(0, b)
+        moved.append(pieces.blocks[pieces.kinds[i]].host_sizes)
     if plan.has_head:
         f, b = piece(pieces.head.rounds[0])
         fwd.append(f)
         bwd.insert(0, b)
+        moved.append(pieces.head.host_sizes)
+    out["offload"] = offload_stall_seconds([g for _, g in fwd], [g for _, g in reversed(bwd)], moved, PCIE_BYTES_S)
     compiled_blocks = sum(pieces.blocks[pieces.kinds[i]].rounds[0].compiled for i in plan.stage_blocks)
     calls = graph_call_seconds(cfg, compiled_blocks) / 2  # the forward graphs' calls, then the backward's
     out["host"] += 2 * calls
@@ -303,9 +311,8 @@ def step_time(cfg: C.Config, lay: Layout, gpu: GPU, stages: list[tuple[Plan, Pie
         part = _pieces_time(pieces, plan, cfg, gpu, threads)
         n_mb = (cfg.parallel.pp_microbatches or lay.pp) if lay.pp > 1 else 1
         per_step = {k: v * A * n_mb for k, v in part.items() if k != "segments"}
-        # memory.offload_activations: save_on_cpu copies each saved tensor to pinned host memory and back on the
-        # compute stream (its D2H copy_ waits for it): the bytes cross PCIe twice, in line with the compute
-        offload_s = 2 * A * n_mb * offloaded_bytes(plan, pieces) / PCIE_BYTES_S if gpu.key != "cpu" else 0.0
+        # memory.offload_activations: the copies run beside the compute; what it waits for (techniques.py)
+        offload_s = per_step["offload"] if gpu.key != "cpu" else 0.0
         gpu_s = per_step["matmul"] + per_step["memory"] + offload_s
         param_bytes = sum(p.nbytes for p in plan.params if p.trainable)  # what the optimizer steps
         shard = lay.dp_shard if lay.dp_shard > 1 else (lay.dp_replicate if cfg.parallel.zero1 else 1)

@@ -1,4 +1,5 @@
-"""Estimator terms of two switches: Muon (``optim.name = 'muon'``) and FP8 matmuls (``train.fp8``).
+"""Estimator terms of four switches: Muon (``optim.name = 'muon'``), FP8 matmuls (``train.fp8``), document
+masking (``data.document_mask``) and activation offloading's time (``memory.offload_activations``).
 
 **Muon** (:mod:`tokenmill.optim.muon`) steps the blocks' 2-D matrices (a block parameter with two
 dimensions: what ``GPT.hidden_matrices`` lists) and leaves the rest to AdamW:
@@ -34,6 +35,15 @@ grouped, and the kernel skips the tiles outside the causal half like flash does;
 causal kernel's (the further tiles it skips across documents, and its lower throughput than flash, are not
 modelled). The positions' angles stay. Packed chat windows (``data.chat_packing='pack'`` on a
 chat folder, :func:`~tokenmill.estimate.sft.packs_chat`) are kept apart the same way, positions restarting.
+
+**Activation offloading** (:mod:`tokenmill.model.offload`): the copies run on a side stream, down during the
+forward and back during the backward, each direction on its own copy engine over the host link
+(``PCIE_BYTES_S``), so the step pays only what the compute cannot hide (:func:`offload_stall_seconds`): a
+tensor goes down once saved, at most ``IN_FLIGHT`` copies ahead of the compute (the pace is the slower of compute
+and link); a tensor whose copy has not landed when the forward ends stays on the device; in backward, reading a
+tensor brings back the ones saved before it, as many bytes as its own ahead, and the compute waits for its own
+copy only (:mod:`tokenmill.model.offload`, replayed tensor by tensor). Memory: the tensors in flight, and those
+kept, are not counted.
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ from tokenmill.estimate.sft import packs_chat
 from tokenmill.estimate.timeline import Param
 from tokenmill.model.build import checkpointed_blocks
 from tokenmill.model.fp8 import block_linear_shapes, fp8_matmul_seconds, has_fp8
+from tokenmill.model.offload import IN_FLIGHT
 
 NS_STEPS = 5
 MUON_PASSES = 12  # fp32 reads and writes per element: momentum and Nesterov lerps, bf16 cast, decay, update
@@ -235,3 +246,41 @@ def nf4_base_bytes(cfg: C.Config, vocab: int, rank: int) -> tuple[int, int, int]
     width = 2 if C.concrete(cfg, "cuda").train.precision == "bf16" else 4
     return (width * sum(k * n for k, n in sizes), sum(n * nf4_bytes(k) for k, n in sizes),
             max(k for k, _ in sizes) * (width + 2))
+
+
+def offload_stall_seconds(fwd_s: list[float], bwd_s: list[float], sizes: list[list[int]], link_bytes_s: float) -> float:
+    """Seconds the compute waits for activation offloading's copies in one forward and backward (module doc), tensor
+    by tensor as the trainer's hooks move them. ``fwd_s``, ``bwd_s``, ``sizes``: each piece's forward and backward
+    GPU seconds and the bytes of each tensor it offloads, in forward order; a piece's tensors are saved evenly
+    through its forward and read evenly through its backward, the last saved first."""
+    t = free = 0.0
+    landed: list[float] = []  # when each tensor is on the host
+    for g, piece in zip(fwd_s, sizes):
+        for b in piece:
+            if len(landed) > IN_FLIGHT:  # the last save waited for the copy IN_FLIGHT before it
+                t = max(t, landed[-IN_FLIGHT - 1])
+            t += g / len(piece)
+            free = max(free, t) + b / link_bytes_s
+            landed.append(free)
+        t += 0.0 if piece else g
+    flat = [b for piece in sizes for b in piece]
+    kept = {i for i, at in enumerate(landed) if at > t}  # still going down when the forward ended
+    back: dict[int, float] = {}  # tensor -> when it is on the device again
+    free, lowest, i = 0.0, len(flat), len(flat)
+    for k in reversed(range(len(fwd_s))):
+        if not sizes[k]:
+            t += bwd_s[k]
+        for _ in sizes[k]:
+            i -= 1
+            if i not in kept and i not in back:
+                free = back[i] = max(free, t, landed[i]) + flat[i] / link_bytes_s
+                lowest = min(lowest, i)
+            ahead = sum(flat[j] for j in back if j < i)
+            j = min(i, lowest) - 1
+            while j >= 0 and ahead < (1 if i in kept else flat[i]):  # the tensors saved just before come next
+                if j not in kept:
+                    free = back[j] = max(free, t, landed[j]) + flat[j] / link_bytes_s
+                    ahead, lowest = ahead + flat[j], j
+                j -= 1
+            t = max(t, back.pop(i, t)) + bwd_s[k] / len(sizes[k])
+    return t - sum(fwd_s) - sum(bwd_s)

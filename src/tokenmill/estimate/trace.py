@@ -96,10 +96,10 @@ def trace_block(model: nn.Module, block: nn.Module, shape: tuple, act_dtype: tor
             x = _Source.apply(anchor, shape, act_dtype, box)
             bx = rec.sid(x, "x")
             rec.mark("fwd")
-            devmode.packed = 0
-            with devmode.saved_on_host():
+            devmode.packed = []
+            with devmode.saved_on_host(model):
                 y = block(x, rope)
-            trace.host_bytes = devmode.packed
+            trace.host_sizes = devmode.packed
             by = rec.sid(y, "y")
             del x
             n_fwd, n_fwd_ops = len(rec.costs), rec.n_ops
@@ -135,10 +135,10 @@ def trace_embed(model: nn.Module, batch: int, seq: int, devmode: DeviceModel, ti
                     model.wte.weight.grad = torch.zeros_like(model.wte.weight)
                     trace.harness.add(rec.sid(model.wte.weight.grad, "grad"))
                 rec.mark("fwd")
-                devmode.packed = 0
-                with devmode.autocast_region(), devmode.saved_on_host():
+                devmode.packed = []
+                with devmode.autocast_region(), devmode.saved_on_host(model):
                     y = model.trunk(idx)
-                trace.host_bytes = devmode.packed
+                trace.host_sizes = devmode.packed
                 by = rec.sid(y, "y")
                 n_fwd, n_fwd_ops = len(rec.costs), rec.n_ops
                 trained = y.requires_grad  # False with LoRA: frozen embeddings have no backward
@@ -177,10 +177,10 @@ def trace_head(model: nn.Module, shape: tuple, act_dtype: torch.dtype, devmode: 
             x = _Source.apply(anchor, shape, act_dtype, box)
             bx = rec.sid(x, "x")
             rec.mark("fwd")
-            devmode.packed = 0
-            with devmode.autocast_region(), devmode.saved_on_host():
+            devmode.packed = []
+            with devmode.autocast_region(), devmode.saved_on_host(model):
                 logits, loss = model.head_loss(model.ln_f(x), targets)
-            trace.host_bytes = devmode.packed
+            trace.host_sizes = devmode.packed
             del x
             by = rec.sid(logits, "logits") if logits is not None else None
             n_fwd, n_fwd_ops = len(rec.costs), rec.n_ops
@@ -319,6 +319,9 @@ _CACHE: OrderedDict[tuple, Pieces] = OrderedDict()
 CACHE_SIZE = 16
 
 
+HEAD_ONLY = frozenset({"return_logits", "loss_impl", "loss_chunk_size", "loss_over_padded_vocab"})
+
+
 def compiled_pieces(cfg: C.Config, pipelined: bool = False) -> set[str]:
     """The pieces ``torch.compile`` covers under ``cfg.compile`` (:mod:`.compiled`), as
     :func:`tokenmill.model.build.apply_compile` compiles them: {'embed', 'block', 'head'} for the whole
@@ -368,18 +371,25 @@ def _trace_pieces(cfg: C.Config, vocab_size: int, device: str, batch: Optional[i
         from tokenmill.estimate import compiled as CP
     if not model.wte.weight.requires_grad:  # frozen embeddings (LoRA): no backward to compile
         parts.discard("embed")
+    # what a compiled piece's graphs depend on (compiled.captured): the traced model and its input, not the
+    # GPU's balance, the rounds or the checkpoint wrapper (a checkpointed block's graphs are its inner block's);
+    # the loss's fields only for the head (GPT.head_loss is the one place that reads them)
+    graphs = (t.precision, tuple(sorted(cfg.lora.__dict__.items())), cfg.memory.offload_activations, vocab_size,
+              device, tp, B, len(model.blocks), mixed)
+    whole = tuple(sorted(m.__dict__.items()))
+    body = tuple((k, v) for k, v in whole if k not in HEAD_ONLY)
     for i, (block, checkpointed) in enumerate(zip(model.blocks, checkpointed_blocks(len(model.blocks), every))):
         kind = block_kind(checkpointed, i in traced_sparse)
         if kind in need and kind not in traced:
             # a selectively checkpointed block (a policy other than 'full') is traced eager: its compiled form
             # keeps what the policy saves, which the compiled model here (full recomputation) does not follow
             selective = checkpointed and cfg.memory.activation_checkpointing_policy != "full"
-            traced[kind] = (CP.compiled_block(model, block, shape, dt, devmode, rounds)
+            traced[kind] = (CP.compiled_block(model, block, shape, dt, devmode, rounds, (body, graphs, "block", i))
                             if "block" in parts and not selective
                             else trace_block(model, block, shape, dt, devmode, accum, rounds))
-    head = (CP.compiled_head(model, shape, dt, devmode, rounds) if "head" in parts
+    head = (CP.compiled_head(model, shape, dt, devmode, rounds, (whole, graphs, "head")) if "head" in parts
             else trace_head(model, shape, dt, devmode, accum, rounds))
-    embed = (CP.compiled_embed(model, B, T, devmode, rounds) if "embed" in parts
+    embed = (CP.compiled_embed(model, B, T, devmode, rounds, (body, graphs, "embed")) if "embed" in parts
              else trace_embed(model, B, T, devmode, tied_grad=m.tie_embeddings, accum=accum, rounds=rounds))
     buffers = [b.numel() * b.element_size() for n, b in model.named_buffers() if not n.startswith("blocks.")]
     return Pieces(embed, traced, head, kinds, B, T, buffers)

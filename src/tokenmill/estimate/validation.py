@@ -99,8 +99,8 @@ def run_case(case: Case) -> dict[str, Any]:
 
 
 def measured_mib(case: Case) -> float:
-    """The source's memory figure made comparable: less what its model holds that training never uses, plus what
-    tokenmill's config keeps that the source's does not (both stated in the file, never fitted)."""
+    """The source's memory figure made comparable: less what the source holds that tokenmill's config does not,
+    plus what tokenmill's config keeps that the source's does not (both stated in the file, never fitted)."""
     return case.memory_mib - case.other_mib + case.extra_mib
 
 

@@ -248,7 +248,7 @@ def activation_recompute(run: Run) -> Optional[Finding]:
 
 # memory-saving switches that cost time (field, its cheaper value, what the time goes to)
 TIME_FOR_MEMORY = {
-    "memory.offload_activations": (False, "copies every saved activation to the host and back"),
+    "memory.offload_activations": (False, "copies every saved activation to the host and back, waiting where the link is slower"),
     "memory.optimizer_offload": (False, "runs AdamW on the CPU and copies gradients and weights each step"),
     "parallel.sync_every_microbatch": (False, "reduces the gradients after every micro-batch, not once a step"),
     "compile.loss_outside": (False, "runs the head and the loss outside the compiled graph"),

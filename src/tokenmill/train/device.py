@@ -21,6 +21,7 @@ import torch
 
 from tokenmill.config import MemoryConfig
 from tokenmill.errors import TrainingError
+from tokenmill.model.offload import ActivationOffload
 
 
 def allocator_settings(cfg: MemoryConfig) -> dict[str, str]:
@@ -97,13 +98,13 @@ def apply_allocator_settings(cfg: MemoryConfig) -> bool:
     return False
 
 
-def offload_activations(cfg: MemoryConfig, device: torch.device):
-    """``memory.offload_activations``: the tensors autograd saves for backward go to (pinned) CPU memory
-    during the forward and come back in backward (``torch.autograd.graph.save_on_cpu``); a no-op
-    context when off."""
-    if not cfg.offload_activations:
+def offload_activations(cfg: MemoryConfig, device: torch.device, model: torch.nn.Module):
+    """``memory.offload_activations``: what ``model``'s forward saves for backward (its parameters aside) goes to
+    pinned host memory on a side stream beside the compute and comes back, one tensor ahead, in backward
+    (``tokenmill.model.offload``); a no-op context when off or on a CPU run (no device memory to free)."""
+    if not cfg.offload_activations or device.type == "cpu":
         return contextlib.nullcontext()
-    return torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
+    return ActivationOffload(model, device)
 
 
 def resolve_device(name: str, option: str = "--train.device") -> torch.device:

@@ -187,7 +187,7 @@ class Trainer:
                     with m.phase("forward"), autocast(t, device):
                         loss_sum += self.pipeline.train_step(x, y)
                     continue
-                with m.phase("forward"), autocast(t, device), offload_activations(self.cfg.memory, device):
+                with m.phase("forward"), autocast(t, device), offload_activations(self.cfg.memory, device, self.model):
                     loss = self.model(x, y, **self.batches.loss_kw)[1]  # the logits go at once: backward does not need them
                 if micro == 0 and self.cfg.optim.zero_grad == "after_forward":  # minGPT's placement
                     self.optimizer.zero_grad(set_to_none=True)
