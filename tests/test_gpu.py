@@ -644,5 +644,5 @@ def test_activation_offload_on_cuda_keeps_the_math_and_frees_the_device():
     moved, held_off = run(hooks)
     errs = {n: _rel(moved[n], plain[n]) for n in plain}
     assert max(errs.values()) <= 1e-6, errs
-    assert hooks.moved > 0 and not hooks.pending and len(hooks.resident) <= IN_FLIGHT
+    assert hooks.moved > 0 and not hooks.pending and not hooks.resident and hooks.stayed <= IN_FLIGHT
     assert held_plain - held_off >= 0.5 * hooks.moved, (held_plain, held_off, hooks.moved)

@@ -61,6 +61,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         self.saved: list[tuple[torch.Tensor, torch.device, int]] = []  # host copy, its device, its bytes
         self.pending: list[tuple[int, torch.Tensor, torch.cuda.Event]] = []  # device tensors still being copied
         self.resident: dict[int, torch.Tensor] = {}  # not down when the forward ended: backward reads these
+        self.stayed = 0  # how many stayed on the device when the forward ended
         self.back: dict[int, tuple[torch.Tensor, Optional[torch.cuda.Event]]] = {}  # on their way back
         self.lowest = None  # the lowest index brought back so far: prefetching goes down from there
         self.moved = 0  # bytes copied to the host
@@ -75,7 +76,10 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         last ones first; bringing them back would only make it wait)."""
         super().__exit__(*exc)
         self._landed()
-        self.resident.update((i, t) for i, t, _ in self.pending)
+        for i, t, _ in self.pending:
+            t.record_stream(self.stream)  # its copy still reads it: its block waits for that once backward frees it
+            self.resident[i] = t
+        self.stayed = len(self.pending)
         self.pending.clear()
 
     def _landed(self) -> None:
@@ -105,9 +109,9 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
     def _unpack(self, index):
         if isinstance(index, torch.Tensor):
             return index
-        if index in self.resident:
+        if index in self.resident:  # read once; a second read (a retained graph) comes from the host copy
             self._prefetch(index, 1)  # the next one at least
-            return self.resident[index]
+            return self.resident.pop(index)
         out, done = self.back.pop(index, None) or self._fetch(index)
         self._prefetch(index, self.saved[index][2])
         if done is not None:  # the compute stream waits for this copy only, not for the prefetches
