@@ -500,6 +500,14 @@ def part_gemm_efficiency(s: Session) -> None:
     s.keep(dst, "gemm_efficiency.json")
 
 
+def part_offload(s: Session) -> None:
+    """Activation offloading measured against its estimate (benchmarks/validation/offload_overlap.py): GPT-2 124M,
+    with and without checkpointing, offloading off and on: time, peak memory, bytes moved; raw JSON."""
+    dst = s.work / "offload_overlap.json"
+    s.step("offload overlap", [sys.executable, "benchmarks/validation/offload_overlap.py", "--out", dst], 120)
+    s.keep(dst, "offload_overlap.json")
+
+
 SFT_RUNG_S = 90.0  # per rung of the sft ladder: gpt2-124m compiled, 38 steps of 32 x 512 tokens
 
 
@@ -671,6 +679,9 @@ PARTS = [
     ladder_part("best-autotune", "best ladder: compile-max-autotune on top of every other best rung but the "
                 "checkpointing ones", "what max-autotune adds", "best", 380, these(*BEST_DEFERRED), list(RECOMPUTE),
                 fold_all=True),
+    Part("offload", "activation offloading on a side stream against its estimate: GPT-2 124M, with and without "
+         "checkpointing, offloading off and on", "the offload's wait and saving measured, beside the replay",
+         part_offload, est_s=START_S + 120 + PACK_S),
 ]
 
 

@@ -110,3 +110,18 @@ def test_offload_replay_on_hand_computed_timelines():
     # an infinitely fast link costs nothing; no bytes, nothing
     assert offload_stall_seconds([1.0, 2.0], [2.0, 4.0], [[gb, gb], [gb]], 1e30) == pytest.approx(0.0, abs=1e-12)
     assert offload_stall_seconds([1.0, 2.0], [2.0, 4.0], [[], []], gb) == 0.0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the script's answer where no GPU is visible")
+def test_the_gpu_measurement_script_resolves_its_configs_and_says_it_needs_a_gpu(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "validation" / "offload_overlap.py"
+    spec = importlib.util.spec_from_file_location("offload_overlap", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    for ac in (0, 1):  # the four configs it measures resolve, offloading off and on
+        assert [script._cfg(ac, on).memory.offload_activations for on in (False, True)] == [False, True]
+    assert script.main(["--out", "unused.json"]) == 2
+    assert "none is visible here" in capsys.readouterr().err and not Path("unused.json").exists()
