@@ -35,6 +35,7 @@ from tokenmill import config as C
 from tokenmill.estimate.techniques import docmask_bytes, muon_hidden, muon_temp_bytes, state_buffers
 from tokenmill.estimate.timeline import Layout, Param, Timeline, _Inst, _size, play_backward, play_forward
 from tokenmill.estimate.trace import Pieces, PieceTrace
+from tokenmill.model.offload import IN_FLIGHT
 
 CUBLAS_WORKSPACE = 8 * 1024 * 1024 + 128 * 1024  # cuBLAS's default before Hopper (4096 KiB x 2 + 16 KiB x 8)
 INT8_BLOCK = 256  # torchao AdamW8bit: one fp32 scale per block of 256 values
@@ -176,6 +177,7 @@ class Step:
         self.late_zero = self.cfg.optim.zero_grad == "after_forward"
         self.sync_every = self.cfg.parallel.sync_every_microbatch
         self.stale: list[int] = []
+        self.kept: Optional[int] = None  # memory.offload_activations: the tensors still going down (offload_kept_bytes)
 
     # set-up -----------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -325,6 +327,8 @@ class Step:
         head = _Inst(pieces.head, r, x=x)
         play_forward(tl, head)
         tl.release(head.y)  # the trainer keeps only the loss
+        kept = offload_kept_bytes(plan, pieces)  # memory.offload_activations: still going down, kept till backward
+        self.kept = tl.alloc(kept, "activations") if kept else None
         return emb, head, insts, root, docmask
 
     def _micro_backward(self, emb: _Inst, head: _Inst, insts: list, root: list[int], docmask: Optional[int],
@@ -333,6 +337,7 @@ class Step:
         again (the next one's prefetched) and its gradients reduce-scattered."""
         tl, cfg, plan = self.tl, self.cfg, self.plan
         play_backward(tl, head, self._on_grad_renamed(None))
+        tl.release(self.kept)
         gy = head.gx
         prefetched: dict[int, list[int]] = {}
         for k in range(len(insts) - 1, -1, -1):
@@ -465,6 +470,15 @@ class PipelineStep(Step):
         tl.release(gy)  # sent to the previous stage (or consumed by the embeddings)
         if "recv" in st:
             tl.release(st["recv"])
+
+
+def offload_kept_bytes(plan: Plan, pieces) -> int:
+    """Device memory memory.offload_activations keeps at the forward's end: the last ``IN_FLIGHT`` tensors saved,
+    whose copies are still running then (at most; counted till the head's backward has read them)."""
+    blocks = [pieces.blocks[pieces.kinds[i]].host_sizes for i in plan.stage_blocks]
+    sizes = [b for piece in ([pieces.embed.host_sizes] if plan.has_embed else []) + blocks
+             + ([pieces.head.host_sizes] if plan.has_head else []) for b in piece]
+    return sum(sizes[-IN_FLIGHT:]) if sizes else 0
 
 
 def offloaded_bytes(plan: Plan, pieces) -> int:

@@ -42,8 +42,9 @@ forward and back during the backward, each direction on its own copy engine over
 tensor goes down once saved, at most ``IN_FLIGHT`` copies ahead of the compute (the pace is the slower of compute
 and link); a tensor whose copy has not landed when the forward ends stays on the device; in backward, reading a
 tensor brings back the ones saved before it, as many bytes as its own ahead, and the compute waits for its own
-copy only (:mod:`tokenmill.model.offload`, replayed tensor by tensor). Memory: the tensors in flight, and those
-kept, are not counted.
+copy only (:mod:`tokenmill.model.offload`, replayed tensor by tensor). Memory: the last ``IN_FLIGHT`` tensors
+saved stay on the device from the forward's end through the head's backward (``step.offload_kept_bytes``, an upper
+bound); the two in flight during the forward are not counted.
 """
 
 from __future__ import annotations
