@@ -676,12 +676,12 @@ PARTS = [
          ladder="sft", rungs=lambda names: list(names), est_s=START_S + 100 + 3 * SFT_RUNG_S + PACK_S),
     ladder_part("moe", "moe ladder: OLMoE's shapes on 4 layers; the experts as a loop, grouped, at batch 8, compiled",
                 "what the grouped experts, a larger batch and compile buy a mixture of experts", "moe", 100),
-    ladder_part("best-autotune", "best ladder: compile-max-autotune on top of every other best rung but the "
-                "checkpointing ones", "what max-autotune adds", "best", 380, these(*BEST_DEFERRED), list(RECOMPUTE),
-                fold_all=True),
     Part("offload", "activation offloading on a side stream against its estimate: GPT-2 124M, with and without "
          "checkpointing, offloading off and on", "the offload's wait and saving measured, beside the replay",
          part_offload, est_s=START_S + 120 + PACK_S),
+    ladder_part("best-autotune", "best ladder: compile-max-autotune on top of every other best rung but the "
+                "checkpointing ones", "what max-autotune adds", "best", 380, these(*BEST_DEFERRED), list(RECOMPUTE),
+                fold_all=True),
 ]
 
 
