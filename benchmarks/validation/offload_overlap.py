@@ -82,12 +82,13 @@ def main(argv: list[str]) -> int:
     if not torch.cuda.is_available():
         print("offload_overlap.py measures a CUDA GPU; none is visible here.", file=sys.stderr)
         return 2
+    from tokenmill.errors import ConfigError
     from tokenmill.estimate.gpus import gpu_spec
 
     name = torch.cuda.get_device_name()
     try:
         gpu = gpu_spec(name)
-    except Exception:  # a GPU the table does not know: measured all the same, without the estimate
+    except ConfigError:  # a GPU the table does not know: measured all the same, without the estimate
         gpu = None
     start = time.monotonic()
     pairs = []

@@ -86,7 +86,7 @@ class CachingAllocator:
     # public ---------------------------------------------------------------------------------
     def malloc(self, key: object, nbytes: int) -> int:
         """Returns the size of the block handed out (what the allocated figure counts)."""
-        size = 512 if nbytes < 512 else (nbytes + 511) // 512 * 512  # round_size
+        size = round_size(nbytes)
         small = size <= SMALL
         block = self._best_fit(small, size)
         if block is None:

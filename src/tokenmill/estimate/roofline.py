@@ -55,7 +55,7 @@ from tokenmill.estimate.host import (
     round_host_seconds,
 )
 from tokenmill.estimate.recorder import OpCost
-from tokenmill.estimate.step import Plan
+from tokenmill.estimate.step import Plan, offloaded_sizes
 from tokenmill.estimate.techniques import (
     docmask_attention_seconds,
     fp8_linear_op,
@@ -276,23 +276,20 @@ def _pieces_time(pieces: Pieces, plan: Plan, cfg: C.Config, gpu: GPU, threads: i
         return (h_f, g_f), (h_b, g_b)
 
     fwd, bwd = [], []  # (host, GPU) seconds of each piece in the order the step issues them
-    moved = []  # the bytes of each tensor each piece offloads (memory.offload_activations), in forward order
     if plan.has_embed:
         f, b = piece(pieces.embed.rounds[0])
         fwd.append(f)
         bwd.append(b)
-        moved.append(pieces.embed.host_sizes)
     for i in plan.stage_blocks:
         f, b = piece(pieces.blocks[pieces.kinds[i]].rounds[0], block=True, kind=pieces.kinds[i])
         fwd.append(f)
         bwd.insert(0, b)
-        moved.append(pieces.blocks[pieces.kinds[i]].host_sizes)
     if plan.has_head:
         f, b = piece(pieces.head.rounds[0])
         fwd.append(f)
         bwd.insert(0, b)
-        moved.append(pieces.head.host_sizes)
-    out["offload"] = offload_stall_seconds([g for _, g in fwd], [g for _, g in reversed(bwd)], moved, PCIE_BYTES_S)
+    out["offload"] = offload_stall_seconds([g for _, g in fwd], [g for _, g in reversed(bwd)],
+                                           offloaded_sizes(plan, pieces), PCIE_BYTES_S)
     compiled_blocks = sum(pieces.blocks[pieces.kinds[i]].rounds[0].compiled for i in plan.stage_blocks)
     calls = graph_call_seconds(cfg, compiled_blocks) / 2  # the forward graphs' calls, then the backward's
     out["host"] += 2 * calls

@@ -472,17 +472,21 @@ class PipelineStep(Step):
             tl.release(st["recv"])
 
 
+def offloaded_sizes(plan: Plan, pieces) -> list[list[int]]:
+    """memory.offload_activations: the bytes of each tensor each piece of the stage moves to the host in one
+    micro-batch's forward, pieces in forward order (read by the memory here and the copies' replay in roofline)."""
+    blocks = [pieces.blocks[pieces.kinds[i]].host_sizes for i in plan.stage_blocks]
+    return ([pieces.embed.host_sizes] if plan.has_embed else []) + blocks + \
+        ([pieces.head.host_sizes] if plan.has_head else [])
+
+
 def offload_kept_bytes(plan: Plan, pieces) -> int:
     """Device memory memory.offload_activations keeps at the forward's end: the last ``IN_FLIGHT`` tensors saved,
     whose copies are still running then (at most; counted till the head's backward has read them)."""
-    blocks = [pieces.blocks[pieces.kinds[i]].host_sizes for i in plan.stage_blocks]
-    sizes = [b for piece in ([pieces.embed.host_sizes] if plan.has_embed else []) + blocks
-             + ([pieces.head.host_sizes] if plan.has_head else []) for b in piece]
-    return sum(sizes[-IN_FLIGHT:]) if sizes else 0
+    sizes = [b for piece in offloaded_sizes(plan, pieces) for b in piece]
+    return sum(sizes[-IN_FLIGHT:])
 
 
 def offloaded_bytes(plan: Plan, pieces) -> int:
-    """Host memory of memory.offload_activations: every saved tensor of one micro-batch's forward of the stage
-    (the bytes that cross PCIe each way: ``roofline.step_time``)."""
-    total = sum(pieces.blocks[pieces.kinds[i]].host_bytes for i in plan.stage_blocks)
-    return total + (pieces.embed.host_bytes if plan.has_embed else 0) + (pieces.head.host_bytes if plan.has_head else 0)
+    """Host memory of memory.offload_activations: every saved tensor of one micro-batch's forward of the stage."""
+    return sum(sum(piece) for piece in offloaded_sizes(plan, pieces))
