@@ -147,7 +147,7 @@ def test_roofline_kernel_times():
     cfg = small(**{"train.tf32": False})
     a100 = gpu_spec("a100-40gb")
     mm = OpCost("mm", flops=2e12, math="fp32", min_dim=4096)
-    eff = MATMUL_EFFICIENCY  # no shape given: no tile/wave share, no memory floor
+    eff = MATMUL_EFFICIENCY["a100-40gb"]  # no shape given: no tile/wave share, no memory floor
     assert _op_seconds(mm, cfg, a100, 1) == pytest.approx(2e12 / (19.5e12 * eff))
     ew = OpCost("add", bytes=1.555e9)
     assert _op_seconds(ew, cfg, a100, 1) == pytest.approx(1.555e9 / (1555e9 * 0.53))  # at the A100's 0.53 share

@@ -139,7 +139,11 @@ CPU_COMPILE_CASES = {
                                      "model.n_layer": 2, "model.block_size": 256, "model.pos_emb": "rope",
                                      "model.norm_type": "rmsnorm", "model.mlp": "swiglu", "model.n_kv_head": 2,
                                      "model.bias": False, "memory.activation_checkpointing": 2,
-                                     "train.precision": "bf16-autocast"},
+                                     "train.precision": "bf16-autocast",
+                                     # the blocks alone: under scope 'block' the final norm runs eagerly before the
+                                     # compiled head, which compiled.compiled_head traces inside the head's graph
+                                     # (measured 26.31 MiB, estimated 24.03 with the head compiled)
+                                     "compile.loss_outside": True},
 }
 
 

@@ -57,7 +57,8 @@ def test_case_fields_for_source_differences(monkeypatch):
                 flags={"train.batch_size": 1}, memory_mib=3000.0, tokens_per_sec=1.0)
     plain = run_case(Case(**base))
     odd = run_case(Case(**base, other_mib=100.0, extra_mib=400.0, capacity_mib=30000.0))
-    assert seen[0].memory_mb == 40_536 and seen[1].memory_mb == 30_000 and seen[1].name == seen[0].name
+    # the source's capacity, moved by what the config holds more (extra) and less (other): the source's headroom
+    assert seen[0].memory_mb == 40_536 and seen[1].memory_mb == 30_000 + 400 - 100 and seen[1].name == seen[0].name
     # the estimate is compared with the measurement less other_mib plus extra_mib
     assert plain["memory_error"] == pytest.approx(plain["est_memory_mib"] / 3000 - 1)
     assert odd["memory_error"] == pytest.approx(odd["est_memory_mib"] / 3300 - 1)

@@ -12,7 +12,7 @@ from tokenmill.errors import ParallelError
 from tokenmill.estimate import estimate
 from tokenmill.estimate.gpus import gpu_spec
 from tokenmill.estimate.moe import _seconds, a2a_bytes, expert_matmuls, tokens_per_expert
-from tokenmill.estimate.roofline import LINK_EFFICIENCY
+from tokenmill.estimate.roofline import LINK_EFFICIENCY, link_bandwidth
 
 MiB = 1024 * 1024
 
@@ -41,7 +41,8 @@ def test_qwen3_30b_a3b_ep8_fsdp8_parts_against_a_hand_count():
     act = 4  # the residual stream under autocast is fp32: what the dispatch carries
     per_layer = 4 * tokens * k * C_ * act * 7 / 8  # dispatch + combine, forward + backward, 7/8 leave the rank
     assert t["all_to_all_mb"] == pytest.approx(L * per_layer / MiB, rel=1e-9)
-    link = gpu_spec("h100-sxm").link_gbs * 1e9 * LINK_EFFICIENCY
+    link = gpu_spec("h100-sxm").link_gbs * 1e9 * LINK_EFFICIENCY["h100"]  # NVLink 4 on a Hopper
+    assert link == link_bandwidth(gpu_spec("h100-sxm"))
     assert t["all_to_all_ms"] == pytest.approx(1000 * L * per_layer / link, rel=1e-9)
     assert est.time_breakdown_ms["all_to_all_ms"] == t["all_to_all_ms"]
     ra = t["routed_activations_mb"]

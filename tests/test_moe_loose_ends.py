@@ -145,7 +145,7 @@ def test_estimated_muon_state_equals_a_real_steps_state(lora):
 
 @pytest.mark.parametrize("targets", ["experts", "all"])
 def test_nf4_sizing_counts_the_expert_stacks(targets):
-    """QLoRA on a MoE (a dense layer, a shared expert): the estimator's adapted-weight bytes at the weights'
+    """QLoRA on a MoE (a dense layer, a shared expert): the estimator's NF4 weights' bytes at the weights'
     width equal those weights in the built LoRA model, and its NF4 bytes the stored bytes (codes, scales,
     factors, mean, code table) of every NF4 tensor of the built QLoRA model, expert stacks included."""
     pytest.importorskip("torchao", reason="torchao is not installed")
@@ -159,8 +159,9 @@ def test_nf4_sizing_counts_the_expert_stacks(targets):
     model = apply_lora(GPT(cfg.model, V), cfg.lora)
     weights = [getattr(m, n) for m in model.modules() if isinstance(m, (LoRAExperts, LoRALinear)) for n in m._nf4_names()]
     assert sum(isinstance(m, LoRAExperts) for m in model.modules()) == 2
-    # 'all': + q, k, v, o of the 3 layers, gate, up, down of the dense MLP and of the 2 shared experts
-    assert len(weights) == 4 + (targets == "all") * (3 * 4 + 3 + 2 * 3)
+    # the 2 expert stacks of the 2 sparse layers, and (adapted or not) q, k, v, o of the 3 layers, gate, up, down
+    # of the dense MLP and of the 2 shared experts
+    assert len(weights) == 4 + 3 * 4 + 3 + 2 * 3
 
     def stored(w) -> int:
         return sum(t.numel() * t.element_size() for t in
@@ -189,3 +190,27 @@ def test_fine_tuning_line_names_the_roles_the_model_has(tmp_path, capsys):
         assert cfg.model.moe_experts == 4 and src is not None
         out = capsys.readouterr().out
         assert f"LoRA adapters of rank 4 on {roles}, its weights frozen" in out, out
+
+
+def test_grouped_experts_where_they_cannot_run_is_a_config_error(monkeypatch):
+    """model.moe_impl='grouped' asked where torch's grouped product cannot run: refused at resolve when compile
+    is on with non-bf16 products (the traced kernel takes bf16 only), and, where only the device can tell
+    (precision 'auto'), at the first forward, by message; 'auto' falls back to the per-expert loop instead."""
+    from tokenmill.errors import ConfigError
+    from tokenmill.model import moe
+
+    over = {"model.vocab_size": V, "model.moe_impl": "grouped", "compile.enabled": True, "train.precision": "fp32"}
+    with pytest.raises(ConfigError, match="moe_impl='grouped' under compile.enabled needs bf16 products"):
+        C.resolve("tiny-moe", overrides=over, overrides_from_string=False)
+    cfg = C.resolve("tiny-moe", overrides={"model.vocab_size": V, "model.moe_impl": "grouped"},
+                    overrides_from_string=False)
+    torch.manual_seed(0)
+    model = GPT(cfg.model, V)
+    monkeypatch.setattr(moe, "grouped_mm_runs", lambda device, dtype: False)
+    x = torch.randint(0, V, (1, 8))
+    with pytest.raises(ConfigError, match="grouped matrix product cannot run for float32 products on cpu"):
+        model(x, x)
+    for m in model.modules():
+        if isinstance(m, moe.MoE):
+            m.impl = "auto"
+    assert torch.isfinite(model(x, x)[1])

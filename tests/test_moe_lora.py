@@ -11,7 +11,7 @@ import torch
 from tokenmill import config as C
 from tokenmill.model import GPT, hf
 from tokenmill.model.build import apply_lora
-from tokenmill.model.lora import LoRAExperts, merge_lora
+from tokenmill.model.lora import LoRAExperts, LoRALinear, merge_lora
 from tokenmill.model.moe import Experts, grouped_mm_runs
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'tokenmill[hf]')")
@@ -217,11 +217,13 @@ def test_qlora_experts_equal_lora_on_the_dequantised_base(impl):
     ref = tiny_moe(moe_impl=impl)
     apply_lora(ref, C.LoraConfig(rank=R, targets="q,experts"))
     sd = {k: v for k, v in q.state_dict().items() if "_nf4_" not in k}
-    for i, blk in enumerate(q.blocks):  # the dequantised bases: the experts' stacks and q
+    for i, blk in enumerate(q.blocks):  # the dequantised bases: the experts' stacks and every projection
         for name in ("gate_up", "down"):
             w = getattr(blk.mlp.experts, name)
             sd[f"blocks.{i}.mlp.experts.{name}"] = w.get_original_weight().view(blk.mlp.experts.stacks[name])
-        sd[f"blocks.{i}.attn.q_proj.weight"] = blk.attn.q_proj.base_weight()
+    for name, m in q.named_modules():
+        if isinstance(m, LoRALinear):
+            sd[f"{name}.weight"] = m.base_weight()
     ref.load_state_dict(sd)
     x, y = ids(), ids(2)
     got, want = q(x, y), ref(x, y)
@@ -243,3 +245,34 @@ def test_qlora_experts_equal_lora_on_the_dequantised_base(impl):
     with torch.no_grad():
         assert torch.equal(again(x)[0], got[0])
         torch.testing.assert_close(merge_lora(q)(x)[0], got[0], atol=ATOL, rtol=0)
+
+
+@pytest.mark.slow
+def test_compiled_qlora_experts_train_as_eager():
+    """An NF4 expert stack's product compiled (model/nf4.py nf4_product; the QLoRA flag, not the tensor, picks
+    the path, which torch.compile cannot ask): the eager output and adapter and input gradients (1e-5), and no
+    dequantised expert weight kept for the backward (nothing weight-sized saved)."""
+    pytest.importorskip("torchao", reason="torchao is not installed")
+
+    def run(compiled: bool):
+        q = tiny_moe(moe_impl="loop")
+        apply_lora(q, C.LoraConfig(rank=R, targets="experts", quantize_base="nf4"))
+        ex = q.blocks[0].mlp.experts
+        with torch.no_grad():
+            ex.lora_B["gate_up"].normal_(0.0, 0.1, generator=torch.Generator().manual_seed(2))
+        xs = torch.randn(5, 32, requires_grad=True, generator=torch.Generator().manual_seed(3))
+        fn = torch.compile(lambda h: ex.product("gate_up", h, None, 1)) if compiled else (
+            lambda h: ex.product("gate_up", h, None, 1))
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: (saved.append((tuple(t.shape), type(t).__name__)), t)[1], lambda t: t):
+            y = fn(xs)
+        y.square().sum().backward()
+        return y.detach(), {"A": ex.lora_A["gate_up"].grad, "B": ex.lora_B["gate_up"].grad, "x": xs.grad}, saved
+
+    y, grads, _ = run(False)
+    cy, cgrads, saved = run(True)
+    torch.testing.assert_close(cy, y, atol=ATOL, rtol=0)
+    for n, g in grads.items():
+        torch.testing.assert_close(cgrads[n], g, atol=ATOL, rtol=0, msg=n)
+    assert not [s for s, kind in saved if kind != "NF4Tensor" and s in ((2 * 16, 32), (E, 2 * 16, 32))], saved

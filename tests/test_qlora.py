@@ -1,5 +1,5 @@
-"""QLoRA (``lora.quantize_base = 'nf4'``, ``model/lora.py``): the frozen base of every adapted projection is
-stored as torchao's NF4 and dequantised in the forward. Fresh adapters compute the NF4-dequantised base
+"""QLoRA (``lora.quantize_base = 'nf4'``, ``model/lora.py``): the frozen weight of every block projection
+(adapted or not) is stored as torchao's NF4 and dequantised in the forward. Fresh adapters compute the NF4-dequantised base
 exactly; only the adapters train; the stored base is about 4.1 bits per weight; state dicts hold the NF4 base
 exactly (plain tensors); the config refuses what cannot work and a missing torchao is named. The command line
 (a Llama folder fine-tuned, resumed exactly, exported merged into the dequantised base) is marked slow."""
@@ -17,7 +17,7 @@ from conftest import block_import
 from tokenmill import config as C
 from tokenmill.errors import ConfigError
 from tokenmill.model.build import apply_lora, apply_precision, build_gpt
-from tokenmill.model.lora import LoRALinear, merge_lora, nf4_bytes
+from tokenmill.model.lora import LoRALinear, merge_lora, nf4_bytes, nf4_weights
 
 needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
                                    reason="QLoRA needs torchao (`pip install torchao`)")
@@ -51,6 +51,16 @@ def nf4_modules(model) -> list[LoRALinear]:
     return [m for m in model.modules() if isinstance(m, LoRALinear)]
 
 
+def dequantised_copy(qlora, base):
+    """``base`` with every weight ``qlora`` holds as NF4 replaced by its dequantised copy."""
+    deq = copy.deepcopy(base)
+    names = {m: n for n, m in qlora.named_modules()}
+    with torch.no_grad():
+        for m in nf4_modules(qlora):
+            deq.get_submodule(names[m]).weight.copy_(m.weight.get_original_weight())
+    return deq
+
+
 @needs_torchao
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny"])
 def test_fresh_adapters_give_the_dequantised_base(preset):
@@ -60,16 +70,78 @@ def test_fresh_adapters_give_the_dequantised_base(preset):
     mods = nf4_modules(qlora)
     assert len(mods) == 2 * (7 if preset == "tiny-llama" else 4)  # 2 blocks; GPT-2: fused q/k/v, o, up, down
     assert all(type(m.weight).__name__ == "NF4Tensor" and not m.weight.requires_grad for m in mods)
-    deq = copy.deepcopy(base)
-    names = {m: n for n, m in qlora.named_modules()}
-    with torch.no_grad():
-        for m in mods:
-            deq.get_submodule(names[m]).weight.copy_(m.weight.get_original_weight())
+    deq = dequantised_copy(qlora, base)
     x = ids()
     got = logits(qlora, x)
     torch.testing.assert_close(got, logits(deq, x), atol=1e-5, rtol=0)
     diff = (got - logits(base, x)).abs().max().item()
     assert 1e-4 < diff < QUANT_ATOL  # quantised (not the base itself), but close to it
+
+
+@needs_torchao
+def test_every_block_projection_is_nf4_not_only_the_adapted_ones():
+    """With adapters on q and v only, k, o, gate, up and down are NF4 too (QLoRA quantises every Linear of the
+    blocks; the head and embeddings stay), without adapters; the logits equal the plain model holding the
+    dequantised weights; nf4_weights (the estimator's list) names exactly the model's NF4 weights; a
+    checkpoint holding k in bf16 (an unquantised base) loads into it quantised."""
+    qlora, base = qlora_and_base(cfg_of(**{"lora.targets": "q,v"}))
+    mods = nf4_modules(qlora)
+    assert len(mods) == 2 * 7 and all(type(m.weight).__name__ == "NF4Tensor" for m in mods)
+    assert sorted(r for m in mods for r in m.lora_A) == ["q", "q", "v", "v"]
+    assert type(qlora.lm_head.weight) is torch.nn.Parameter and qlora.lm_head.weight.dtype == torch.float32
+    assert nf4_weights(qlora) == [(m.weight.numel(), 4) for m in mods]
+    deq = dequantised_copy(qlora, base)
+    x = ids()
+    torch.testing.assert_close(logits(qlora, x), logits(deq, x), atol=1e-5, rtol=0)
+    sd = qlora.state_dict()
+    assert sd["blocks.0.attn.k_proj.weight"].dtype == torch.uint8 and "blocks.0.attn.k_proj.weight_nf4_scales" in sd
+    old = {k: v for k, v in sd.items() if not k.startswith("blocks.0.attn.k_proj.weight")}
+    old["blocks.0.attn.k_proj.weight"] = base.blocks[0].attn.k_proj.weight.detach().clone()
+    fresh = apply_lora(build_gpt(cfg_of().model, V, "cpu"), cfg_of(**{"lora.targets": "q,v"}).lora, init=False)
+    fresh.load_state_dict(old)  # strict: the scales' keys may be absent beside a full-precision weight
+    assert torch.equal(fresh.blocks[0].attn.k_proj.weight.quantized_data,
+                       qlora.blocks[0].attn.k_proj.weight.quantized_data)
+
+
+def _saved_and_grads(cfg: C.Config, compiled: bool):
+    """The shapes a block's forward saves for backward beyond the model's own tensors (parameters, NF4 parts),
+    and the gradients of the adapters and the input."""
+    torch.manual_seed(0)
+    m = apply_lora(build_gpt(cfg.model, V, "cpu"), cfg.lora)
+    blk, rope = m.blocks[0], (m.rope_cos, m.rope_sin)
+    own = {t.untyped_storage().data_ptr() for p in m.parameters() for t in
+           ((p.quantized_data, p.quantized_scalers, p.quantization_factor, p.scaler_mean, p.nf4)
+            if type(p).__name__ == "NF4Tensor" else (p,))}
+    x = torch.randn(2, 32, cfg.model.n_embd, requires_grad=True, generator=torch.Generator().manual_seed(1))
+    fn = torch.compile(lambda h: blk(h, rope)) if compiled else (lambda h: blk(h, rope))
+    saved = []
+
+    def pack(t):
+        if type(t).__name__ != "NF4Tensor" and t.untyped_storage().data_ptr() not in own:
+            saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = fn(x)
+    y.square().sum().backward()
+    return saved, [p.grad for p in blk.parameters() if p.requires_grad] + [x.grad]
+
+
+@needs_torchao
+@pytest.mark.slow
+def test_compiled_qlora_keeps_no_dequantised_weight():
+    """Compiled, the NF4 products dequantise again in backward (model/nf4.py nf4_linear): the block saves no
+    tensor of a projection weight's shape (AOTAutograd's partitioner would otherwise keep each dequantised
+    weight: the whole base at full width from forward to backward), and its gradients are the eager QLoRA
+    block's (1e-5)."""
+    over = {"lora.targets": "q,v", "model.n_embd": 128, "model.intermediate_size": 384, "model.n_head": 4,
+            "model.n_kv_head": 4}
+    _, want = _saved_and_grads(cfg_of(**over), compiled=False)
+    saved, got = _saved_and_grads(cfg_of(**over), compiled=True)
+    weights = {(128, 128), (384, 128), (128, 384)}  # q, k, v, o; gate, up; down (the activations: 64 rows)
+    assert saved and not weights & set(saved), saved
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
 @needs_torchao
@@ -248,7 +320,7 @@ def test_estimate_finetune_has_a_qlora_column(monkeypatch):
     saved = 2 * n - nf4 - (2 + 2) * 14336 * 4096
     assert qlora == pytest.approx(lora - saved / 2**30, abs=0.1)
     assert 18 < lora < 20 and 8.5 < qlora < 10 and row[11] == "fits"
-    assert "QLoRA: the same adapters over the base's adapted weights stored as NF4" in out
+    assert "QLoRA: the same adapters over the blocks' projection weights stored as NF4" in out
     assert "QLoRA: the smallest GPU that fits is l4" in out
 
 

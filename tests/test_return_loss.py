@@ -45,11 +45,12 @@ def test_the_loss_alone_equals_the_loss_beside_the_logits(pad):
         assert model(x)[0].shape == (2, 32, 500)
 
 
-def test_the_switch_is_inert_unless_the_loss_is_compiled_with_the_whole_model():
+def test_the_switch_is_inert_unless_the_loss_is_compiled():
     on = {"compile.enabled": True, "model.return_logits": False}
     assert inert.inert_warnings(_cfg(**on)) == []
-    for other in ({"compile.enabled": False}, {"compile.scope": "block"}, {"compile.loss_outside": True},
-                  {"model.loss_impl": "chunked"}):
+    assert inert.inert_warnings(_cfg(**on, **{"compile.scope": "block"})) == []  # the head's own graph
+    for other in ({"compile.enabled": False}, {"compile.loss_outside": True},
+                  {"compile.scope": "block", "compile.loss_outside": True}, {"model.loss_impl": "chunked"}):
         [line] = inert.inert_warnings(_cfg(**{**on, **other}))
         assert line.startswith("model.return_logits = False does nothing"), line
 

@@ -214,3 +214,26 @@ def test_selective_checkpointing_under_torch_compile():
     assert got.keys() == ref.keys()  # compiled in place: the same parameter names
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], atol=1e-6, rtol=1e-5)
+
+
+def test_the_compile_note_about_context_fn_is_dropped_and_nothing_else():
+    """torch.compile logs a note for every checkpoint with a context_fn (save-matmuls, QLoRA's compiled product)
+    that a user cannot act on: model/recompute.py drops that one record; the logger's other records still show."""
+    import logging
+
+    from tokenmill.model.recompute import quiet_context_fn_note
+
+    quiet_context_fn_note()
+    quiet_context_fn_note()  # idempotent: one filter
+    log = logging.getLogger("torch._higher_order_ops.wrap")
+    assert sum(type(f).__name__ == "_DropNote" for f in log.filters) == 1
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    log.addHandler(handler)
+    try:
+        log.warning("\nDetected that context_fn is passed to torch.utils.checkpoint under torch.compile.\nPlease ...")
+        log.warning("something else")
+    finally:
+        log.removeHandler(handler)
+    assert seen == ["something else"]

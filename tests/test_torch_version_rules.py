@@ -28,7 +28,7 @@ def test_version_parsing_and_range():
 @pytest.mark.parametrize("over, pieces, compiled", [
     ({}, set(), None),
     ({"compile.enabled": True}, {"embed", "block", "head"}, "model"),
-    ({"compile.enabled": True, "compile.scope": "block"}, {"block"}, "blocks"),
+    ({"compile.enabled": True, "compile.scope": "block"}, {"block", "head"}, "blocks"),
     ({"compile.enabled": True, "compile.loss_outside": True}, {"embed", "block"}, "trunk"),
     ({"compile.enabled": True, "model.loss_impl": "chunked"}, {"embed", "block"}, "model"),
 ])
@@ -46,6 +46,7 @@ def test_the_estimator_compiles_what_apply_compile_compiles(over, pieces, compil
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: wrapped.append(getattr(fn, "__self__", fn)) or fn)
     apply_compile(model, cfg.compile)
     blocks = [b for _, b in model.present_blocks()]
-    kinds = {"model": [model], "blocks": blocks, "trunk": [model], None: []}[compiled]
+    kinds = {"model": [model], "blocks": blocks + [model], "trunk": [model], None: []}[compiled]  # + head_loss
     assert wrapped == kinds
     assert ("trunk" in vars(model)) == (compiled == "trunk")
+    assert ("head_loss" in vars(model)) == (compiled == "blocks")

@@ -320,7 +320,7 @@ def test_a_ladder_says_the_threads_note_once_and_its_rungs_never(tmp_path, monke
 @pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao")
 def test_the_qlora_and_fp8_imports_print_no_library_noise():
     code = ("import torch\n"
-            "from tokenmill.model.lora import _torchao_to_nf4\n"
+            "from tokenmill.model.nf4 import _torchao_to_nf4\n"
             "_torchao_to_nf4()(torch.randn(64, 64), 64, 64)\n"
             "from tokenmill import config as C\n"
             "from tokenmill.model.fp8 import fp8_config\n"

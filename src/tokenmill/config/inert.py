@@ -67,9 +67,9 @@ INERT: tuple[Needs, ...] = (
           lambda c: c.model.moe_experts > 0 and c.model.moe_shared_experts > 0),
     Needs(("model.qk_norm_width",), "--model.qk_norm true", lambda c: c.model.qk_norm),
     Needs(("model.loss_chunk_size",), "--model.loss_impl chunked", lambda c: c.model.loss_impl == "chunked"),
-    Needs(("model.return_logits",), "the loss compiled with the whole model (--compile.enabled true, "
-          "compile.scope 'model', no compile.loss_outside, model.loss_impl 'full', parallel.pp 1)",
-          lambda c: (c.compile.enabled and c.compile.scope == "model" and not c.compile.loss_outside
+    Needs(("model.return_logits",), "the loss compiled (--compile.enabled true, no compile.loss_outside, "
+          "model.loss_impl 'full', parallel.pp 1)",
+          lambda c: (c.compile.enabled and not c.compile.loss_outside
                      and c.model.loss_impl == "full" and c.parallel.pp == 1)),
     Needs(("model.causal_mask",), "--model.attention manual", lambda c: c.model.attention == "manual"),
     Needs(("model.sdpa_backend",), "--model.attention sdpa", lambda c: c.model.attention == "sdpa"),

@@ -65,10 +65,11 @@ class LoraConfig:
     dropout: float = F(0.0, "Dropout on the adapters' input (the frozen path sees x unchanged).", ge=0, lt=1)
     quantize_base: Literal["none", "nf4"] = F(
         "none",
-        "QLoRA: 'nf4' stores the frozen base weight of every adapted projection as 4-bit NormalFloat (torchao's "
+        "QLoRA: 'nf4' stores the frozen weight of every block projection (q, k, v, o, gate, up, down, adapted or "
+        "not, as QLoRA does; the routed experts where adapted) as 4-bit NormalFloat (torchao's "
         "NF4: blocks of 64 weights with an int8 scale each, the scales double-quantised in groups of up to 256; "
         "about 4.13 bits per weight), dequantised to the input's dtype in each forward and backward; the adapters, "
-        "embeddings, norms and head keep the compute dtype. Needs torchao and lora.rank > 0; each adapted "
+        "embeddings, norms and head keep the compute dtype. Needs torchao and lora.rank > 0; each such "
         "matrix's size must be a multiple of 64 (the routed experts: each stack of E matrices is one NF4 tensor). "
         "Checkpoints keep the NF4 base exactly (codes and scales: resume is exact); sample, eval and export merge the adapters into the dequantised base. One process or DDP "
         "(not FSDP).",

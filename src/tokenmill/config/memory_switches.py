@@ -49,9 +49,8 @@ def _optimizer_alternative_free(get: Get) -> bool:
 
 
 def _loss_compiled_with_model(get: Get) -> bool:
-    """The loss is inside one whole-model compiled graph (where ``model.return_logits`` acts)."""
-    return (get("compile.enabled") and get("compile.scope") == "model" and not get("compile.loss_outside")
-            and get("parallel.pp") == 1)
+    """The loss is inside a compiled graph, the whole model's or the head's (where ``model.return_logits`` acts)."""
+    return get("compile.enabled") and not get("compile.loss_outside") and get("parallel.pp") == 1
 
 
 def _activation_switches(get: Get) -> list[MemorySwitch]:
@@ -118,7 +117,7 @@ def _optimizer_alternatives(get: Get) -> list[MemorySwitch]:
         out.append(MemorySwitch({"memory.optimizer_8bit": True}, "8-bit AdamW state, about a quarter of fp32 state "
                                 "(needs torchao)", frozenset({OPTIMIZER})))
     if get("lora.rank") and get("lora.quantize_base") == "none" and get("parallel.dp_shard") == 1:
-        out.append(MemorySwitch({"lora.quantize_base": "nf4"}, "QLoRA: the frozen base's adapted weights as NF4, "
+        out.append(MemorySwitch({"lora.quantize_base": "nf4"}, "QLoRA: the frozen blocks' projection weights as NF4, "
                                 "about a quarter of bf16 (needs torchao; the base is rounded to 4 bits)",
                                 frozenset({WEIGHTS})))
     if free and not fp16 and get("train.grad_accum_steps") == 1:

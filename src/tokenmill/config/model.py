@@ -83,10 +83,10 @@ class ModelConfig:
     return_logits: bool = F(
         True,
         "With targets (training, evaluation), return the logits beside the loss. False: the forward returns "
-        "(None, loss). Under whole-model compile (compile.scope='model' with the loss inside) the logits are "
-        "then no output of the compiled graph: backward needs no zero gradient for them and the graph keeps "
-        "one (batch x seq x vocab) buffer fewer (several GiB at batch 64 for GPT-2). Nothing to save eagerly, "
-        "per block or with the loss outside the graph (the trainer drops the logits at once) nor with the "
+        "(None, loss). With the loss compiled (compile.enabled without compile.loss_outside, either scope) the "
+        "logits are then no output of the compiled graph: backward needs no zero gradient for them and the "
+        "graph keeps one (batch x seq x vocab) buffer fewer (several GiB at batch 64 for GPT-2). Nothing to save "
+        "eagerly or with the loss outside the graph (the trainer drops the logits at once) nor with the "
         "chunked loss (no logits). Same loss and gradients.",
     )
     fp32_islands: bool = F(

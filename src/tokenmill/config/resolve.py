@@ -235,9 +235,6 @@ def validate(cfg: Config) -> Config:
     check_size(m, cfg.train.batch_size)  # absurd shapes stop here, before any command builds or sizes a model
     if cfg.data.source == "synthetic" and m.vocab_size is None:
         raise ConfigError("data.source='synthetic' needs model.vocab_size (e.g. --model.vocab_size 50257).")
-    if cfg.compile.loss_outside and cfg.compile.scope != "model":
-        raise ConfigError("compile.loss_outside compiles the model without its head and loss; it needs "
-                          "compile.scope='model' (per-block compilation leaves the loss outside anyway).")
     _validate_memory_and_parallel(cfg)
     _validate_lora(cfg)
     return cfg
@@ -334,8 +331,15 @@ def _validate_memory_and_parallel(cfg: Config) -> None:
 
 
 def _validate_expert_parallel(cfg: Config) -> None:
-    """``parallel.ep``: experts to split, evenly, over data-parallel ranks (the world size is checked at launch)."""
+    """``parallel.ep``: experts to split, evenly, over data-parallel ranks (the world size is checked at launch);
+    and the grouped experts under compile, whose traced shape kernel takes bf16 only."""
     m, p = cfg.model, cfg.parallel
+    if (m.moe_experts and m.moe_impl == "grouped" and cfg.compile.enabled
+            and cfg.train.precision not in ("bf16", "bf16-autocast", "auto")):  # 'auto': the device decides (moe.py)
+        raise ConfigError(f"model.moe_impl='grouped' under compile.enabled needs bf16 products (torch's grouped "
+                          f"matrix product traces in bf16 only), but train.precision is {cfg.train.precision!r}: "
+                          "use --train.precision bf16-autocast, or --model.moe_impl auto (the per-expert loop where "
+                          "the grouped product cannot run).")
     if p.ep > 1 and not m.moe_experts:
         raise ConfigError(f"parallel.ep={p.ep} splits a mixture of experts over ranks, but this model has none "
                           "(model.moe_experts = 0): leave parallel.ep at 1.")

@@ -140,7 +140,13 @@ class CompileConfig:
     """torch.compile."""
 
     enabled: bool = F(False, "Compile the model with torch.compile.")
-    scope: Literal["model", "block"] = F("model", "'model' = one compiled graph; 'block' = compile each block.")
+    scope: Literal["model", "block"] = F(
+        "model",
+        "'model' = one compiled graph of the whole model (embeddings, blocks, final norm, head and loss); 'block' "
+        "= each block compiled on its own, plus the head and the loss as one more graph (as torchtitan's and "
+        "torchtune's per-block compile also compile the loss) when model.loss_impl='full' and parallel.pp=1; "
+        "the embeddings and the final norm run eagerly.",
+    )
     mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = F(
         "default", "torch.compile mode ('reduce-overhead' uses CUDA graphs)."
     )
@@ -148,9 +154,12 @@ class CompileConfig:
     dynamic: bool = F(False, "Compile for dynamic shapes (False = specialise on the fixed training shapes).")
     loss_outside: bool = F(
         False,
-        "Compile the model up to its final LayerNorm only and run the head and the cross-entropy eagerly on "
-        "its output, as the LLM-training-speed seed's compile rung does (torch.compile(model), loss outside "
-        "the graph); needs compile.scope='model'. False: the loss is compiled with the model.",
+        "Run the head and the cross-entropy eagerly, outside every compiled graph. With compile.scope='model': "
+        "compile the model up to its final norm only, as the LLM-training-speed seed's compile rung does "
+        "(torch.compile(model), loss outside the graph); with 'block': compile only the blocks (as torchtitan "
+        "did before it compiled its loss, in April 2025). False: the head and the loss are compiled, inside "
+        "the whole model's graph or (scope 'block') as a graph of their own, when model.loss_impl='full' and "
+        "parallel.pp=1 (a chunked loss or a pipeline's loss stays eager either way).",
     )
 
 

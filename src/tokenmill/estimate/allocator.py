@@ -19,8 +19,13 @@ request under it never takes such a block, a request over it takes one only when
 would be wasted. ``gc_threshold`` (``memory.gc_threshold``): before a new segment would take the
 reserved memory past that fraction of ``capacity``, the cached free segments are released.
 
-Not modelled: several CUDA streams (each has its own pools; tokenmill computes on one), and the order
-in which PyTorch's garbage collection picks blocks (it frees the oldest unused first; here, all).
+Streams: every block belongs to the stream it was allocated on, and a free block serves only requests made
+on that stream (``BlockPool``'s ordering compares the stream first; ``get_free_block`` looks up a key with
+the request's stream), so memory one stream frees stays reserved for that stream. ``malloc(..., stream=s)``
+(0: the default stream; FSDP's buffers and gradient shards come from its own streams, :mod:`.fsdp`). With
+expandable segments each stream's pools have their own segment. Releasing cached segments frees every
+stream's. Not modelled: the order in which PyTorch's garbage collection picks blocks (it frees the oldest
+unused first; here, all).
 """
 
 from __future__ import annotations
@@ -76,22 +81,24 @@ class CachingAllocator:
         self.peak_allocated = self.peak_reserved = 0
         self.out_of_memory = False
         self._blocks: dict[object, _Block] = {}
-        self._free: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}  # (size, seg, addr)
+        # a pool is (small?, stream): its free blocks as (size, seg, addr)
+        self._free: dict[tuple[bool, int], list[tuple[int, int, int]]] = {}
         self._by_key: dict[tuple[int, int], _Block] = {}  # (seg, addr) -> free block
-        self._segments: dict[int, tuple[bool, int]] = {}  # seg -> (small pool?, size)
+        self._segments: dict[int, tuple[tuple[bool, int], int]] = {}  # seg -> (pool, size)
         self._head: dict[int, _Block] = {}
         self._next_seg = 0
-        self._expand: dict[bool, int] = {}  # pool -> its expandable segment
+        self._expand: dict[tuple[bool, int], int] = {}  # pool -> its expandable segment
 
     # public ---------------------------------------------------------------------------------
-    def malloc(self, key: object, nbytes: int) -> int:
-        """Returns the size of the block handed out (what the allocated figure counts)."""
+    def malloc(self, key: object, nbytes: int, stream: int = 0) -> int:
+        """Returns the size of the block handed out (what the allocated figure counts); ``stream``: the
+        CUDA stream it is allocated on (its own pools)."""
         size = round_size(nbytes)
-        small = size <= SMALL
-        block = self._best_fit(small, size)
+        pool = (size <= SMALL, stream)
+        block = self._best_fit(pool, size)
         if block is None:
-            block = self._grow(small, size)
-        self._take(block, size, small)
+            block = self._grow(pool, size)
+        self._take(block, size, pool)
         self._blocks[key] = block
         self.allocated += block.size
         if self.allocated > self.peak_allocated:
@@ -102,10 +109,10 @@ class CachingAllocator:
         block = self._blocks.pop(key)
         self.allocated -= block.size
         block.free = True
-        small = self._segments[block.seg][0]
+        pool = self._segments[block.seg][0]
         for other in (block.next, block.prev):  # merge with free neighbours
             if other is not None and other.free:
-                self._unlist(other, small)
+                self._unlist(other, pool)
                 if other is block.next:
                     block.size += other.size
                     block.next = other.next
@@ -117,23 +124,24 @@ class CachingAllocator:
                     if block.next:
                         block.next.prev = other
                     block = other
-        self._list(block, small)
+        self._list(block, pool)
         if self.expandable and block.next is None:
-            self._shrink(block, small)
+            self._shrink(block, pool)
 
     # internals ------------------------------------------------------------------------------
-    def _list(self, b: _Block, small: bool) -> None:
-        bisect.insort(self._free[small], (b.size, b.seg, b.addr))
+    def _list(self, b: _Block, pool: tuple[bool, int]) -> None:
+        bisect.insort(self._free.setdefault(pool, []), (b.size, b.seg, b.addr))
         self._by_key[(b.seg, b.addr)] = b
 
-    def _unlist(self, b: _Block, small: bool) -> None:
-        lst = self._free[small]
+    def _unlist(self, b: _Block, pool: tuple[bool, int]) -> None:
+        lst = self._free[pool]
         i = bisect.bisect_left(lst, (b.size, b.seg, b.addr))
         del lst[i]
         del self._by_key[(b.seg, b.addr)]
 
-    def _best_fit(self, small: bool, size: int) -> Optional[_Block]:
-        lst = self._free[small]
+    def _best_fit(self, pool: tuple[bool, int], size: int) -> Optional[_Block]:
+        small = pool[0]
+        lst = self._free.get(pool, [])
         i = bisect.bisect_left(lst, (size, -1, -1))
         if i == len(lst):
             return None
@@ -144,10 +152,11 @@ class CachingAllocator:
             if size >= self.max_split and found >= size + LARGE_BUFFER:
                 return None
         b = self._by_key[(lst[i][1], lst[i][2])]
-        self._unlist(b, small)
+        self._unlist(b, pool)
         return b
 
-    def _take(self, b: _Block, size: int, small: bool) -> None:
+    def _take(self, b: _Block, size: int, pool: tuple[bool, int]) -> None:
+        small = pool[0]
         rest = b.size - size
         if self.max_split and not small and size >= self.max_split:
             rest = 0  # an oversize request keeps its whole block
@@ -157,10 +166,10 @@ class CachingAllocator:
                 b.next.prev = tail
             b.next = tail
             b.size = size
-            self._list(tail, small)
+            self._list(tail, pool)
         b.free = False
 
-    def _new_segment(self, small: bool, size: int) -> _Block:
+    def _new_segment(self, pool: tuple[bool, int], size: int) -> _Block:
         if self.gc_limit is not None and self.reserved + size > self.gc_limit:
             self._release_cached()
         if self.capacity is not None and self.reserved + size > self.capacity:
@@ -169,20 +178,20 @@ class CachingAllocator:
                 self.out_of_memory = True
         seg = self._next_seg
         self._next_seg += 1
-        self._segments[seg] = (small, size)
+        self._segments[seg] = (pool, size)
         self.reserved += size
         self.peak_reserved = max(self.peak_reserved, self.reserved)
         b = _Block(seg, 0, size)
         self._head[seg] = b
         return b
 
-    def _grow(self, small: bool, size: int) -> _Block:
+    def _grow(self, pool: tuple[bool, int], size: int) -> _Block:
         if not self.expandable:
-            return self._new_segment(small, segment_size(size))
-        seg = self._expand.get(small)
+            return self._new_segment(pool, segment_size(size))
+        seg = self._expand.get(pool)
         if seg is None:
-            b = self._new_segment(small, _pages(size))
-            self._expand[small] = b.seg
+            b = self._new_segment(pool, _pages(size))
+            self._expand[pool] = b.seg
             return b
         # extend the pool's one segment at its end (joining a free last block)
         last = self._head[seg]
@@ -194,44 +203,44 @@ class CachingAllocator:
             self.out_of_memory = True
         self.reserved += grow
         self.peak_reserved = max(self.peak_reserved, self.reserved)
-        self._segments[seg] = (small, self._segments[seg][1] + grow)
+        self._segments[seg] = (pool, self._segments[seg][1] + grow)
         if last.free:
-            self._unlist(last, small)
+            self._unlist(last, pool)
             last.size += grow
             return last
         b = _Block(seg, last.addr + last.size, grow, True, last, None)
         last.next = b
         return b
 
-    def _shrink(self, last: _Block, small: bool) -> None:
+    def _shrink(self, last: _Block, pool: tuple[bool, int]) -> None:
         """Expandable segments: unmap the whole pages of a free block at the segment's end."""
         pages = last.size // PAGE * PAGE
         if pages == 0:
             return
-        self._unlist(last, small)
+        self._unlist(last, pool)
         last.size -= pages
         self.reserved -= pages
-        self._segments[last.seg] = (small, self._segments[last.seg][1] - pages)
+        self._segments[last.seg] = (pool, self._segments[last.seg][1] - pages)
         if last.size:
-            self._list(last, small)
+            self._list(last, pool)
         elif last.prev is not None:
             last.prev.next = None
         else:  # the whole segment is free: it is gone
             del self._head[last.seg]
             del self._segments[last.seg]
-            self._expand.pop(small, None)
+            self._expand.pop(pool, None)
 
     def _release_cached(self) -> None:
         """Give back every segment that is entirely free (before reporting out of memory)."""
-        for seg, (small, size) in list(self._segments.items()):
+        for seg, (pool, size) in list(self._segments.items()):
             head = self._head[seg]
             if head.free and head.next is None and head.size == size:
-                self._unlist(head, small)
+                self._unlist(head, pool)
                 del self._segments[seg]
                 del self._head[seg]
                 self.reserved -= size
-                if self._expand.get(small) == seg:
-                    del self._expand[small]
+                if self._expand.get(pool) == seg:
+                    del self._expand[pool]
 
 
 def _pages(n: int) -> int:

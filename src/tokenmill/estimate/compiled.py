@@ -41,6 +41,7 @@ from torch import nn
 from tokenmill.estimate.device import DeviceModel
 from tokenmill.estimate.inductor import GraphPlan, plan_graph
 from tokenmill.estimate.pieces import PieceTrace, Round  # noqa: F401
+from tokenmill.model.lora import nf4_weights
 
 
 class _Call(nn.Module):
@@ -392,6 +393,7 @@ def compiled_block(model: nn.Module, block: nn.Module, shape: tuple, act_dtype: 
     x_nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=act_dtype).element_size()
     trace = build_piece("block", g, devmode, rounds, x_nbytes=x_nbytes, checkpointed=inner is not block)
     trace.buffer_bytes = sum(b.numel() * b.element_size() for b in block.buffers())
+    trace.nf4_sizes = nf4_weights(block)
     prefix = {m: n for n, m in model.named_modules()}[block] + "."
     return _finish(trace, params, prefix)
 

@@ -163,8 +163,8 @@ def estimate(cfg: C.Config, gpu: str | GPU = "h100-sxm", nproc: int = 1) -> Esti
 
 
 def _nf4_base(est: Estimate, cfg: C.Config, vocab: int) -> None:
-    """QLoRA (``lora.quantize_base = 'nf4'``): the trace holds the adapted weights at their width; they are
-    stored as NF4 (half a byte a weight and its scales), dequantised one at a time in the forward."""
+    """QLoRA (``lora.quantize_base = 'nf4'``): the trace holds every block projection's weight at its width
+    (``model/lora.py nf4_weights``); they are stored as NF4 (half a byte a weight and its scales), dequantised one at a time in the forward."""
     if not (cfg.lora.rank and cfg.lora.quantize_base == "nf4"):
         return
     full, nf4, transient = nf4_base_bytes(cfg, vocab, cfg.lora.rank)
@@ -277,7 +277,7 @@ def _notes(cfg: C.Config, lay: Layout, spec: GPU) -> list[str]:
         notes.append(f"LoRA rank {cfg.lora.rank}: {n:,} trainable parameters (the adapters); the base is frozen: no "
                      "gradients, optimizer state or weight-gradient matmuls for it")
     if cfg.lora.rank and cfg.lora.quantize_base == "nf4":
-        notes.append("QLoRA (lora.quantize_base nf4): the adapted weights are counted as NF4 (half a byte a weight "
+        notes.append("QLoRA (lora.quantize_base nf4): every block projection's weight is counted as NF4 (half a byte a weight "
                      "and its scales) plus one dequantised copy at a time; `--finetune` compares with LoRA and a full fine-tune")
     if spec.key == "cpu":
         notes.append("cpu: no caching allocator (reserved = allocated); no CPU throughput figures, the time is a rough guide")

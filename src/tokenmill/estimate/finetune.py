@@ -10,10 +10,10 @@ Every column starts from the recipe fine-tuners run (:data:`~tokenmill.config.me
 bf16 weights, activation checkpointing, the chunked loss; :func:`with_recipe`), except where the user chose
 the field (on the command line or in a ``--config`` file): the report names what it set.
 
-QLoRA's term (:func:`qlora_mb`): the LoRA estimate less what the NF4 base saves. Every adapted projection's
-weight takes :func:`~tokenmill.model.lora.nf4_bytes` (half a byte per weight, an int8 scale per 64 and an
+QLoRA's term (:func:`qlora_mb`): the LoRA estimate less what the NF4 base saves. Every block projection's
+weight (adapted or not, as QLoRA quantises every Linear of the blocks) takes :func:`~tokenmill.model.lora.nf4_bytes` (half a byte per weight, an int8 scale per 64 and an
 fp32 factor per group of up to 256 scales: 4.13 bits per weight) instead of its dtype's width, plus one
-transient: the largest adapted weight dequantised in its dtype and cast for the matmul (torchao's NF4
+transient: the largest projection's weight dequantised in its dtype and cast for the matmul (torchao's NF4
 linear dequantises one projection at a time, in the forward and again in the backward). Embeddings, norms
 and the head keep their width; activations, gradients and optimizer state are LoRA's.
 """
@@ -77,7 +77,7 @@ def with_recipe(cfg: C.Config, chosen: Iterable[str] = ()) -> tuple[C.Config, li
 
 def qlora_mb(cfg: C.Config, lora_peak_mb: float) -> float:
     """A QLoRA fine-tune's peak reserved memory (MiB), from the LoRA estimate of the same config: the
-    adapted weights as NF4 (module doc)."""
+    block projections' weights as NF4 (module doc)."""
     full, nf4, transient = nf4_base_bytes(cfg, vocab_size_of(cfg), cfg.lora.rank or DEFAULT_RANK)
     return lora_peak_mb - (full - nf4 - transient) / MB
 
@@ -112,7 +112,7 @@ def format_finetune(cfg: C.Config, nproc: int = 1, chosen: Iterable[str] = ()) -
         f"LoRA: rank {lo.rank}, alpha {lo.alpha:g} on {roles}: {trained / 1e6:,.2f}M trainable parameters "
         f"({100 * trained / total:.2f}%), the base frozen (no gradients, no optimizer state)",
         "",
-        "QLoRA: the same adapters over the base's adapted weights stored as NF4 (lora.quantize_base nf4, "
+        "QLoRA: the same adapters over the blocks' projection weights stored as NF4 (lora.quantize_base nf4, "
         "about 4.1 bits per weight)",
         "",
         f"  {'GPU':<12}{'memory':>10}   {'full fine-tune':<22}{'LoRA':<22}{'QLoRA':<22}",

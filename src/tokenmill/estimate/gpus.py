@@ -28,6 +28,7 @@ class GPU:
     link: str
     sm: int = 0  # streaming multiprocessors (datasheet): the waves of a matrix product's tiles
     cc: tuple = (0, 0)  # compute capability: 8.0 Ampere A100, 8.9 Ada, 9.0 Hopper
+    pcie: int = 0  # PCIe generation of the host link (x16): roofline.host_link_bytes_s
 
     @property
     def cublas_workspace(self) -> int:
@@ -47,7 +48,7 @@ class GPU:
 
 
 GPUS: dict[str, GPU] = {g.key: g for g in (
-    *(GPU(r.key, r.name, r.memory_mb, r.hbm_gbs, r.link_gbs, r.link, r.sm, r.cc) for r in GPU_TABLE if r.key),
+    *(GPU(r.key, r.name, r.memory_mb, r.hbm_gbs, r.link_gbs, r.link, r.sm, r.cc, r.pcie) for r in GPU_TABLE if r.key),
     GPU("cpu", "cpu", 0, 50, 10, "shared memory"),
 )}
 _ALIASES = {"a100": "a100-80gb", "h100": "h100-sxm", "4090": "rtx-4090", "rtx4090": "rtx-4090"}

@@ -32,7 +32,7 @@ see is added here, from the config's shapes:
   operations per expert at ``estimate.host.HOST_OP_US`` each: the larger of that and the GPU's time;
 - **the all-to-all**: dispatch and combine, forward and backward (and the recomputed forward under
   activation checkpointing), each moving ``tokens x top_k x C`` activations of which ``(ep - 1) / ep`` leave
-  the rank, at the GPU's link bandwidth (NVLink or PCIe, :mod:`.gpus`) and ``LINK_EFFICIENCY``, on the
+  the rank, at the GPU's link bandwidth (NVLink or PCIe, :mod:`.gpus`) x ``LINK_EFFICIENCY``, on the
   critical path (the experts wait for their tokens);
 - FSDP's all-gathers and reduce-scatters of the experts move ``1 / ep`` of the bytes, within groups of
   ``dp / ep`` ranks.
@@ -137,7 +137,7 @@ def expert_impl(cfg: C.Config, gpu: GPU, mm_math: str) -> str:
 def moe_terms(cfg: C.Config, lay, gpu: GPU, plan, tokens: int) -> dict[str, Any]:
     """The MoE parts of one rank's step (module doc); ``tokens``: one micro-batch's tokens on a rank."""
     from tokenmill.estimate.host import HOST_OP_US
-    from tokenmill.estimate.roofline import LINK_EFFICIENCY
+    from tokenmill.estimate.roofline import link_bandwidth
     from tokenmill.estimate.step import _state_bytes
 
     m, ep = cfg.model, cfg.parallel.ep
@@ -185,7 +185,7 @@ def moe_terms(cfg: C.Config, lay, gpu: GPU, plan, tokens: int) -> dict[str, Any]
         "grouped_matmul_traced_ms": 1000 * traced * layers * A,
         "grouped_matmul_efficiency": (ideal / real / peak) if (peak and real and cuda) else None,
         "all_to_all_mb": a2a * layers * A / MB,
-        "all_to_all_ms": 1000 * a2a * layers * A / (gpu.link_gbs * 1e9 * LINK_EFFICIENCY),
+        "all_to_all_ms": 1000 * a2a * layers * A / link_bandwidth(gpu),
         "a2a_buffer_bytes": 2 * slots * C_ * act if ep > 1 else 0,
         "link": gpu.link,
     }
@@ -293,12 +293,12 @@ def ep_memory(cfg: C.Config, spec: GPU, plan, pieces, t: dict[str, Any]):
 def _fsdp_expert_comm_delta(cfg: C.Config, lay, gpu: GPU, t: dict[str, Any]) -> float:
     """Seconds FSDP's expert all-gathers and reduce-scatters lose with ``ep`` (negative): the trace charged
     every expert over ``dp_shard`` ranks; with ``ep`` each rank gathers ``1 / ep`` of them over ``dp / ep``."""
-    from tokenmill.estimate.roofline import LINK_EFFICIENCY
+    from tokenmill.estimate.roofline import link_bandwidth
 
     ep, n = cfg.parallel.ep, lay.dp_shard
     if ep == 1 or n == 1:
         return 0.0
-    bw = gpu.link_gbs * 1e9 * LINK_EFFICIENCY
+    bw = link_bandwidth(gpu)
     mixed = cfg.parallel.fsdp_mixed_precision == "bf16"
     numel, width = t["expert_params"], t["param_width"]
     gathers = (2 if cfg.parallel.fsdp_reshard_after_forward else 1) * cfg.train.grad_accum_steps

@@ -48,6 +48,7 @@ class PieceTrace:
     harness: set[int] = field(default_factory=set)  # storages made by the harness, not the model
     buffer_bytes: int = 0
     host_sizes: list[int] = field(default_factory=list)  # memory.offload_activations: what one forward moves, in order
+    nf4_sizes: list[tuple[int, int]] = field(default_factory=list)  # QLoRA: (elements, bytes each) per NF4 weight
 
     @property
     def host_bytes(self) -> int:

@@ -5,7 +5,7 @@ Every kernel the trace records (:class:`~tokenmill.estimate.trace.OpCost`) costs
 - matrix products: the larger of their math time, FLOPs / (dense peak of its math mode x efficiency), and their
   memory time, the bytes of both operands and the output / (memory bandwidth x ``MEMORY_EFFICIENCY``), so a
   skinny product (a LoRA adapter's rank-8 factor) is priced by the bytes it moves, not as compute. The
-  efficiency is not a hand-set curve: it is what large products reach (``MATMUL_EFFICIENCY``, measured) times
+  efficiency is not a hand-set curve: it is what large products reach (``MATMUL_EFFICIENCY``, measured per GPU) times
   the share of the SMs the product's tiles keep busy (:func:`quantization`: tile and wave quantization over the
   GPU's SM count, NVIDIA's "Matrix Multiplication Background User's Guide"), times ``UNALIGNED`` when a
   dimension is not a multiple of 8 (an unpadded vocabulary: cuBLAS falls back to slower kernels); fused
@@ -13,7 +13,7 @@ Every kernel the trace records (:class:`~tokenmill.estimate.trace.OpCost`) costs
   size, scaled by the SMs their grid fills (:mod:`.attention`). The math mode is the operands' dtype (bf16/fp16); fp32
   matmuls run on TF32 tensor cores with ``train.tf32``. Peaks: :data:`tokenmill.model.flops.PEAK_FLOPS`;
   ``benchmarks/validation/gemm_efficiency.py`` measures all of it on a lent GPU (``benchmarks/session.py``);
-- QLoRA's base (``lora.quantize_base='nf4'``): torchao dequantises every adapted weight in the forward and
+- QLoRA's base (``lora.quantize_base='nf4'``): torchao dequantises every block projection's weight in the forward and
   again in the backward (:func:`nf4_dequant_costs`: its kernels and the bytes they move);
 - everything else: bytes read and written / (memory bandwidth x ``MEMORY_EFFICIENCY``);
 - ``KERNEL_MIN_US`` (a kernel never takes less).
@@ -71,11 +71,33 @@ from tokenmill.estimate.trace import Pieces
 # Every constant names its source: a published measurement, a count read from the code that runs, or one still
 # to be measured (benchmarks/validation/gemm_efficiency.py, a part of benchmarks/session.py; docs/estimate.md lists
 # those). None is chosen by its score on the validation set.
-# Share of the dense peak a large product reaches when its tiles fill every SM: 780 TFLOPS of the H100 SXM's 989
-# for a bf16 4224 x 8192 x 2048 product (two full waves of 128 x 256 tiles on 132 SMs), H. He's measurement
-# (gist.github.com/Chillee/2ec89696db8b7ed1c24461159e325405, with Inductor's CUTLASS autotuning: an upper end for
-# cuBLAS); to be replaced by gemm_efficiency.py's own figure per GPU.
-MATMUL_EFFICIENCY = 780 / 989
+# Share of the dense peak a large product reaches when its tiles fill every SM, per GPU (the estimator's keys).
+# One methodology where it exists: S. Bekman's "Maximum Achievable Matmul FLOPS" (MAMF) BF16 table
+# (github.com/stas00/ml-engineering, compute/accelerator/README.md at commit 744d01e1): mamf-finder.py times
+# torch.mm over a sweep of shapes (CUDA events, L2 flushed, mean of 100 runs after 50 warm-ups) and reports the
+# best shape's mean TFLOPS, over the dense peak it names. The RTX 4090, which that table lacks: the mean of the
+# bf16 torch.mm TFLOPS that github.com/zzc0721/torch-performance-test-data issue 78 reports (torch 2.7.0+cu128;
+# square n x n, 30 runs after 6 warm-ups, wall clock) at the sizes whose 256 x 128 output tiles alone fill its 128
+# SMs (n >= 2048; n = 1024 has 32 such tiles), a rule fixed before any validation result was looked at; over the
+# Ada whitepaper's 165.2 TFLOPS (BF16, FP32 accumulate, dense). Cross-check, not used: fp16 167.1 / 158.6 TFLOPS at
+# n = 2048 / 8192 on a 4090 (github.com/mli/transformers-benchmarks issue 4). A GPU without a published figure
+# takes the H100 SXM's share (:func:`large_matmul_share`); gemm_efficiency.py measures the share on a lent GPU.
+MATMUL_EFFICIENCY = {
+    "a100-40gb": 271.2 / 312,  # MAMF "NVIDIA A100 SXM": 271.2 of 312 TFLOPS (86.9%), 1024x10240x5120, torch 2.6.0
+    "a100-80gb": 271.2 / 312,  # the same row: the table names no memory size; both are SXM4, 108 SMs at 1410 MHz
+    "h100-sxm": 794.5 / 989,  # MAMF "NVIDIA H100 SXM": 794.5 of 989 TFLOPS (80.3%), 2048x2048x13312, torch 2.7.0
+    "h200": 794.5 / 989,  # the H100 SXM row, whose note reads "H200 is the same"
+    "h100-pcie": 794.5 / 989,  # no published figure: the H100 SXM's share
+    "l4": 794.5 / 989,  # no published figure: the H100 SXM's share
+    "rtx-4090": (164.81 + 151.50 + 160.17 + 158.54) / 4 / 165.2,  # issue 78, n = 2048, 4096, 8192, 10240: 96.1%
+}
+
+
+def large_matmul_share(gpu: GPU) -> float:
+    """``MATMUL_EFFICIENCY`` of ``gpu``; a GPU it does not list (the CPU) takes the H100 SXM's."""
+    return MATMUL_EFFICIENCY.get(gpu.key, MATMUL_EFFICIENCY["h100-sxm"])
+
+
 UNALIGNED = 0.6  # not sourced: cuBLAS's kernels for a dimension not a multiple of 8; gemm_efficiency.py measures it
 # bf16/fp16 fused attention on Ampere and newer: FlashAttention-2's published throughput by sequence length and
 # head size (estimate/attention.py). What is left, fp32 inputs (the memory-efficient kernel) and older GPUs, runs
@@ -93,7 +115,17 @@ MEMORY_EFFICIENCY = {"a100": 0.53, "h100": 0.59}
 # blocks per kernel (MultiTensorApply.cuh before CUDA 13): PyTorch PR #134373 measured 1,458 GB/s for
 # _foreach_copy_ on an H100 SXM (3,350 GB/s datasheet) through them
 FOREACH_MEMORY_EFFICIENCY = 1458 / 3350
-LINK_EFFICIENCY = 0.80  # not sourced: NCCL bus bandwidth / link bandwidth
+# Bus bandwidth NCCL's collectives reach / the link's datasheet rate per direction (link_bandwidth), from the
+# bandwidths NCCL's own topology model gives a link (the code that runs: NVIDIA/nccl src/graph/topo.h and topo.cc,
+# master 5067397c): an NVLink 20.0 GB/s on compute capability 8.x (SM80_NVLINK_BW; the A100's 12 NVLink-3 links of
+# 25 GB/s: 240 of 300 GB/s) and 20.6 GB/s on 9.x (SM90_NVLINK_BW; the H100's 18 NVLink-4 links: 370.8 of 450);
+# a PCIe x16 link width x GT/s / 8 x 0.75 (kvDictPciGen: 24 GB/s on Gen 4, 48 on Gen 5; 32 and 64 in the table).
+# Published checks: 8 A100-SXM4-80GB (Azure ND A100 v4, NCCL 2.18.5), all_reduce_perf busbw 231.6 GB/s at 8 GB,
+# 0.77 of 300 (github.com/Azure/AI-benchmarking-guide, Azure_Results/ND_A100_v4_results.md); on the H100,
+# S. Jeaugey (NCCL): 370 GB/s for every collective but the all-reduce, and for the ring all-reduce
+# (github.com/NVIDIA/nccl-tests/issues/212). Not modelled: the H100's default all-reduce through NVLink SHARP
+# (NVLS), 478.9 GB/s busbw at 8 GB on 8 H100 SXM (1.06 of 450; Azure ND H100 v5, NCCL 2.18.5, same repository).
+LINK_EFFICIENCY = {"a100": 20.0 / 25, "h100": 20.6 / 25, "pcie": 0.75}
 # GPU-side floor of a kernel: CUDA.jl's measurement, 80 tiny kernels replayed as one CUDA graph in 70 us
 # (host.GRAPH_KERNEL_US); the 2.0 us used before was kept for its validation score, which is no source
 KERNEL_MIN_US = GRAPH_KERNEL_US
@@ -102,9 +134,22 @@ LAUNCH_US = HOST_OP_US + CUDA_LAUNCH_US  # host time per op of Muon's step (esti
 # _foreach_* calls, the fused kernel's one pass over parameter, gradient and both moments
 ADAMW_PASSES = 19
 FUSED_ADAMW_PASSES = 7
-# not sourced: PCIe 4.0 x16's 32 GB/s per direction less its protocol overhead (pinned host <-> GPU copies); measured
-# with both directions at once and beside a matmul by benchmarks/validation/gemm_efficiency.py (host_link)
-PCIE_BYTES_S = 25e9
+# The host link (pinned host <-> GPU copies: activation and optimizer offloading), per direction: an x16 PCIe link's
+# payload rate from the PCIe Base Specification: 8 / 16 / 32 GT/s a lane for generations 3 / 4 / 5, 128b/130b
+# encoding, and a memory write of the 256-byte maximum payload carries 26 bytes of overhead (a 4-DW header with a
+# 64-bit address, 16 bytes; the framing token, 4; the sequence number, 2; the LCRC, 4): 256 / 282 of the encoded
+# rate (Gen 4: 28.6 GB/s, Gen 5: 57.2 GB/s). A ceiling: the copy engines and host memory may deliver less, which
+# benchmarks/validation/gemm_efficiency.py (host_link) measures, each direction alone, both at once and beside a
+# matmul. A GPU the table gives no generation for is taken as Gen 4.
+PCIE_GT_S = {3: 8e9, 4: 16e9, 5: 32e9}
+PCIE_PAYLOAD_SHARE = 256 / (256 + 26)
+
+
+def host_link_bytes_s(gpu: GPU) -> float:
+    """Bytes a second one direction of ``gpu``'s x16 PCIe host link carries (the comment above)."""
+    return PCIE_GT_S[gpu.pcie or 4] * 16 * 128 / 130 / 8 * PCIE_PAYLOAD_SHARE
+
+
 CPU_FLOPS_PER_THREAD = 3e10  # not sourced: a rough CPU guide (fp32, one thread); the CPU is no prediction target
 
 
@@ -144,9 +189,9 @@ def matmul_bytes(c: OpCost) -> float:
 
 
 def matmul_efficiency(c: OpCost, mode: str, gpu: GPU) -> float:
-    """Share of the dense peak a product runs at: ``MATMUL_EFFICIENCY`` x the SMs its tiles keep busy
+    """Share of the dense peak a product runs at: ``MATMUL_EFFICIENCY`` of the GPU x the SMs its tiles keep busy
     (:func:`quantization`), x ``UNALIGNED`` for a misaligned tensor-core product."""
-    eff = MATMUL_EFFICIENCY
+    eff = large_matmul_share(gpu)
     if mode != "fp32" and not c.aligned:
         eff *= UNALIGNED
     if QUANTIZATION and c.dims and gpu.sm:
@@ -157,6 +202,12 @@ def matmul_efficiency(c: OpCost, mode: str, gpu: GPU) -> float:
 def memory_bandwidth(gpu: GPU) -> float:
     """Bytes per second the GPU's element-wise kernels move: its datasheet bandwidth x ``MEMORY_EFFICIENCY``."""
     return gpu.hbm_gbs * 1e9 * MEMORY_EFFICIENCY[arch(gpu.cc)]
+
+
+def link_bandwidth(gpu: GPU) -> float:
+    """Bytes a second NCCL's collectives move per GPU and direction (their bus bandwidth): the datasheet link
+    bandwidth x ``LINK_EFFICIENCY`` of its PCIe link, else of its NVLink by architecture (the CPU's: the A100's)."""
+    return gpu.link_gbs * 1e9 * LINK_EFFICIENCY["pcie" if gpu.link.startswith("PCIe") else arch(gpu.cc)]
 
 
 def attention_share(c: OpCost, mode: str, gpu: GPU) -> float:
@@ -184,7 +235,7 @@ def _op_seconds(c: OpCost, cfg: C.Config, gpu: GPU, cpu_threads: int) -> float:
     return max(t, KERNEL_MIN_US * 1e-6) if c.launches else t  # a kernel fused into the previous one: no floor
 
 
-# QLoRA (lora.quantize_base='nf4'): torchao's NF4 linear (LinearNF4) dequantises the adapted weight to the input's
+# QLoRA (lora.quantize_base='nf4'): torchao's NF4 linear (LinearNF4) dequantises each NF4 weight to the input's
 # dtype in the forward and again in the backward; eagerly through NF4Tensor.get_original_weight, whose ATen
 # operations (torchao 0.18, counted by the recorder: tests/test_estimate_physics.py) are listed below. Compiled,
 # Inductor fuses that element-wise chain into one kernel (assumed, not traced: the estimator's compiled capture
@@ -194,7 +245,7 @@ NF4_EAGER_OPS = 25  # ATen operations dispatched per dequantisation, views inclu
 
 def nf4_dequant_costs(numel: int, elem: int, compiled: bool = False) -> list[OpCost]:
     """The kernels that dequantise one NF4 weight of ``numel`` elements into a dtype of ``elem`` bytes."""
-    from tokenmill.model.lora import NF4_BLOCK, nf4_bytes, nf4_groups
+    from tokenmill.model.nf4 import NF4_BLOCK, nf4_bytes, nf4_groups
 
     if compiled:
         return [OpCost("nf4_dequant", bytes=float(nf4_bytes(numel) + numel * elem))]
@@ -209,27 +260,12 @@ def nf4_dequant_costs(numel: int, elem: int, compiled: bool = False) -> list[OpC
     return [OpCost(n, bytes=float(b)) for n, b in codes + lookup + scalers + scale + stack]
 
 
-def nf4_weights(trace) -> list[tuple[int, int]]:
-    """(elements, bytes per element) of every adapted (LoRA) weight of a traced piece: a QLoRA base's NF4
-    weights."""
-    adapted = {n.rsplit(".lora_A.", 1)[0] for n in trace.param_shape if ".lora_A." in n}
-    out = []
-    for prefix in sorted(adapted):
-        shape, dtype = trace.param_shape.get(prefix + ".weight"), trace.param_dtype.get(prefix + ".weight")
-        if shape is not None:
-            numel = 1
-            for d in shape:
-                numel *= d
-            out.append((numel, dtype.itemsize))
-    return out
-
-
 def nf4_dequant_seconds(trace, compiled: bool, cfg: C.Config, gpu: GPU, threads: int
                         ) -> tuple[float, float, int]:
     """(GPU seconds, host seconds, kernels) of one dequantisation of every NF4 weight of a traced block."""
     gpu_s = host_s = 0.0
     kernels = 0
-    for numel, elem in nf4_weights(trace):
+    for numel, elem in trace.nf4_sizes:
         costs = nf4_dequant_costs(numel, elem, compiled)
         gpu_s += sum(_op_seconds(c, cfg, gpu, threads) for c in costs)
         kernels += len(costs)
@@ -289,7 +325,7 @@ def _pieces_time(pieces: Pieces, plan: Plan, cfg: C.Config, gpu: GPU, threads: i
         fwd.append(f)
         bwd.insert(0, b)
     out["offload"] = offload_stall_seconds([g for _, g in fwd], [g for _, g in reversed(bwd)],
-                                           offloaded_sizes(plan, pieces), PCIE_BYTES_S)
+                                           offloaded_sizes(plan, pieces), host_link_bytes_s(gpu))
     compiled_blocks = sum(pieces.blocks[pieces.kinds[i]].rounds[0].compiled for i in plan.stage_blocks)
     calls = graph_call_seconds(cfg, compiled_blocks) / 2  # the forward graphs' calls, then the backward's
     out["host"] += 2 * calls
@@ -360,8 +396,8 @@ def _optimizer_seconds(cfg: C.Config, plan: Plan, gpu: GPU, param_bytes: float) 
         rest = [p for p in trained if not muon_hidden(cfg, p)]
         adam_s, adam_k = _adamw_seconds(cfg, gpu, param_bytes * sum(p.nbytes for p in rest) / total, len(rest))
         launch = LAUNCH_US * 1e-6 if gpu.key != "cpu" else 0.0
-        muon_s, muon_k = muon_seconds(cfg, trained, gpu.peak("bf16") or 1e13, MATMUL_EFFICIENCY,
-                                      memory_bandwidth(gpu), gpu.link_gbs * 1e9 * LINK_EFFICIENCY,
+        muon_s, muon_k = muon_seconds(cfg, trained, gpu.peak("bf16") or 1e13, large_matmul_share(gpu),
+                                      memory_bandwidth(gpu), link_bandwidth(gpu),
                                       shard, launch)
         return adam_s + muon_s, int(adam_k + muon_k)
     return _adamw_seconds(cfg, gpu, param_bytes, sum(p.trainable for p in plan.params))
@@ -372,7 +408,7 @@ def _adamw_seconds(cfg: C.Config, gpu: GPU, param_bytes: float, n_tensors: int) 
     if mem.optimizer_offload or cfg.parallel.fsdp_cpu_offload:  # the step runs on the host; copies both ways
         elems = param_bytes / 4
         host = elems * 4 * ADAMW_PASSES / 20e9  # not sourced: a multi-threaded CPU AdamW, ~20 GB/s
-        pcie = 2 * param_bytes / PCIE_BYTES_S
+        pcie = 2 * param_bytes / host_link_bytes_s(gpu)
         return host + pcie, 0
     passes = FUSED_ADAMW_PASSES if impl == "fused" else ADAMW_PASSES
     if mem.optimizer_8bit:
@@ -396,7 +432,7 @@ def _comm_seconds(cfg: C.Config, lay: Layout, gpu: GPU, plan: Plan, pieces: Piec
     """(exposed seconds, total seconds) of the collectives of one step."""
     if lay.nproc == 1:
         return 0.0, 0.0
-    bw = gpu.link_gbs * 1e9 * LINK_EFFICIENCY
+    bw = link_bandwidth(gpu)
     param_bytes = sum(p.nbytes for p in plan.params)
     grad_bytes = sum(p.nbytes for p in plan.params if p.trainable)  # a frozen parameter has no gradient
     total = exposed = 0.0

@@ -8,7 +8,8 @@
   first micro-batch creates the gradients, later ones add into them); FSDP gathers each block's
   parameters before its forward and backward (the next block's prefetched in backward), frees them
   after, and reduce-scatters its gradients (after the last micro-batch, or every one with
-  ``parallel.sync_every_microbatch``); the pipeline runs its micro-batches in the schedule's order;
+  ``parallel.sync_every_microbatch``), its buffers and gradient shards on FSDP's own streams (:mod:`.fsdp`);
+  the pipeline runs its micro-batches in the schedule's order;
 - the optimizer step: its state is created on the first step (two moments per parameter, in the
   parameter's dtype, also for FSDP's shards), AdamW's temporaries (``foreach``: a square root per
   parameter of a group at once; ``for-loop``: two per parameter, one parameter at a time; ``fused``:
@@ -32,6 +33,7 @@ from typing import Optional
 import torch
 
 from tokenmill import config as C
+from tokenmill.estimate.fsdp import FsdpComm
 from tokenmill.estimate.techniques import docmask_bytes, muon_hidden, muon_temp_bytes, state_buffers
 from tokenmill.estimate.timeline import Layout, Param, Timeline, _Inst, _size, play_backward, play_forward
 from tokenmill.estimate.trace import Pieces, PieceTrace
@@ -154,7 +156,7 @@ def rank_params(pieces: Pieces, blocks: list[int], has_embed: bool, has_head: bo
     return list(out.values())
 
 
-class Step:
+class Step(FsdpComm):
     """Builds the timeline of ``steps`` training steps of one rank (module doc)."""
 
     def __init__(self, pieces: Pieces, plan: Plan):
@@ -222,40 +224,6 @@ class Step:
             tl.release(gid)  # copied to its pinned host buffer and freed at once
             return
         self.grads[name] = gid
-
-    # FSDP -------------------------------------------------------------------------------------
-    def _unshard(self, params: list[Param]) -> list[int]:
-        """All-gather: a flat output buffer, copied out into the unsharded parameters, then freed."""
-        tl = self.tl
-        dt = torch.bfloat16 if self.cfg.parallel.fsdp_mixed_precision == "bf16" else None
-        total = sum(p.numel * _size(dt or p.dtype) for p in params)
-        buf = tl.alloc(total, "communication buffers")
-        out = [tl.alloc(total, "parameters")]
-        tl.release(buf)
-        return out
-
-    def _reduce_scatter(self, names: list[str], sync: bool) -> None:
-        """After a unit's backward: its unsharded gradients go through a reduce-scatter buffer into
-        the sharded gradients (kept unsharded while accumulating without synchronisation)."""
-        if not sync:
-            return
-        tl = self.tl
-        present = [n for n in names if n in self.grads]
-        if not present:
-            return
-        mixed = self.cfg.parallel.fsdp_mixed_precision == "bf16"  # reduced in fp32; else in the gradients' dtype
-        total = sum(self.by_name[n].numel * (4 if mixed else _size(self.by_name[n].dtype)) for n in present)
-        buf = tl.alloc(total, "communication buffers")
-        for n in present:
-            tl.release(self.grads.pop(n))
-        new = tl.alloc(total * self.shard, "gradients")
-        tl.release(buf)
-        if all(n in self.sharded for n in present):  # added into the sharded gradients, then freed
-            tl.release(new)
-            return
-        for n in present:
-            self.sharded[n] = new
-        self.sharded_ids.add(new)
 
     # the step ---------------------------------------------------------------------------------
     def run(self, steps: int = 2) -> Timeline:
@@ -350,18 +318,18 @@ class Step:
             inst.gy = gy
             play_backward(tl, inst, self._on_grad_renamed(i))
             gy = inst.gx
-            if self.fsdp:
-                self._reduce_scatter([p.name for p in self._block_params(i)], sync)
+            if self.fsdp:  # post_backward: reshard (the unsharded parameters freed), then reduce-scatter
                 for g in held:
                     tl.release(g)
+                self._reduce_scatter([p.name for p in self._block_params(i)], sync)
         tl.release(docmask)
         emb.gy = gy
         play_backward(tl, emb, self._on_grad_renamed(None))
         tl.release(gy)
         if self.fsdp:
-            self._reduce_scatter([p.name for p in plan.params if p.piece != "block"], sync)
             for g in root:
                 tl.release(g)
+            self._reduce_scatter([p.name for p in plan.params if p.piece != "block"], sync)
 
     def _activation_host_bytes(self) -> int:
         return offloaded_bytes(self.plan, self.pieces)

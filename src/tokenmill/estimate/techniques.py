@@ -17,7 +17,9 @@ dimensions: what ``GPT.hidden_matrices`` lists) and leaves the rest to AdamW:
 the bf16 rate on a GPU with FP8 tensor cores, plus the casts' memory traffic
 (:func:`~tokenmill.model.fp8.fp8_matmul_seconds`); on a GPU without FP8 nothing changes (the trainer refuses
 it there). Memory: saved activations do not change (torchao keeps the high-precision input and weight and
-casts again in backward); the float8 copies are transient, one linear at a time.
+casts again in backward; under 'save-matmuls' checkpointing the op policy is asked about ``aten.mm`` on the
+float8 operands, above the subclass's ``_scaled_mm``, and keeps each product's high-precision output, as for
+bf16: ``tests/test_fp8_sac.py``); the float8 copies are transient, one linear at a time.
 
 **Document masking** (``data.document_mask``, :func:`tokenmill.model.layers.document_mask`): one (B, 1, T, T)
 mask per micro-batch, built before the first block and kept until the last block's backward (every layer
@@ -38,7 +40,7 @@ chat folder, :func:`~tokenmill.estimate.sft.packs_chat`) are kept apart the same
 
 **Activation offloading** (:mod:`tokenmill.model.offload`): the copies run on a side stream, down during the
 forward and back during the backward, each direction on its own copy engine over the host link
-(``PCIE_BYTES_S``), so the step pays only what the compute cannot hide (:func:`offload_stall_seconds`): a
+(``roofline.host_link_bytes_s``), so the step pays only what the compute cannot hide (:func:`offload_stall_seconds`): a
 tensor goes down once saved, at most ``IN_FLIGHT`` copies ahead of the compute (the pace is the slower of compute
 and link); a tensor whose copy has not landed when the forward ends stays on the device; in backward, reading a
 tensor brings back the ones saved before it, as many bytes as its own ahead, and the compute waits for its own
@@ -227,23 +229,17 @@ def docmask_attention_seconds(seconds: float, cfg: C.Config, batch: int, seq: in
 
 
 def nf4_base_bytes(cfg: C.Config, vocab: int, rank: int) -> tuple[int, int, int]:
-    """(bytes of the adapted projections' weights at the weights' width, their bytes as NF4, the largest
-    one's transient bytes: its dequantised copy in the forward) for ``cfg``'s ``lora.targets`` at ``rank`` on
-    every block (QLoRA, ``lora.quantize_base = 'nf4'``): the NF4 weights ``model/lora.py`` makes, counted on one
-    block of each kind (``model/build.py lora_on_meta``): each adapted Linear's weight, and each routed experts'
-    stack (``gate_up``, ``down``) as one NF4 tensor."""
+    """(bytes of the NF4 base's weights at the weights' width, their bytes as NF4, the largest one's transient
+    bytes: its dequantised copy in the forward) for ``cfg``'s ``lora.targets`` at ``rank`` (QLoRA,
+    ``lora.quantize_base = 'nf4'``): the NF4 weights ``model/lora.py`` makes (:func:`~tokenmill.model.lora.nf4_weights`:
+    every block projection, and each adapted routed experts' stack as one tensor), counted on one block of each kind
+    (``model/build.py lora_on_meta``)."""
     from tokenmill.model.build import lora_on_meta
-    from tokenmill.model.lora import LoRAExperts, LoRALinear, nf4_bytes
+    from tokenmill.model.lora import nf4_bytes, nf4_weights
 
-    lo = C.LoraConfig(**{**cfg.lora.__dict__, "rank": rank, "quantize_base": "none"})
+    lo = C.LoraConfig(**{**cfg.lora.__dict__, "rank": rank, "quantize_base": "nf4"})
     model, counts = lora_on_meta(cfg.model, vocab, lo)
-    sizes = []  # (elements of one NF4 weight, blocks that hold it)
-    for n, block in zip(counts, model.blocks):
-        for mod in block.modules():
-            if isinstance(mod, LoRALinear):
-                sizes.append((mod.weight.numel(), n))
-            elif isinstance(mod, LoRAExperts):
-                sizes += [(getattr(mod, w).numel(), n) for w in mod.NAMES]
+    sizes = [(k, n) for n, block in zip(counts, model.blocks) for k, _ in nf4_weights(block)]  # (elements, blocks)
     width = 2 if C.concrete(cfg, "cuda").train.precision == "bf16" else 4
     return (width * sum(k * n for k, n in sizes), sum(n * nf4_bytes(k) for k, n in sizes),
             max(k for k, _ in sizes) * (width + 2))

@@ -87,18 +87,19 @@ class Memory:
 
 
 class Timeline:
-    """Allocations ('a', id, bytes, category), frees ('f', id) and markers ('m', text) of one rank."""
+    """Allocations ('a', id, bytes, category, stream), frees ('f', id) and markers ('m', text) of one rank
+    (``stream``: the CUDA stream allocated on, 0 the default one; FSDP's own: :mod:`.fsdp`)."""
 
     def __init__(self) -> None:
         self.ev: list[tuple] = []
         self.holders: dict[int, int] = {}
         self._next = 0
 
-    def alloc(self, nbytes: int, category: str, holders: int = 1) -> int:
+    def alloc(self, nbytes: int, category: str, holders: int = 1, stream: int = 0) -> int:
         gid = self._next
         self._next += 1
         self.holders[gid] = holders
-        self.ev.append(("a", gid, int(nbytes), category))
+        self.ev.append(("a", gid, int(nbytes), category, stream))
         return gid
 
     def hold(self, gid: int) -> None:
@@ -136,9 +137,9 @@ class Timeline:
         for e in self.ev:  # the hot loop of an estimate: kept flat
             kind = e[0]
             if kind == "a":
-                _, gid, size, cat = e
+                _, gid, size, cat, stream = e
                 if malloc is not None:
-                    size = malloc(gid, size)  # the block the allocator hands out
+                    size = malloc(gid, size, stream)  # the block the allocator hands out
                 live[gid] = (size, cat)
                 by_cat[cat] += size
                 total += size

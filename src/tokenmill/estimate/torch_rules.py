@@ -9,8 +9,10 @@ The estimator does not run PyTorch's GPU code; it imitates a few of its rules, e
   rematerialisation, the zero gradient of an unused output; ``torch/_functorch/partitioners.py``);
 - the autocast op lists (:mod:`.device`: which ops run in the lower precision on CUDA;
   ``aten/src/ATen/autocast_mode.cpp``);
-- the CUDA caching allocator (:mod:`.allocator`: pool sizes, rounding, splitting, expandable segments;
-  ``c10/cuda/CUDACachingAllocator.cpp``).
+- the CUDA caching allocator (:mod:`.allocator`: pool sizes, rounding, splitting, expandable segments, one
+  pool per stream; ``c10/cuda/CUDACachingAllocator.cpp``);
+- FSDP2's buffers and the streams they come from (:mod:`.fsdp`: all-gather buffers on the copy-in stream,
+  gradient shards on the reduce-scatter stream, dim-0 padding; ``torch/distributed/fsdp/_fully_shard/``).
 
 The GPUs this project measures on run torch 2.11 and CI runs 2.13: the rules were checked on both.
 ``tests/test_torch_version_rules.py`` fails on a torch outside the range, naming :data:`REREAD`.
@@ -30,6 +32,8 @@ REREAD = (
     "AOTAutograd's min-cut partition (torch/_functorch/partitioners.py) -> estimate/compiled.py",
     "the CUDA autocast op lists (aten/src/ATen/autocast_mode.cpp) -> estimate/device.py",
     "the CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp) -> estimate/allocator.py",
+    "FSDP2's all-gather / reduce-scatter buffers and their streams (torch/distributed/fsdp/_fully_shard/"
+    "_fsdp_collectives.py, _fsdp_param_group.py) -> estimate/fsdp.py",
 )
 
 

@@ -24,6 +24,7 @@ from tokenmill import config as C
 from tokenmill.estimate.device import DeviceModel
 from tokenmill.estimate.pieces import PieceTrace, Round  # noqa: F401
 from tokenmill.estimate.recorder import Recorder
+from tokenmill.model.lora import nf4_weights
 
 
 class _Source(torch.autograd.Function):
@@ -113,6 +114,7 @@ def trace_block(model: nn.Module, block: nn.Module, shape: tuple, act_dtype: tor
             rnd.x, rnd.y, rnd.gy, rnd.gx = bx, by, box.get("gy"), box.get("gx")
             trace.rounds.append(rnd)
             rec.events, rec.costs, rec.n_ops = [], [], 0
+    trace.nf4_sizes = nf4_weights(block)
     return _finish(trace, params)
 
 
@@ -324,21 +326,19 @@ HEAD_ONLY = frozenset({"return_logits", "loss_impl", "loss_chunk_size", "loss_ov
 
 def compiled_pieces(cfg: C.Config, pipelined: bool = False) -> set[str]:
     """The pieces ``torch.compile`` covers under ``cfg.compile`` (:mod:`.compiled`), as
-    :func:`tokenmill.model.build.apply_compile` compiles them: {'embed', 'block', 'head'} for the whole
-    model with the loss, without 'head' when the loss stays outside (``compile.loss_outside``, the chunked
-    loss, a pipeline's loss), {'block'} for ``compile.scope='block'``; empty when compile is off. Offloaded
-    activations (``memory.offload_activations``) go through the compiled graphs' saved tensors
+    :func:`tokenmill.model.build.apply_compile` compiles them (its :func:`~tokenmill.model.build.compile_scope`
+    and :func:`~tokenmill.model.build.compiles_head`): {'embed', 'block'} for the whole model or its trunk,
+    {'block'} for ``compile.scope='block'``, each with 'head' where the head and the loss are compiled too
+    (not with ``compile.loss_outside``, the chunked loss or a pipeline's loss); empty when compile is off.
+    Offloaded activations (``memory.offload_activations``) go through the compiled graphs' saved tensors
     (:func:`tokenmill.estimate.compiled.offloaded`)."""
-    from tokenmill.model.build import compile_scope
+    from tokenmill.model.build import compile_scope, compiles_head
 
     scope = compile_scope(cfg.compile)
     if scope is None:
         return set()
-    if scope == "blocks":
-        return {"block"}
-    if scope == "trunk" or pipelined or cfg.model.loss_impl != "full":
-        return {"embed", "block"}
-    return {"embed", "block", "head"}
+    parts = {"block"} if scope == "blocks" else {"embed", "block"}
+    return parts | ({"head"} if compiles_head(cfg.compile, cfg.model.loss_impl, pipelined) else set())
 
 
 def _trace_pieces(cfg: C.Config, vocab_size: int, device: str, batch: Optional[int], tp: int,

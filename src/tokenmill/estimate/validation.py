@@ -84,8 +84,11 @@ def run_case(case: Case) -> dict[str, Any]:
     from tokenmill.estimate import estimate
     cfg = config_of(case)
     gpu = gpu_spec(case.gpu)
-    if case.capacity_mib:  # the allocator releases its cache at the GPU's capacity: the source's, not the table's
-        gpu = dataclasses.replace(gpu, memory_mb=case.capacity_mib)
+    if case.capacity_mib or case.extra_mib or case.other_mib:
+        # the allocator releases its cache at the GPU's capacity: the source's (not the table's), with the same
+        # headroom the source had, as the config holds extra_mib more and other_mib less than the source did
+        gpu = dataclasses.replace(gpu, memory_mb=(case.capacity_mib or gpu.memory_mb) + case.extra_mib
+                                  - case.other_mib)
     est = estimate(cfg, gpu, case.nproc)
     out: dict[str, Any] = {"id": case.id, "regime": regime_of(cfg, case.nproc), "est_tokens_per_sec": est.tokens_per_sec,
                            "est_memory_mib": None, "memory_error": None, "speed_error": None}

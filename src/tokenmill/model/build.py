@@ -16,15 +16,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from tokenmill import config as C
 from tokenmill.model import lora
 from tokenmill.model.gpt import GPT
 from tokenmill.model.moe import MoE
+from tokenmill.model.recompute import quiet_context_fn_note, save_matmuls_policy
 
 __all__ = ["ParamCounts", "apply_activation_checkpointing", "apply_compile", "apply_document_mask", "apply_lora",
-           "compile_scope",
+           "compile_scope", "compiles_head",
            "apply_precision", "build_gpt", "checkpointed_blocks", "count_params", "param_counts",
            "lora_model_roles", "lora_on_meta", "one_block_of_each", "save_matmuls_policy", "trainable_params"]
 
@@ -105,37 +106,13 @@ def apply_activation_checkpointing(model: nn.Module, every_n: int, policy: str =
     kwargs = {}
     if policy == "save-matmuls":
         kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, save_matmuls_policy)
+        quiet_context_fn_note()
     for i, block in model.present_blocks():
         if wrap[i]:
             model.blocks[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)
     return model
 
 
-_ATEN = torch.ops.aten
-# what 'save-matmuls' keeps: matrix products (FP8's _scaled_mm too; the routed experts' _grouped_mm where this torch
-# has it) and the fused attention kernels of every backend
-_MATMULS = frozenset(getattr(_ATEN, n).default for n in (
-    "mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_fused_attention_overrideable", "_grouped_mm") if hasattr(_ATEN, n))
-
-
-def save_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """The 'save-matmuls' op policy: keep the outputs of matrix products and fused attention (the costly
-    kernels to recompute), recompute everything else (norms, activations, RoPE, dropout, adds: cheap,
-    memory-bound). A fused attention with dropout is recomputed too: it draws random numbers, and
-    skipping it in the recomputation would shift the random stream of every dropout after it (the
-    recomputation must draw what the forward drew, in the same order)."""
-    if op not in _MATMULS:
-        return CheckpointPolicy.PREFER_RECOMPUTE
-    names = [a.name for a in op._schema.arguments]
-    if "dropout_p" in names:
-        i = names.index("dropout_p")
-        p = kwargs.get("dropout_p", args[i] if i < len(args) else 0.0)
-        if p:
-            return CheckpointPolicy.PREFER_RECOMPUTE
-    return CheckpointPolicy.MUST_SAVE
 
 
 def apply_document_mask(model: GPT, cfg: C.DataConfig, eot_id: int | None) -> GPT:
@@ -196,18 +173,31 @@ def lora_model_roles(cfg: C.ModelConfig, lora_cfg: C.LoraConfig) -> tuple[str, .
 
 
 def compile_scope(cfg: C.CompileConfig) -> str | None:
-    """What :func:`apply_compile` compiles: None (compile off), 'trunk' (``compile.loss_outside``: up to the
-    final norm), 'blocks' (``compile.scope='block'``: each block on its own) or 'model' (one graph with the
-    head and the loss). The estimator reads it too (``estimate/trace.py compiled_pieces``)."""
+    """How :func:`apply_compile` compiles the trunk: None (compile off), 'trunk' (``compile.scope='model'`` with
+    ``compile.loss_outside``: one graph up to the final norm), 'blocks' (``compile.scope='block'``: each block
+    on its own) or 'model' (one graph of the whole model). Whether the head and the loss are compiled too:
+    :func:`compiles_head`. The estimator reads both (``estimate/trace.py compiled_pieces``)."""
     if not cfg.enabled:
         return None
-    return "trunk" if cfg.loss_outside else "blocks" if cfg.scope == "block" else "model"
+    if cfg.scope == "block":
+        return "blocks"
+    return "trunk" if cfg.loss_outside else "model"
+
+
+def compiles_head(cfg: C.CompileConfig, loss_impl: str, pipelined: bool) -> bool:
+    """Whether the head and the full cross-entropy (``GPT.head_loss``) run compiled: inside the whole model's
+    graph (scope 'model'), or as one graph of their own beside the blocks' (scope 'block', as torchtitan's
+    ``build_cross_entropy_loss`` and torchtune's ``compile_loss`` compile the loss beside per-block compile).
+    Never with ``compile.loss_outside``, the chunked loss (``model.loss_impl='chunked'``: costed eager) or a
+    pipeline (its schedule applies the head and the loss outside the stage)."""
+    return compile_scope(cfg) in ("model", "blocks") and not cfg.loss_outside and loss_impl == "full" and not pipelined
 
 
 def apply_compile(model: nn.Module, cfg: C.CompileConfig) -> nn.Module:
-    """``compile.*``: torch.compile in place (``nn.Module.compile``), so parameter names and checkpoints
-    never carry ``_orig_mod.`` prefixes; ``compile.scope='block'`` compiles each block separately;
-    ``compile.loss_outside`` compiles the trunk and leaves the head and the loss eager (:func:`compile_scope`)."""
+    """``compile.*``: torch.compile in place (``nn.Module.compile``, and the bound ``head_loss`` replaced by its
+    compiled form on the instance), so parameter names and checkpoints never carry ``_orig_mod.`` prefixes;
+    ``compile.scope='block'`` compiles each block separately and, where :func:`compiles_head`, the head with
+    the loss as one more graph; ``compile.loss_outside`` leaves the head and the loss eager (:func:`compile_scope`)."""
     scope = compile_scope(cfg)
     if scope is None:
         return model
@@ -217,6 +207,9 @@ def apply_compile(model: nn.Module, cfg: C.CompileConfig) -> nn.Module:
     elif scope == "blocks":
         for _, block in model.present_blocks():
             block.compile(**kwargs)
+        stage = model.ln_f is None or model.lm_head is None or model.hidden_output  # a pipeline stage
+        if compiles_head(cfg, model.cfg.loss_impl, stage):
+            model.head_loss = torch.compile(model.head_loss, **kwargs)  # an attribute, not a module: no new names
     else:
         model.compile(**kwargs)
     return model

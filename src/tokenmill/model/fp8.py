@@ -35,7 +35,7 @@ from tokenmill.config.matrices import Matrix, block_matrices
 from tokenmill.errors import ConfigError
 from tokenmill.model.flops import peak_flops
 from tokenmill.model.gpus import gpu_facts
-from tokenmill.model.lora import torchao_quietly
+from tokenmill.model.nf4 import torchao_quietly
 
 FP8_ALIGN = 16  # torch._scaled_mm needs both sizes of the weight to be multiples of 16
 FP8_MIN_CAPABILITY = (8, 9)

@@ -14,7 +14,8 @@ cores, 'fp32' the non-tensor FP32 rate; None: no such mode, or no figure we are 
 reported). ``memory_mb`` is the memory CUDA reports as total (MiB); ``hbm_gbs`` the memory bandwidth;
 ``link_gbs`` what one GPU can send to its peers in one direction (NVLink for the SXM parts, else PCIe); ``sm``
 the streaming multiprocessors and ``cc`` the compute capability (NVIDIA's datasheets and CUDA's
-compute-capability table). ``tensor_cores``: bf16/TF32 tensor cores (compute capability 8.0 and newer), what the
+compute-capability table); ``pcie`` the generation of the x16 PCIe link to the host (datasheets: 'PCIe Gen4',
+'PCIe Gen5'; 0 where not given). ``tensor_cores``: bf16/TF32 tensor cores (compute capability 8.0 and newer), what the
 doctor's fp32-math rule asks when a run recorded no capability; implied by ``fp8`` or a bf16 peak, else given.
 
 Rows with no peak (MFU None) stand for their tensor-core and FP8 facts alone: A10, A10G, A30, A40, L40, the RTX A
@@ -54,7 +55,8 @@ class GPUFacts:
     link: str = ""
     sm: int = 0
     cc: tuple = (0, 0)
-    tensor_cores: bool = False  # bf16/TF32 tensor cores; set from ``fp8`` or a bf16 peak when those say so
+    tensor_cores: bool = False
+    pcie: int = 0  # PCIe generation of the host link (x16)  # bf16/TF32 tensor cores; set from ``fp8`` or a bf16 peak when those say so
 
     def __post_init__(self):
         if self.fp8 or self.peaks.get("bf16") is not None:
@@ -64,25 +66,26 @@ class GPUFacts:
 GPU_TABLE: tuple[GPUFacts, ...] = (
     GPUFacts(("GH200",), _HOPPER_SXM, True),
     GPUFacts(("H200", "NVL"), _UNKNOWN, True),  # NVL parts run lower clocks than SXM
-    GPUFacts(("H200",), _HOPPER_SXM, True, "h200", "NVIDIA H200", 143_771, 4_800, 450, _NVLINK4, 132, (9, 0)),
+    GPUFacts(("H200",), _HOPPER_SXM, True, "h200", "NVIDIA H200", 143_771, 4_800, 450, _NVLINK4, 132, (9, 0),
+             pcie=5),
     GPUFacts(("H100", "NVL"), _UNKNOWN, True),
     GPUFacts(("H100", "PCIE"), {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51.2e12}, True,
-             "h100-pcie", "NVIDIA H100 PCIe", 81_079, 2_000, 64, "PCIe 5.0 x16", 114, (9, 0)),
+             "h100-pcie", "NVIDIA H100 PCIe", 81_079, 2_000, 64, "PCIe 5.0 x16", 114, (9, 0), pcie=5),
     GPUFacts(("H100", "SXM5"), _HOPPER_SXM, True),
     GPUFacts(("H100", "SXM"), _HOPPER_SXM, True),
     GPUFacts(("H100", "HBM3"), _HOPPER_SXM, True,  # the SXM part reports "NVIDIA H100 80GB HBM3"
-             "h100-sxm", "NVIDIA H100 80GB HBM3", 81_079, 3_350, 450, _NVLINK4, 132, (9, 0)),
+             "h100-sxm", "NVIDIA H100 80GB HBM3", 81_079, 3_350, 450, _NVLINK4, 132, (9, 0), pcie=5),
     GPUFacts(("H100",), _UNKNOWN, True),
     GPUFacts(("A100", "40GB"), _A100, False, "a100-40gb", "NVIDIA A100-SXM4-40GB", 40_536, 1_555, 300, _NVLINK3, 108,
-             (8, 0)),
+             (8, 0), pcie=4),
     GPUFacts(("A100", "80GB"), _A100, False, "a100-80gb", "NVIDIA A100-SXM4-80GB", 81_038, 2_039, 300, _NVLINK3, 108,
-             (8, 0)),
+             (8, 0), pcie=4),
     GPUFacts(("A100",), _A100, False),
     GPUFacts(("L40S",), {"bf16": 362.05e12, "fp16": 362.05e12, "tf32": 183e12, "fp32": 91.6e12}, True),
     GPUFacts(("L4",), {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30.3e12}, True,
-             "l4", "NVIDIA L4", 22_491, 300, 32, "PCIe 4.0 x16", 58, (8, 9)),
+             "l4", "NVIDIA L4", 22_491, 300, 32, "PCIe 4.0 x16", 58, (8, 9), pcie=4),
     GPUFacts(("RTX", "4090"), {"bf16": 165.2e12, "fp16": 165.2e12, "tf32": 82.6e12, "fp32": 82.6e12}, True,
-             "rtx-4090", "NVIDIA GeForce RTX 4090", 24_217, 1_008, 32, "PCIe 4.0 x16", 128, (8, 9)),
+             "rtx-4090", "NVIDIA GeForce RTX 4090", 24_217, 1_008, 32, "PCIe 4.0 x16", 128, (8, 9), pcie=4),
     GPUFacts(("L40*",), _UNKNOWN, True),  # L40 (Ada); L40S has its row above
     GPUFacts(("A10*",), _UNKNOWN, tensor_cores=True),  # A10, A10G, RTX A1000 (Ampere); A100 has its rows above
     GPUFacts(("A30*",), _UNKNOWN, tensor_cores=True),  # A30, RTX A3000 (Ampere)

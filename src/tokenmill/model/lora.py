@@ -15,7 +15,10 @@ q/k/v. The adapted module keeps the base's parameter names (``weight``, ``bias``
 :func:`merge_lora` folds the adapters into the base weights (``W + (alpha / r) B A``, computed in fp32),
 giving a plain model: what ``sample``, ``eval`` and ``export`` load.
 
-QLoRA (``lora.quantize_base = 'nf4'``): the frozen ``W`` of every adapted projection is stored as torchao's
+QLoRA (``lora.quantize_base = 'nf4'``): the frozen ``W`` of every block projection (q, k, v, o, gate, up, down,
+adapted or not, as QLoRA, PEFT with bitsandbytes and torchtune quantise every Linear of the blocks; the embeddings,
+norms and head stay in their dtype; a projection without an adapter becomes a :class:`LoRALinear` with no
+roles) and the routed experts' stacks where they are adapted is stored as torchao's
 NF4 tensor (4-bit NormalFloat codes, one absmax scale per block of :data:`NF4_BLOCK` weights, the scales
 themselves quantised to int8 in groups of up to :data:`NF4_SCALE_GROUP`), and torchao's NF4 linear
 dequantises it to the input's dtype in the forward and again in the backward (only the 4-bit form is kept
@@ -40,10 +43,7 @@ refused.
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import math
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -52,178 +52,24 @@ from torch import nn
 from tokenmill.config import LoraConfig, lora_roles
 from tokenmill.errors import ConfigError
 from tokenmill.model.moe import Experts
+from tokenmill.model.nf4 import (
+    NF4_BLOCK,
+    NF4_SCALE_GROUP,
+    NF4Base,
+    is_nf4,
+    nf4_bytes,
+    nf4_groups,
+    nf4_linear,
+    nf4_product,
+    to_nf4,
+    torchao_quietly,
+)
 
 __all__ = ["NF4_BLOCK", "NF4_SCALE_GROUP", "LoRAExperts", "LoRALinear", "apply_lora", "merge_lora", "nf4_bytes",
-           "to_nf4"]
-
-NF4_BLOCK = 64  # weights per absmax scale (QLoRA's block, torchao's default)
-NF4_SCALE_GROUP = 256  # scales per double-quantisation group, at most (torchao's default)
-_NF4_KEYS = ("_nf4_scales", "_nf4_factors", "_nf4_mean")  # after a weight's name; the name alone: the codes
+           "nf4_groups", "nf4_weights", "to_nf4", "torchao_quietly"]
 
 
-@contextlib.contextmanager
-def torchao_quietly():
-    """Import torchao (and its modules) without the start-up lines a user cannot act on: "Failed to load
-    ....so" for the optional CUDA kernels this build of torchao has for another Python or GPU (the paths
-    tokenmill uses do not need them; torchao logs them at WARNING) and torch's deprecation note about the
-    enums torchao registers. Logger levels and warnings filters for the duration only; errors still raise,
-    and every other warning still shows. torchao is imported through this one helper."""
-    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            for category in (DeprecationWarning, FutureWarning):
-                warnings.filterwarnings("ignore", category=category)
-            import torchao  # noqa: F401  (its import is where the noise comes from)
-
-            yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
-
-
-def _torchao_to_nf4():
-    """torchao's ``to_nf4`` (its current home, then the older ``torchao.dtypes``), or a one-line error."""
-    try:
-        with torchao_quietly():
-            from torchao.quantization import to_nf4 as convert
-    except ImportError as e:
-        first = e
-        try:
-            with torchao_quietly():
-                from torchao.dtypes.nf4tensor import to_nf4 as convert
-        except ImportError:
-            raise ConfigError(f"lora.quantize_base='nf4' needs torchao's NF4 tensor, which could not be imported "
-                              f"({first}): `pip install torchao`, or use --lora.quantize_base none (plain LoRA).") \
-                from None
-    return convert
-
-
-def nf4_groups(numel: int) -> tuple[int, int]:
-    """(blocks of :data:`NF4_BLOCK` weights, scales per double-quantisation group) of a weight of ``numel``
-    elements: the group is the largest divisor of the block count up to :data:`NF4_SCALE_GROUP` that is a
-    power of two (torchao needs the groups to tile the scales)."""
-    return numel // NF4_BLOCK, math.gcd(numel // NF4_BLOCK, NF4_SCALE_GROUP)
-
-
-def nf4_bytes(numel: int) -> int:
-    """Bytes of an NF4 weight of ``numel`` elements as stored: half a byte per weight, an int8 scale per
-    block, an fp32 factor per scale group (plus the mean and the 16-entry code table, in fp32)."""
-    blocks, group = nf4_groups(numel)
-    return numel // 2 + blocks + 4 * (blocks // group) + 4 + 16 * 4
-
-
-def to_nf4(w: torch.Tensor) -> torch.Tensor:
-    """``w`` (a frozen 2-D weight) as torchao's NF4 tensor, in ``w``'s dtype; its size must be a multiple of
-    :data:`NF4_BLOCK`."""
-    if w.numel() % NF4_BLOCK:
-        raise ConfigError(f"lora.quantize_base='nf4' quantises blocks of {NF4_BLOCK} weights, but a {tuple(w.shape)} "
-                          f"projection has {w.numel()} (not a multiple of {NF4_BLOCK}); use --lora.quantize_base none "
-                          "or leave that projection out of lora.targets.")
-    return _torchao_to_nf4()(w.detach().contiguous(), NF4_BLOCK, nf4_groups(w.numel())[1])
-
-
-def _nf4_codes(w: torch.Tensor) -> torch.Tensor:
-    """The 4-bit codes of an NF4 tensor, one uint8 per weight, in ``w``'s shape (torchao packs two
-    consecutive codes per byte, the first in the high half)."""
-    q = w.quantized_data
-    return torch.stack([q >> 4, q & 15], dim=-1).reshape(w.shape)
-
-
-def _is_nf4(t: torch.Tensor) -> bool:
-    return hasattr(t, "quantized_data") and hasattr(t, "get_original_weight")
-
-
-class _NF4Base(nn.Module):
-    """A module whose frozen base weights may be NF4 tensors (QLoRA): casts keep them (a cast would dequantise
-    them) and move them to the adapters' device; state dicts hold them exactly in plain tensors (see the module
-    doc: ``<name>`` the codes, in :meth:`_nf4_shape`, and ``<name>_nf4_scales`` / ``_factors`` / ``_mean``)."""
-
-    def _nf4_names(self) -> list[str]:
-        return [n for n, p in self._parameters.items() if p is not None and _is_nf4(p)]
-
-    def _nf4_shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._parameters[name].shape)
-
-    def _hide(self) -> tuple[list[str], dict[str, nn.Parameter]]:
-        """Take the NF4 weights out of ``_parameters`` (put back by :meth:`_restore`, in their order)."""
-        names = self._nf4_names()
-        return list(self._parameters), {n: self._parameters.pop(n) for n in names}
-
-    def _restore(self, order: list[str], hidden: dict[str, nn.Parameter]) -> None:
-        rest = dict(self._parameters)
-        self._parameters.clear()
-        self._parameters.update({k: hidden[k] if k in hidden else rest[k] for k in order})
-
-    def _apply(self, fn, recurse=True):
-        if not self._nf4_names():
-            return super()._apply(fn, recurse)
-        order, hidden = self._hide()
-        try:
-            super()._apply(fn, recurse)
-        finally:
-            device = next(iter(self.lora_A.values())).device
-            self._restore(order, {n: w if w.device == device else nn.Parameter(w.to(device), requires_grad=False)
-                                  for n, w in hidden.items()})
-        return self
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        for n in self._nf4_names():  # plain tensors, exact: see the module doc
-            w = self._parameters[n]
-            destination[prefix + n] = _nf4_codes(w).reshape(self._nf4_shape(n))
-            for key, t in zip(_NF4_KEYS, (w.quantized_scalers, w.quantization_factor, w.scaler_mean)):
-                destination[prefix + n + key] = t if keep_vars else t.detach()
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        names = self._nf4_names()
-        if not names:
-            return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                                 unexpected_keys, error_msgs)
-        saved = {n: {k: state_dict.pop(prefix + n + k) for k in ("", *_NF4_KEYS) if prefix + n + k in state_dict}
-                 for n in names}
-        order, hidden = self._hide()
-        try:
-            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                          unexpected_keys, error_msgs)
-        finally:
-            self._restore(order, hidden)
-        for n in names:
-            self._load_nf4(prefix + n, hidden[n], self._nf4_shape(n), saved[n], missing_keys, error_msgs)
-
-    @torch.no_grad()
-    def _load_nf4(self, key, w, shape, saved, missing_keys, error_msgs) -> None:
-        """Into the NF4 weight ``w``: the saved codes and scales exactly, or a floating-point weight quantised."""
-        if "" not in saved:
-            missing_keys.append(key)
-            return
-        got = saved[""]
-        if tuple(got.shape) != shape:
-            error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(got.shape)}, the model "
-                              f"has {shape}.")
-            return
-        if got.is_floating_point():  # a full-precision base: quantised here
-            w.copy_(to_nf4(got.to(w.device, w.dtype).reshape(w.shape)))
-            return
-        missing = [key + k for k in _NF4_KEYS if k not in saved]
-        if missing:
-            missing_keys.extend(missing)
-            return
-        codes = got.reshape(-1).to(w.device, torch.uint8)
-        parts = ((w.quantized_data, (codes[0::2] << 4) | codes[1::2]), (w.quantized_scalers, saved[_NF4_KEYS[0]]),
-                 (w.quantization_factor, saved[_NF4_KEYS[1]]), (w.scaler_mean, saved[_NF4_KEYS[2]]))
-        bad = [key + k for k, (mine, theirs) in zip(("", *_NF4_KEYS), parts) if mine.shape != theirs.shape]
-        if bad:
-            error_msgs.append(f"size mismatch for {', '.join(bad)} (NF4 codes and scales of another shape).")
-            return
-        for mine, theirs in parts:
-            mine.copy_(theirs)
-
-
-class LoRALinear(_NF4Base, nn.Linear):
+class LoRALinear(NF4Base, nn.Linear):
     """A Linear (the frozen base's own ``weight`` and ``bias``) with adapters on row ranges of its output.
 
     ``parts``: role -> (first output row, rows); the rows of a role get ``(alpha / rank) B_role A_role
@@ -235,6 +81,7 @@ class LoRALinear(_NF4Base, nn.Linear):
         nn.Module.__init__(self)
         self.in_features, self.out_features = base.in_features, base.out_features
         self.register_parameter("weight", base.weight)
+        self.quantize = quantize  # 'nf4': the base is (on meta: stands for) an NF4 weight
         if quantize == "nf4" and not base.weight.is_meta:  # on meta (estimator, counts): left as it is
             self.weight = nn.Parameter(to_nf4(base.weight), requires_grad=False)
         self.register_parameter("bias", base.bias)
@@ -266,7 +113,10 @@ class LoRALinear(_NF4Base, nn.Linear):
         return F.linear(F.linear(h, self.lora_A[role]), self.lora_B[role]) * self.scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        nf4 = self.quantize == "nf4" and not self.weight.is_meta  # on meta (the estimator): a plain weight
+        y = (nf4_linear if nf4 else F.linear)(x, self.weight, self.bias)
+        if not self.lora_A:  # QLoRA's base of a projection without an adapter
+            return y
         h = self.lora_dropout(x)
         if len(self.segments) == 1:
             return y + self.delta(h, self.segments[0][1])
@@ -279,7 +129,7 @@ class LoRALinear(_NF4Base, nn.Linear):
     def base_weight(self) -> torch.Tensor:
         """``W`` as the forward uses it: dequantised (in its own dtype) when it is stored as NF4."""
         w = self.weight.detach()
-        return w.get_original_weight() if _is_nf4(w) else w
+        return w.get_original_weight() if is_nf4(w) else w
 
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
@@ -295,7 +145,7 @@ class LoRALinear(_NF4Base, nn.Linear):
 
     def extra_repr(self) -> str:
         roles = ", ".join(r for _, r in self.segments if r is not None)
-        nf4 = ", base nf4" if _is_nf4(self.weight) else ""
+        nf4 = ", base nf4" if is_nf4(self.weight) else ""
         return f"{super().extra_repr()}, lora rank={self.rank}, scale={self.scale:g}, roles=[{roles}]{nf4}"
 
 
@@ -321,7 +171,7 @@ class _NF4ExpertProduct(torch.autograd.Function):
         return gx, None, None, None, None
 
 
-class LoRAExperts(_NF4Base, Experts):
+class LoRAExperts(NF4Base, Experts):
     """Routed experts (the frozen base's own stacked ``gate_up`` and ``down``) with a low-rank adapter pair per
     expert on each (see the module doc). The adapters start uninitialised: :meth:`reset_adapter` draws them
     or a checkpoint loads them. QLoRA (``quantize='nf4'``): each stack is held as one NF4 tensor of its
@@ -334,7 +184,7 @@ class LoRAExperts(_NF4Base, Experts):
         self.__dict__.update({k: v for k, v in base.__dict__.items() if not k.startswith("_")})
         for k in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
             setattr(self, k, type(getattr(base, k))(getattr(base, k)))
-        self.rank, self.scale = rank, alpha / rank
+        self.rank, self.scale, self.quantize = rank, alpha / rank, quantize
         shapes = {n: getattr(self, n).shape for n in self.NAMES}  # (E, out, in)
         self.stacks = {n: tuple(v) for n, v in shapes.items()}
         if quantize == "nf4" and not self.gate_up.is_meta:  # on meta (estimator, counts): left as it is
@@ -359,8 +209,8 @@ class LoRAExperts(_NF4Base, Experts):
     def product(self, name: str, xs: torch.Tensor, offs: torch.Tensor | None = None, e: int = 0) -> torch.Tensor:
         """The base product plus ``(alpha / r) (dropout(xs) A_e^T) B_e^T`` for each expert's rows."""
         w = getattr(self, name)
-        if _is_nf4(w):
-            y = _NF4ExpertProduct.apply(xs, w, self.stacks[name], offs, e)
+        if self.quantize == "nf4" and not w.is_meta:  # an NF4 stack (the flag: torch.compile cannot ask the tensor)
+            y = nf4_product(_NF4ExpertProduct.apply, xs, w, self.stacks[name], offs, e)
         else:
             y = super().product(name, xs, offs, e)
         a, b, h = self.lora_A[name], self.lora_B[name], self.lora_dropout(xs)
@@ -373,7 +223,7 @@ class LoRAExperts(_NF4Base, Experts):
     def merged_weight(self, name: str) -> torch.Tensor:
         """``W_e + (alpha / r) B_e A_e`` for every expert, computed in fp32, in ``W``'s dtype."""
         w = getattr(self, name).detach()
-        base = w.get_original_weight().view(self.stacks[name]) if _is_nf4(w) else w
+        base = w.get_original_weight().view(self.stacks[name]) if is_nf4(w) else w
         delta = torch.bmm(self.lora_B[name].float(), self.lora_A[name].float())
         return (base.float() + self.scale * delta).to(w.dtype)
 
@@ -386,7 +236,7 @@ class LoRAExperts(_NF4Base, Experts):
         plain.__dict__.update(self.__dict__)
         plain._parameters = {n: nn.Parameter(self.merged_weight(n)) for n in self.NAMES}
         plain._modules = {k: v for k, v in self._modules.items() if k not in ("lora_A", "lora_B", "lora_dropout")}
-        for k in ("rank", "scale", "stacks"):
+        for k in ("rank", "scale", "stacks", "quantize"):
             plain.__dict__.pop(k, None)
         return plain
 
@@ -435,6 +285,19 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, init: bool = True) -> nn.Modul
     return model
 
 
+def nf4_weights(module: nn.Module) -> list[tuple[int, int]]:
+    """(elements, bytes per element of the dtype it dequantises to) of every weight ``module`` holds as NF4
+    (QLoRA): each quantised projection's weight and each quantised experts' stack, in module order. On
+    ``meta`` (the estimator) the weights that would be quantised, at their dtype."""
+    out = []
+    for m in module.modules():
+        if isinstance(m, LoRALinear) and m.quantize == "nf4":
+            out.append((m.weight.numel(), m.weight.dtype.itemsize))
+        elif isinstance(m, LoRAExperts) and m.quantize == "nf4":
+            out += [(getattr(m, n).numel(), getattr(m, n).dtype.itemsize) for n in m.NAMES]
+    return out
+
+
 def _on_meta(module: nn.Module) -> bool:
     return next(iter(module.parameters())).is_meta
 
@@ -446,6 +309,10 @@ def _adapt_block(block: nn.Module, proj: dict[str, tuple[str, int, int]], roles:
     for role in roles:
         path, start, rows = proj[role]
         by_module.setdefault(path, {})[role] = (start, rows)
+    if cfg.quantize_base != "none":  # QLoRA: every projection's base quantised, adapted or not (module doc)
+        for role, (path, _, _) in proj.items():
+            if role != "experts":
+                by_module.setdefault(path, {})
     adapted: dict[str, nn.Module] = {}
     for path, parts in by_module.items():
         parent, _, name = path.rpartition(".")

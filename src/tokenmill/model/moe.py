@@ -44,7 +44,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tokenmill.config import ModelConfig
-from tokenmill.errors import CheckpointError
+from tokenmill.errors import CheckpointError, ConfigError
 from tokenmill.model.layers import SwiGLU
 
 __all__ = ["MoE", "Experts", "balance_experts", "grouped_mm_runs", "router_loss", "router_stats"]
@@ -143,6 +143,11 @@ class Experts(nn.Module):
             dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
             if impl == "auto":
                 impl = "grouped" if grouped_mm_runs(str(x.device), dt) else "loop"
+            elif impl == "grouped" and not grouped_mm_runs(str(x.device), dt):
+                raise ConfigError(f"model.moe_impl='grouped': torch's grouped matrix product cannot run for "
+                                  f"{str(dt).removeprefix('torch.')} products on {x.device.type} here (under compile "
+                                  "it traces bf16 only); use --model.moe_impl auto (the per-expert loop where it "
+                                  "cannot run) or bf16 products.")
             run = functools.partial(self._run, grouped=impl == "grouped", dtype=dt)
             y = run(xs, counts) if self.dispatch is None else self.dispatch(xs, counts, run)
         y = (y * weights.reshape(-1)[order, None]).to(x.dtype)

@@ -173,7 +173,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
 
 def build_adamw_8bit(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    from tokenmill.model.lora import torchao_quietly
+    from tokenmill.model.nf4 import torchao_quietly
 
     try:
         with torchao_quietly():

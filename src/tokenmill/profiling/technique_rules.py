@@ -115,7 +115,7 @@ def lora_finetune(run: Run) -> Optional[Finding]:
 @typed
 def qlora_finetune(run: Run) -> Optional[Finding]:
     """A LoRA fine-tune over an unquantised base that fills the GPU, where the estimate says QLoRA (the
-    adapted projections' frozen weights stored as NF4, about 4.1 bits per weight) fits."""
+    blocks' projection weights stored as NF4, about 4.1 bits per weight) fits."""
     lo = run.config.lora
     if not lo.rank or (lo.quantize_base or "none") != "none":
         return None
@@ -135,7 +135,7 @@ def qlora_finetune(run: Run) -> Optional[Finding]:
         return None
     ev = [f"a LoRA fine-tune (lora.rank {lo.rank}, the base frozen in its full width) fills "
           f"{pct(fill)} of the GPU",
-          f"with the adapted projections' base weights stored as NF4 (4-bit, about 4.1 bits per weight) the "
+          f"with the blocks' projection weights stored as NF4 (4-bit, about 4.1 bits per weight) the "
           f"estimate is {q / 1024:.1f} GB peak reserved of {cap / 1024:.1f} GB (this config: "
           f"{lora.peak_reserved_mb / 1024:.1f} GB)"]
     sug = [switch("lora.quantize_base", "nf4", "QLoRA: the frozen base stored as 4-bit NF4 (torchao), dequantised "

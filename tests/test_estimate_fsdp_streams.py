@@ -1,0 +1,68 @@
+"""FSDP's separate CUDA streams in the memory estimate: the caching allocator's per-stream pools
+(estimate/allocator.py) and the all-gather / reduce-scatter buffers and gradient shards FSDP2 puts on its own
+streams (estimate/fsdp.py), checked against sizes computed here from the model's parameter shapes."""
+
+import math
+
+import torch
+
+from tokenmill import config as C
+from tokenmill.estimate.allocator import CachingAllocator, MiB
+from tokenmill.estimate.core import _plan, resolve_layout
+from tokenmill.estimate.fsdp import AG_STREAM, RS_STREAM
+from tokenmill.estimate.step import Step
+
+
+def test_a_stream_reuses_only_its_own_cached_blocks():
+    a = CachingAllocator()
+    a.malloc("grad", 30 * MiB, stream=1)  # a 30 MiB segment of stream 1's pool
+    a.free("grad")
+    a.malloc("act", 30 * MiB)  # the default stream cannot take stream 1's cached block: a new segment
+    assert (a.allocated, a.reserved) == (30 * MiB, 60 * MiB)
+    a.free("act")
+    a.malloc("grad2", 20 * MiB, stream=1)  # stream 1 takes its own block back (split: 10 MiB stay cached)
+    a.malloc("act2", 30 * MiB)  # and the default stream its own
+    assert a.reserved == 60 * MiB
+    # before passing the capacity, the cached segments of every stream are released
+    c = CachingAllocator(capacity=100 * MiB)
+    c.malloc("grad", 60 * MiB, stream=1)
+    c.free("grad")
+    c.malloc("act", 60 * MiB)
+    assert c.reserved == 60 * MiB and not c.out_of_memory
+    # expandable segments: one segment per stream, each unmapped at its free end
+    e = CachingAllocator(expandable_segments=True)
+    e.malloc("grad", 30 * MiB, stream=1)
+    e.malloc("act", 30 * MiB)
+    e.free("grad")
+    assert e.reserved == 30 * MiB
+    e.malloc("act2", 10 * MiB)  # grows the default stream's segment, not stream 1's (gone)
+    assert e.reserved == 40 * MiB
+
+
+def _padded(shape: tuple, ranks: int) -> int:
+    """Elements of a parameter in FSDP2's buffers: dim 0 rounded up to a multiple of the ranks."""
+    return math.ceil(shape[0] / ranks) * ranks * math.prod(shape[1:]) if shape else 1
+
+
+def test_fsdp_buffers_and_gradient_shards_on_their_streams():
+    ranks = 4
+    cfg = C.resolve(None, overrides={
+        "data.source": "synthetic", "model.vocab_size": 510, "model.n_layer": 2, "model.n_embd": 64,
+        "model.n_head": 4, "model.block_size": 32, "train.batch_size": 2, "train.precision": "bf16-autocast",
+        "parallel.dp_shard": ranks, "parallel.fsdp_mixed_precision": "bf16"}, overrides_from_string=False)
+    cfg = C.concrete(cfg, "cuda", True)
+    plan, pieces = _plan(cfg, resolve_layout(cfg, ranks), 510, True, 0)
+    tl = Step(pieces, plan).run(steps=1)
+    on = {s: [e[2] for e in tl.ev if e[0] == "a" and e[4] == s] for s in (RS_STREAM, AG_STREAM)}
+    groups = [[p for p in plan.params if p.block == i] for i in range(2)]
+    groups.append([p for p in plan.params if p.piece != "block"])  # the root: embeddings, final norm, head
+    assert any(p.shape[0] % ranks for p in groups[-1])  # the 510-row embedding is padded to 512 rows
+    fp32 = [sum(_padded(p.shape, ranks) for p in g) * 4 for g in groups]  # reduced in fp32
+    bf16 = [sum(math.prod(p.shape) for p in g) * 2 for g in groups]  # gathered in bf16 (the gather's padding not counted)
+    # the gradient shards: the reduce-scatter outputs of the blocks in reverse, then the root's
+    assert on[RS_STREAM] == [fp32[1] // ranks, fp32[0] // ranks, fp32[2] // ranks]
+    # all-gathers: each group's bf16 copy of its shard, then its output buffer; forward (root, blocks) then
+    # backward (blocks in reverse, the next one prefetched)
+    order = [2, 0, 1, 1, 0]
+    assert on[AG_STREAM] == [n for g in order for n in (int(bf16[g] / ranks), bf16[g])]
+    assert all(p.dtype == torch.float32 for p in plan.params)  # the casts exist because the shards are fp32
