@@ -66,3 +66,28 @@ def test_fsdp_buffers_and_gradient_shards_on_their_streams():
     order = [2, 0, 1, 1, 0]
     assert on[AG_STREAM] == [n for g in order for n in (int(bf16[g] / ranks), bf16[g])]
     assert all(p.dtype == torch.float32 for p in plan.params)  # the casts exist because the shards are fp32
+
+
+def test_fsdp_bf16_parameters_are_not_copied_by_autocast():
+    """parallel.fsdp_mixed_precision 'bf16': FSDP hands the forward bf16 parameters, so autocast's cast of one is
+    no copy. The trace's DeviceModel returns the tensor gather_params made before recording (its storage among
+    the ones the recorder leaves out), in every autocast region, and the gradient still reaches the fp32
+    parameter; without it each region casts anew (a copy the recorder counts)."""
+    import torch
+    from torch import nn
+
+    from tokenmill.estimate.device import DeviceModel
+
+    lin = nn.Linear(8, 16, bias=False, device="meta")
+    plain, fsdp = DeviceModel("cuda", torch.bfloat16), DeviceModel("cuda", torch.bfloat16)
+    fsdp.gather_params(lin, torch.bfloat16)
+    (gathered,) = [t for _, t in fsdp._gathered.values()]
+    assert fsdp.gathered_ids == {gathered.untyped_storage()._cdata} and gathered.dtype == torch.bfloat16
+    for mode, same in ((fsdp, True), (plain, False)):
+        seen = []
+        with mode:
+            for _ in range(2):
+                with mode.autocast_region():
+                    seen.append(mode._cast(lin.weight, torch.bfloat16, True))
+        assert (seen[0] is gathered and seen[1] is gathered) == same
+        assert all(s.grad_fn is not None for s in seen)  # the gradient flows back to the parameter

@@ -134,6 +134,11 @@ class DeviceModel(TorchFunctionMode):
         self._depth = 0
         self._in_backward = False
         self._cache: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+        # FSDP's mixed precision hands the forward its parameters already in the compute dtype (gathered in
+        # bf16): autocast's cast of one is then no copy; the gathered tensors, counted by the FSDP replay
+        # (estimate/fsdp.py), stand in for them (gather_params)
+        self._gathered: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+        self.gathered_ids: set[int] = set()
         if autocast is not None:
             self.lower, self.fp32 = ((frozenset(_CUDA_LOWER), frozenset(_CUDA_FP32)) if self.cuda
                                      else cpu_autocast_policy(autocast))
@@ -190,9 +195,23 @@ class DeviceModel(TorchFunctionMode):
         finally:
             del module.forward
 
+    def gather_params(self, model: nn.Module, dtype: torch.dtype) -> None:
+        """``parallel.fsdp_mixed_precision = 'bf16'``: the forward sees ``model``'s floating-point parameters in
+        ``dtype`` (FSDP2's ``param_dtype``), so autocast's casts of them make nothing new: each cast is this
+        tensor, made here before any recording, its storage in :attr:`gathered_ids` (what the recorders leave
+        out, as they do the parameters)."""
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype != dtype:
+                t = p.to(dtype)  # in the autograd graph: the gradient still reaches the parameter
+                self._gathered[id(p)] = (weakref.ref(p), t)
+                self.gathered_ids.add(t.untyped_storage()._cdata)
+
     def _cast(self, a: Any, dtype: torch.dtype, cache: bool) -> Any:
         if not isinstance(a, torch.Tensor) or not a.is_floating_point() or a.dtype == dtype:
             return a
+        hit = self._gathered.get(id(a))
+        if hit is not None and hit[0]() is a and hit[1].dtype == dtype:
+            return hit[1]
         # autocast caches the casts of parameters: fp32 leaves that require grad and are not views (a view of
         # a parameter made under no_grad, as in the chunked loss, is a leaf too), keyed by the tensor through
         # a weak reference, as autocast's cache is (an id alone is reused once a short-lived tensor is gone)

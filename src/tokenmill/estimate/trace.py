@@ -84,7 +84,7 @@ def trace_block(model: nn.Module, block: nn.Module, shape: tuple, act_dtype: tor
                 devmode: DeviceModel, accum: int = 1, rounds: int = 2) -> PieceTrace:
     """Forward and backward of one transformer block on a (B, T, C) input."""
     params = _named(model, block)
-    rec = Recorder(_external(model))
+    rec = Recorder(_external(model) | devmode.gathered_ids)
     anchor = torch.zeros((), device="meta", requires_grad=True)
     trace, box = PieceTrace("block", [], rec.sizes), {"rec": rec}
     trace.buffer_bytes = sum(b.numel() * b.element_size() for b in block.buffers())
@@ -122,7 +122,7 @@ def trace_embed(model: nn.Module, batch: int, seq: int, devmode: DeviceModel, ti
                 accum: int = 1, rounds: int = 2) -> PieceTrace:
     """Token + position embeddings (and their dropout) of a (B, T) batch of ids."""
     params = {n: p for n, p in model.named_parameters() if n.startswith(("wte.", "wpe."))}
-    rec = Recorder(_external(model))
+    rec = Recorder(_external(model) | devmode.gathered_ids)
     trace, box = PieceTrace("embed", [], rec.sizes), {"rec": rec}
     idx = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     rec.external.add(idx.untyped_storage()._cdata)  # the batch: counted by the timeline
@@ -167,7 +167,7 @@ def trace_head(model: nn.Module, shape: tuple, act_dtype: torch.dtype, devmode: 
     params = {n: p for n, p in model.named_parameters() if n.startswith(("ln_f.", "lm_head."))}
     if model.cfg.tie_embeddings:
         params["wte.weight"] = model.wte.weight
-    rec = Recorder(_external(model))
+    rec = Recorder(_external(model) | devmode.gathered_ids)
     anchor = torch.zeros((), device="meta", requires_grad=True)
     trace, box = PieceTrace("head", [], rec.sizes), {"rec": rec}
     targets = torch.zeros(shape[0], shape[1], dtype=torch.long, device="meta")
@@ -361,6 +361,8 @@ def _trace_pieces(cfg: C.Config, vocab_size: int, device: str, batch: Optional[i
     devmode = DeviceModel(device, autocast_dtype(cfg), m.sdpa_backend, m.dropout,
                           cfg.memory.offload_activations)
     devmode.pad_balance = pad_balance
+    if cfg.parallel.dp_shard != 1 and cfg.parallel.fsdp_mixed_precision == "bf16" and autocast_dtype(cfg) == torch.bfloat16:
+        devmode.gather_params(model, torch.bfloat16)  # FSDP hands the forward bf16 parameters: no autocast copies
     dt = activation_dtype(cfg)
     accum = t.grad_accum_steps
     rounds = 2 if (accum > 1 or pipelined) else 1  # the second round: gradients accumulated
