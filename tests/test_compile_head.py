@@ -40,27 +40,3 @@ def test_what_is_compiled_and_what_the_estimator_compiles(over, pipelined, head,
     assert list(model.state_dict()) == names  # no _orig_mod. prefix: checkpoints keep their names
     expected = ({"block"} if per_block else {"embed", "block"}) | ({"head"} if head else set())
     assert compiled_pieces(cfg, pipelined) == expected
-
-
-@pytest.mark.slow  # compiles (Inductor on the CPU)
-def test_two_steps_compiled_per_block_give_the_eager_losses(tmp_path):
-    """The trainer's path (build_model, apply_compile with the real torch.compile): the eager losses within 1e-5,
-    the parameter names of the eager model."""
-    from tokenmill.train.metrics import read_metrics
-    from tokenmill.train.parallelize import build_model
-    from tokenmill.train.trainer import train
-
-    def losses(run, **over):
-        cfg = tiny_cfg(**{"train.max_steps": 2, "log.every_steps": 1, "train.eval_every_steps": 0, **over})
-        train(cfg, tmp_path / run, quiet=True)
-        return [r["loss"] for r in read_metrics(tmp_path / run) if "loss" in r]
-
-    torch._dynamo.reset()
-    eager, compiled = losses("eager"), losses("block", **BLOCK)
-    assert len(eager) == len(compiled) == 2
-    for a, b in zip(eager, compiled):
-        assert abs(a - b) <= 1e-5, (eager, compiled)
-    cfg = tiny_cfg(**BLOCK)
-    model = build_model(cfg, 64, torch.device("cpu"))
-    plain = build_model(tiny_cfg(), 64, torch.device("cpu"))
-    assert "head_loss" in vars(model) and list(model.state_dict()) == list(plain.state_dict())

@@ -210,12 +210,15 @@ COMPILE_TOL = 1e-4  # Inductor's fused kernels reorder fp32 sums
 ], ids=["model", "block", "loss-outside"])
 def test_compile_keeps_the_math(compile_kw):
     """compile.enabled through build_model (Inductor on CPU, one graph required): the eager loss and
-    gradients of the Qwen-style model (GQA, RoPE, q/k norm), parameter names without prefixes."""
+    gradients of the Qwen-style model (GQA, RoPE, q/k norm), parameter names without prefixes; under scope
+    'block' the head and the loss compiled too (their graph's gradients among those compared)."""
     torch._dynamo.reset()
     _, ref, idx, tgt = _fp32_reference("qwen")
     _, loss_ref, g_ref = loss_and_grads(ref, idx, tgt)
     cfg = tiny_cfg(**model_overrides("qwen"), **{"compile.enabled": True, "compile.fullgraph": True, **compile_kw})
     m = build_model(cfg, 64, torch.device("cpu"))
+    # scope 'block' compiles the head and the loss as one more graph (model/build.py compiles_head); loss_outside not
+    assert ("head_loss" in vars(m)) == (compile_kw.get("compile.scope") == "block")
     m.load_state_dict(ref.state_dict())
     _, loss, grads = loss_and_grads(m, idx, tgt)
     assert grads.keys() == g_ref.keys()
