@@ -173,12 +173,13 @@ def main(argv: list[str]) -> int:
     if not torch.cuda.is_available():
         print("gemm_efficiency.py measures a CUDA GPU; none is visible here.", file=sys.stderr)
         return 2
+    from tokenmill.errors import ConfigError
     from tokenmill.estimate.gpus import gpu_spec
 
     name = torch.cuda.get_device_name()
     try:
         gpu = gpu_spec(name)
-    except Exception:  # a GPU the table does not know: measured all the same, without the estimator's figures
+    except ConfigError:  # a GPU the table does not know: measured all the same, without the estimator's figures
         from tokenmill.estimate.gpus import GPU
         gpu = GPU("unknown", name, 0, 0, 0, "", torch.cuda.get_device_properties(0).multi_processor_count)
     start = time.monotonic()

@@ -113,8 +113,6 @@ def apply_activation_checkpointing(model: nn.Module, every_n: int, policy: str =
     return model
 
 
-
-
 def apply_document_mask(model: GPT, cfg: C.DataConfig, eot_id: int | None) -> GPT:
     """``data.document_mask``: attention within each document only, documents ending with ``eot_id``
     (:meth:`GPT.keep_documents_apart`; ``data.document_positions``: positions restart per document).
@@ -207,7 +205,7 @@ def apply_compile(model: nn.Module, cfg: C.CompileConfig) -> nn.Module:
     elif scope == "blocks":
         for _, block in model.present_blocks():
             block.compile(**kwargs)
-        stage = model.ln_f is None or model.lm_head is None or model.hidden_output  # a pipeline stage
+        stage = model.ln_f is None or model.hidden_output  # a pipeline stage, as GPT.forward tells one
         if compiles_head(cfg, model.cfg.loss_impl, stage):
             model.head_loss = torch.compile(model.head_loss, **kwargs)  # an attribute, not a module: no new names
     else:

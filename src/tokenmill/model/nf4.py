@@ -20,8 +20,8 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 from tokenmill.errors import ConfigError
 from tokenmill.model.recompute import quiet_context_fn_note, recompute_all_but_products
 
-__all__ = ["NF4_BLOCK", "NF4_SCALE_GROUP", "NF4Base", "is_nf4", "nf4_bytes", "nf4_groups", "nf4_linear", "nf4_product", "to_nf4",
-           "torchao_quietly"]
+__all__ = ["NF4_BLOCK", "NF4_SCALE_GROUP", "NF4Base", "is_nf4", "nf4_bytes", "nf4_groups", "nf4_linear", "nf4_product",
+           "to_nf4", "torchao_quietly"]
 
 quiet_context_fn_note()  # nf4_product's checkpoint under torch.compile
 
