@@ -92,6 +92,24 @@ def test_recorder_events_and_costs():
     del y
 
 
+def test_recorder_charges_indexing_kernels_the_rows_they_touch():
+    # an embedding lookup, cross-entropy's nll_loss and its backward read one row / value per index, not the
+    # whole table or log-probability matrix (ATen's kernels); the log-softmax around it reads everything
+    V, D, N = 1000, 16, 8
+    with torch.device("meta"):
+        table = torch.empty(V, D)
+        logits = torch.empty(N, V, requires_grad=True)
+        idx = torch.zeros(N, dtype=torch.long)
+    with Recorder({t.untyped_storage()._cdata for t in (table, logits, idx)}) as rec:
+        torch.nn.functional.embedding(idx, table)
+        torch.nn.functional.cross_entropy(logits, idx).backward()
+    cost = {c.name: c.bytes for c in rec.costs if not c.flops}
+    assert cost["embedding"] == N * 8 + 2 * N * D * 4  # indices, the rows read, the rows written
+    assert cost["nll_loss_forward"] == N * 8 + N * 4 + 2 * 4  # one value per target; loss and total weight
+    assert cost["nll_loss_backward"] == N * 8 + N * 4 + N * V * 4  # the gradient written once
+    assert cost["_log_softmax"] == 2 * N * V * 4  # read and written whole
+
+
 def test_device_model_dropout_attention_and_autocast():
     def saved(device, fn, shape=(4, 8, 64, 32), dtype=torch.float32, autocast=None):
         with torch.device("meta"):
@@ -149,8 +167,12 @@ def test_roofline_kernel_times():
     mm = OpCost("mm", flops=2e12, math="fp32", min_dim=4096)
     eff = MATMUL_EFFICIENCY["a100-40gb"]  # no shape given: no tile/wave share, no memory floor
     assert _op_seconds(mm, cfg, a100, 1) == pytest.approx(2e12 / (19.5e12 * eff))
-    ew = OpCost("add", bytes=1.555e9)
-    assert _op_seconds(ew, cfg, a100, 1) == pytest.approx(1.555e9 / (1555e9 * 0.53))  # at the A100's 0.53 share
+    ew = OpCost("add", bytes=1.555e9)  # streams: BabelStream's copy share on the A100 (estimate/bandwidth.py)
+    assert _op_seconds(ew, cfg, a100, 1) == pytest.approx(1.555e9 / (1555e9 * 1610 / 2039))
+    red = OpCost("sum", bytes=1.555e9)  # a one-pass reduction: BabelStream's dot share on the A100
+    assert _op_seconds(red, cfg, a100, 1) == pytest.approx(1.555e9 / (1555e9 * 1750 / 2039))
+    soft = OpCost("_softmax", bytes=1.555e9)  # softmax: the A100's MEMORY_EFFICIENCY, 0.35
+    assert _op_seconds(soft, cfg, a100, 1) == pytest.approx(1.555e9 / (1555e9 * 0.35))
 
 
 def test_layouts_and_pipeline_order():

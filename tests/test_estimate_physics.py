@@ -25,7 +25,7 @@ def test_lora_rank8_product_is_priced_by_its_bytes():
     c = OpCost("mm", flops=2.0 * 8192 * 4096 * 8, math="bf16", min_dim=8, dims=(1, 8192, 4096, 8))
     nbytes = (8192 * 4096 + 4096 * 8 + 8192 * 8) * 2
     assert R.matmul_bytes(c) == nbytes
-    memory = nbytes / R.memory_bandwidth(a100)
+    memory = nbytes / R.streaming_bandwidth(a100)  # one pass over the operands: the streaming share (bandwidth.py)
     math = c.flops / (a100.peak("bf16") * R.matmul_efficiency(c, "bf16", a100))
     assert math < memory  # memory-bound: tens of microseconds, not the 0.1% of peak of a hand-set curve
     assert R._op_seconds(c, cfg, a100, 1) == pytest.approx(memory, rel=0.01)

@@ -45,7 +45,7 @@ FA2_CAUSAL_TFLOPS: dict[tuple[str, int], tuple[int, ...]] = {
 }
 # the same figures' "Pytorch" bars: the benchmark's standard attention (a baddbmm of the scores, the causal mask
 # added, softmax, a bmm with the values; forward + backward, FLOPs counted as above), at SEQLENS[:5] (16k: out of
-# memory), by (architecture, causal, head size): what MEMORY_EFFICIENCY is read from (estimate/roofline.py)
+# memory), by (architecture, causal, head size): what MEMORY_EFFICIENCY is read from (estimate/bandwidth.py)
 PYTORCH_TFLOPS: dict[tuple[str, bool, int], tuple[int, ...]] = {
     ("a100", True, 64): (15, 16, 17, 18, 18), ("a100", True, 128): (23, 28, 32, 32, 34),
     ("a100", False, 64): (36, 40, 43, 45, 46), ("a100", False, 128): (53, 67, 76, 79, 86),

@@ -3,7 +3,8 @@
 2024, to 2.11: the same allocations in each):
 
 - the all-gather (``foreach_all_gather``) runs on FSDP's all-gather copy-in stream: the shards' copies in the
-  compute dtype (``_get_param_all_gather_inputs``, only where the mixed precision casts), then the flat output
+  compute dtype (``_get_param_all_gather_inputs``, only where the mixed precision casts; in float8 for the weights
+  ``train.fp8_all_gather`` gathers so: :func:`gathered_size`), then the flat output
   buffer, both from that stream's own pool (:data:`AG_STREAM`); the unsharded parameters are made on the current
   stream by the copy-out. One buffer at a time: forward frees it when the next group's all-gather starts
   (``comm_ctx.all_gather_state``), backward after its copy-out;
@@ -21,7 +22,9 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill import config as C
 from tokenmill.estimate.timeline import Param, _size
+from tokenmill.model.fp8 import fp8_weight
 
 RS_STREAM = 1  # FSDP's reduce-scatter stream (0: the current, compute stream)
 AG_STREAM = 2  # FSDP's all-gather copy-in stream
@@ -35,6 +38,17 @@ def fsdp_numel(p: Param, ranks: int) -> int:
     return -(-p.shape[0] // ranks) * ranks * (p.numel // max(1, p.shape[0]))
 
 
+def gathered_size(cfg: C.Config, p: Param) -> int:
+    """Bytes per element of ``p`` in FSDP2's all-gather and in its unsharded copy: one for a weight that
+    ``train.fp8_all_gather`` gathers in float8 (torchao's ``WeightWithDynamicFloat8CastTensor``: the shard cast to
+    float8 before the all-gather, the unsharded weight a ``Float8Tensor`` over the gathered bytes, its scale one
+    number; torchao/float8/fsdp_utils.py), else the compute dtype's with bf16 mixed precision, else its own."""
+    t = cfg.train
+    if t.fp8 == "tensorwise" and t.fp8_all_gather and p.name.endswith(".weight") and fp8_weight(p.name[:-7], p.shape):
+        return 1
+    return _size(torch.bfloat16 if cfg.parallel.fsdp_mixed_precision == "bf16" else p.dtype)
+
+
 class FsdpComm:
     """The all-gathers and reduce-scatters of :class:`.step.Step` (its ``tl``, ``cfg``, ``shard``, ``grads``,
     ``by_name``, ``sharded``, ``sharded_ids``)."""
@@ -46,9 +60,9 @@ class FsdpComm:
     def _unshard(self, params: list[Param]) -> list[int]:
         """All-gather (module doc): returns the unsharded parameters' storage."""
         tl = self.tl
-        dt = torch.bfloat16 if self.cfg.parallel.fsdp_mixed_precision == "bf16" else None
-        total = sum(p.numel * _size(dt or p.dtype) for p in params)  # unpadded: a subclass may mix groups (moe.py)
-        cast = sum(p.numel * _size(dt) for p in params if dt is not None and dt != p.dtype)
+        size = {p.name: gathered_size(self.cfg, p) for p in params}
+        total = sum(p.numel * size[p.name] for p in params)  # unpadded: a subclass may mix groups (moe.py)
+        cast = sum(p.numel * size[p.name] for p in params if size[p.name] != _size(p.dtype))
         inp = tl.alloc(cast * self.shard, "communication buffers", stream=AG_STREAM) if cast else None
         buf = tl.alloc(total, "communication buffers", stream=AG_STREAM)
         tl.release(inp)  # copied into the output buffer

@@ -360,7 +360,7 @@ class _Graph:
         moved = sum(self.size(o) for o in made) + sum(self.size(b) for b in reads)
         numel = max([v.numel() for v in ins] or [0]) if self.kind[r] == "reduction" else \
             max((_val(self.by_name[o]).numel() for o in made if _val(self.by_name[o]) is not None), default=0)
-        return OpCost(name, bytes=float(moved)), numel
+        return OpCost(name, bytes=float(moved), fused=True), numel
 
 
 def _flat(x) -> list:

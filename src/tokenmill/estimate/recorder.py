@@ -40,6 +40,7 @@ class OpCost:
     launches: float = 1.0  # kernel launches (0: fused into the previous kernel by torch.compile)
     dims: tuple = ()  # a matrix product's (batch, M, K, N): its tiles and waves on the GPU's SMs
     attn: tuple = ()  # a fused attention's (batch x heads, sequence, head size): estimate/attention.py
+    fused: bool = False  # one of Inductor's generated kernels (estimate/inductor.py), not an eager ATen kernel
 
 
 def _dtype_name(dt: torch.dtype) -> str:
@@ -73,6 +74,28 @@ def _attention_flops(name: str, args: tuple) -> float:
 def attention_shape(q: torch.Tensor) -> tuple[int, int, int]:
     """(batch x heads, sequence, head size) of a fused attention's query (B, H, T, D)."""
     return int(q.shape[0]) * int(q.shape[1]), int(q.shape[2]), int(q.shape[3])
+
+
+# Ops that read only the rows (or elements) their index names, not the whole tensor they index: charged the
+# bytes their kernels touch (ATen's CUDA kernels: embedding and index_select copy the indexed rows; gather one
+# element per index; nll_loss_forward reads one log-probability per target, NLLLoss.cu; nll_loss_backward
+# zero-fills its gradient (its full size written once) and scatters one value per target)
+_GATHERS = {"embedding", "index_select", "gather", "nll_loss_forward", "nll_loss_backward"}
+
+
+def _gather_bytes(name: str, args: list[torch.Tensor], outs: list[torch.Tensor]) -> int:
+    """Bytes an indexing kernel moves: the indices, what it reads through them and what it writes."""
+    written = sum(_numel_bytes(t) for t in outs)
+    index = [t for t in args if not t.is_floating_point()]
+    idx = sum(_numel_bytes(t) for t in index)
+    n_idx = sum(t.numel() for t in index)
+    src = next((t for t in args if t.is_floating_point() and t.dim() > 1), None)
+    elem = src.element_size() if src is not None else 4
+    if name == "nll_loss_forward":  # one value read per target
+        return idx + n_idx * elem + written
+    if name == "nll_loss_backward":  # the gradient written once (zeros, then one value per target)
+        return idx + n_idx * elem + written
+    return idx + 2 * written  # the rows read equal the rows written
 
 
 class Recorder(TorchDispatchMode):
@@ -154,6 +177,9 @@ class Recorder(TorchDispatchMode):
                                      attention=True, attn=attention_shape(args[0])))
             return
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if name in _GATHERS:
+            self.costs.append(OpCost(name, bytes=float(_gather_bytes(name, tensors, outs))))
+            return
         moved = sum(_numel_bytes(t) for t in tensors) + sum(_numel_bytes(t) for t in outs)
         if func._schema.is_mutable and outs and tensors and outs[0] is tensors[0]:
             moved -= _numel_bytes(outs[0])  # in place: the output is the input, counted once

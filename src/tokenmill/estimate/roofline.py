@@ -3,19 +3,23 @@
 Every kernel the trace records (:class:`~tokenmill.estimate.trace.OpCost`) costs the larger of:
 
 - matrix products: the larger of their math time, FLOPs / (dense peak of its math mode x efficiency), and their
-  memory time, the bytes of both operands and the output / (memory bandwidth x ``MEMORY_EFFICIENCY``), so a
-  skinny product (a LoRA adapter's rank-8 factor) is priced by the bytes it moves, not as compute. The
-  efficiency is not a hand-set curve: it is what large products reach (``MATMUL_EFFICIENCY``, measured per GPU) times
-  the share of the SMs the product's tiles keep busy (:func:`quantization`: tile and wave quantization over the
-  GPU's SM count, NVIDIA's "Matrix Multiplication Background User's Guide"), times ``UNALIGNED`` when a
-  dimension is not a multiple of 8 (an unpadded vocabulary: cuBLAS falls back to slower kernels); fused
-  attention kernels run at FlashAttention-2's published share of the peak for their sequence length and head
-  size, scaled by the SMs their grid fills (:mod:`.attention`). The math mode is the operands' dtype (bf16/fp16); fp32
-  matmuls run on TF32 tensor cores with ``train.tf32``. Peaks: :data:`tokenmill.model.flops.PEAK_FLOPS`;
-  ``benchmarks/validation/gemm_efficiency.py`` measures all of it on a lent GPU (``benchmarks/session.py``);
+  memory time, the bytes of both operands and the output / (memory bandwidth x ``STREAM_MEMORY_EFFICIENCY``,
+  :mod:`.bandwidth`: one pass over them), so a skinny product (a LoRA adapter's rank-8 factor) is priced by the
+  bytes it moves, not as compute. The efficiency is not a hand-set curve: it is what large products reach
+  (``MATMUL_EFFICIENCY``, measured per GPU) times the share of the SMs the product's tiles keep busy
+  (:func:`quantization`: tile and wave quantization over the GPU's SM count, NVIDIA's "Matrix Multiplication
+  Background User's Guide"), times ``UNALIGNED`` when a dimension is not a multiple of 8 (an unpadded vocabulary:
+  cuBLAS falls back to slower kernels); fused attention kernels run at FlashAttention-2's published share of the
+  peak for their sequence length and head size, scaled by the SMs their grid fills (:mod:`.attention`). The math
+  mode is the operands' dtype (bf16/fp16); fp32 matmuls run on TF32 tensor cores with ``train.tf32``. Peaks:
+  :data:`tokenmill.model.flops.PEAK_FLOPS`; ``benchmarks/validation/gemm_efficiency.py`` measures all of it on a
+  lent GPU (``benchmarks/session.py``);
 - QLoRA's base (``lora.quantize_base='nf4'``): torchao dequantises every block projection's weight in the forward and
   again in the backward (:func:`nf4_dequant_costs`: its kernels and the bytes they move);
-- everything else: bytes read and written / (memory bandwidth x ``MEMORY_EFFICIENCY``);
+- everything else: bytes read and written / (memory bandwidth x a share, :mod:`.bandwidth`): a streaming
+  element-wise kernel (one read of each input, one write, no reduction; eager or an Inductor pointwise kernel)
+  at ``STREAM_MEMORY_EFFICIENCY`` (BabelStream's copy), the rest (reductions, softmax, norms, gathers and
+  scatters, cat) at ``MEMORY_EFFICIENCY``;
 - ``KERNEL_MIN_US`` (a kernel never takes less).
 
 Each constant below names its source; ``docs/estimate.md`` lists those still awaiting a measurement.
@@ -43,6 +47,14 @@ from typing import Any
 
 from tokenmill import config as C
 from tokenmill.estimate.attention import arch, attention_efficiency
+from tokenmill.estimate.bandwidth import (  # noqa: F401 (MEMORY_EFFICIENCY: read here by tests and docs)
+    MEMORY_EFFICIENCY,
+    STREAM_MEMORY_EFFICIENCY,
+    kernel_bandwidth,
+    memory_bandwidth,
+    streaming_bandwidth,
+)
+from tokenmill.estimate.fsdp import gathered_size
 from tokenmill.estimate.gpus import GPU
 from tokenmill.estimate.host import (
     COMPILED_KERNEL_US,
@@ -103,14 +115,6 @@ UNALIGNED = 0.6  # not sourced: cuBLAS's kernels for a dimension not a multiple 
 # head size (estimate/attention.py). What is left, fp32 inputs (the memory-efficient kernel) and older GPUs, runs
 # at this hand value, not sourced (gemm_efficiency.py measures it)
 ATTENTION_EFFICIENCY = 0.45
-# Share of the datasheet bandwidth PyTorch's element-wise, softmax and reduction kernels reach, by architecture
-# (attention.arch: compute capability 8.x the A100's, 9.x and newer the H100's): the share with which this roofline
-# reproduces the 20 published measurements per GPU of a standard PyTorch attention (baddbmm, mask add, softmax,
-# bmm, forward and backward; attention.PYTORCH_TFLOPS, FlashAttention-2's release benchmark): the two-decimal
-# value whose mean signed error over them is nearest zero (-0.1% on the A100 80GB, 0.0% on the H100 SXM; mean
-# absolute 3.4% and 5.1%; tests/test_estimate_attention.py recomputes both). Read from those kernels, not from the
-# validation set; it absorbs what the byte count misses in them (softmax's passes).
-MEMORY_EFFICIENCY = {"a100": 0.53, "h100": 0.59}
 # multi-tensor-apply kernels (foreach and fused AdamW, clip_grad_norm_'s foreach norm and scale) launch at most 320
 # blocks per kernel (MultiTensorApply.cuh before CUDA 13): PyTorch PR #134373 measured 1,458 GB/s for
 # _foreach_copy_ on an H100 SXM (3,350 GB/s datasheet) through them
@@ -199,11 +203,6 @@ def matmul_efficiency(c: OpCost, mode: str, gpu: GPU) -> float:
     return eff
 
 
-def memory_bandwidth(gpu: GPU) -> float:
-    """Bytes per second the GPU's element-wise kernels move: its datasheet bandwidth x ``MEMORY_EFFICIENCY``."""
-    return gpu.hbm_gbs * 1e9 * MEMORY_EFFICIENCY[arch(gpu.cc)]
-
-
 def link_bandwidth(gpu: GPU) -> float:
     """Bytes a second NCCL's collectives move per GPU and direction (their bus bandwidth): the datasheet link
     bandwidth x ``LINK_EFFICIENCY`` of its PCIe link, else of its NVLink by architecture (the CPU's: the A100's)."""
@@ -223,15 +222,17 @@ def _op_seconds(c: OpCost, cfg: C.Config, gpu: GPU, cpu_threads: int) -> float:
         if c.flops:
             return c.flops / (CPU_FLOPS_PER_THREAD * cpu_threads)
         return c.bytes / (gpu.hbm_gbs * 1e9)
-    bw = memory_bandwidth(gpu)
     if c.flops:
         mode = c.math if c.math != "fp32" else ("tf32" if cfg.train.tf32 else "fp32")
         peak = gpu.peak(mode) or gpu.peak("fp32") or 1e13
         eff = attention_share(c, mode, gpu) if c.attention else matmul_efficiency(c, mode, gpu)
-        # the roofline: a product is as slow as its math or its memory traffic, whichever is longer
-        t = max(c.flops / (peak * eff), (c.bytes if c.attention else matmul_bytes(c)) / bw)
-    else:  # a compiled piece's costs are already Inductor's fused kernels (estimate/inductor.py)
-        t = c.bytes / bw
+        # the roofline: a product is as slow as its math or its memory traffic, whichever is longer. A product's
+        # floor counts each operand read once and the output written once, one pass with no softmax-like second
+        # read, so it moves them at the streaming share (bandwidth.py); a fused attention keeps MEMORY_EFFICIENCY
+        floor = c.bytes / memory_bandwidth(gpu) if c.attention else matmul_bytes(c) / streaming_bandwidth(gpu)
+        t = max(c.flops / (peak * eff), floor)
+    else:  # eager ops, or a compiled piece's fused kernels (estimate/inductor.py): streaming or not by name
+        t = c.bytes / kernel_bandwidth(c, gpu)
     return max(t, KERNEL_MIN_US * 1e-6) if c.launches else t  # a kernel fused into the previous one: no floor
 
 
@@ -286,7 +287,8 @@ def _pieces_time(pieces: Pieces, plan: Plan, cfg: C.Config, gpu: GPU, threads: i
             s = _op_seconds(c, cfg, gpu, threads)
             if block and fp8 and fp8_linear_op(c, cfg):
                 bf16 = _op_seconds(dataclasses.replace(c, math="bf16"), cfg, gpu, threads)
-                f8, k = fp8_op_seconds(bf16, c, cfg, memory_bandwidth(gpu), KERNEL_MIN_US * 1e-6)
+                # the casts: an amax (a one-pass reduction) and a scaled cast (streaming), at the streaming share
+                f8, k = fp8_op_seconds(bf16, c, cfg, streaming_bandwidth(gpu), KERNEL_MIN_US * 1e-6)
                 s, out["kernels"] = f8, out["kernels"] + (k - 1)
             if block and c.attention:  # data.document_mask: the whole T x T and the mask's read (techniques.py)
                 s = docmask_attention_seconds(s, cfg, pieces.batch, pieces.seq, memory_bandwidth(gpu),
@@ -330,6 +332,7 @@ def _pieces_time(pieces: Pieces, plan: Plan, cfg: C.Config, gpu: GPU, threads: i
     calls = graph_call_seconds(cfg, compiled_blocks) / 2  # the forward graphs' calls, then the backward's
     out["host"] += 2 * calls
     out["segments"] = [(calls, 0.0)] + fwd + [(calls, 0.0)] + bwd
+    out["backward"] = sum(g for _, g in bwd)  # GPU seconds of one micro-batch's backward (gradient collectives)
     return out
 
 
@@ -343,14 +346,14 @@ def step_time(cfg: C.Config, lay: Layout, gpu: GPU, stages: list[tuple[Plan, Pie
     for plan, pieces in stages:
         part = _pieces_time(pieces, plan, cfg, gpu, threads)
         n_mb = (cfg.parallel.pp_microbatches or lay.pp) if lay.pp > 1 else 1
-        per_step = {k: v * A * n_mb for k, v in part.items() if k != "segments"}
+        per_step = {k: v * A * n_mb for k, v in part.items() if k not in ("segments", "backward")}
         # memory.offload_activations: the copies run beside the compute; what it waits for (techniques.py)
         offload_s = per_step["offload"] if gpu.key != "cpu" else 0.0
         gpu_s = per_step["matmul"] + per_step["memory"] + offload_s
         param_bytes = sum(p.nbytes for p in plan.params if p.trainable)  # what the optimizer steps
         shard = lay.dp_shard if lay.dp_shard > 1 else (lay.dp_replicate if cfg.parallel.zero1 else 1)
         opt_s, opt_kernels = _optimizer_seconds(cfg, plan, gpu, param_bytes / shard)
-        comm_exposed, comm_s = _comm_seconds(cfg, lay, gpu, plan, pieces, gpu_s, A)
+        comm_exposed, comm_s = _comm_seconds(cfg, lay, gpu, plan, pieces, gpu_s, part["backward"] * n_mb)
         bubble = gpu_s * (lay.pp - 1) / n_mb if lay.pp > 1 else 0.0
         # the host issues the step's work while the GPU runs it (estimate/host.py's two clocks): micro-batches,
         # then the optimizer step
@@ -396,8 +399,9 @@ def _optimizer_seconds(cfg: C.Config, plan: Plan, gpu: GPU, param_bytes: float) 
         rest = [p for p in trained if not muon_hidden(cfg, p)]
         adam_s, adam_k = _adamw_seconds(cfg, gpu, param_bytes * sum(p.nbytes for p in rest) / total, len(rest))
         launch = LAUNCH_US * 1e-6 if gpu.key != "cpu" else 0.0
+        # the momentum's passes are element-wise lerps, casts and updates: streaming kernels (bandwidth.py)
         muon_s, muon_k = muon_seconds(cfg, trained, gpu.peak("bf16") or 1e13, large_matmul_share(gpu),
-                                      memory_bandwidth(gpu), link_bandwidth(gpu),
+                                      streaming_bandwidth(gpu), link_bandwidth(gpu),
                                       shard, launch)
         return adam_s + muon_s, int(adam_k + muon_k)
     return _adamw_seconds(cfg, gpu, param_bytes, sum(p.trainable for p in plan.params))
@@ -413,9 +417,10 @@ def _adamw_seconds(cfg: C.Config, gpu: GPU, param_bytes: float, n_tensors: int) 
     passes = FUSED_ADAMW_PASSES if impl == "fused" else ADAMW_PASSES
     if mem.optimizer_8bit:
         passes = ADAMW_PASSES // 2
-    bw = memory_bandwidth(gpu)
     # foreach and fused AdamW run multi-tensor-apply kernels; for-loop AdamW (and the step in backward) runs
-    # ordinary element-wise kernels, 8-bit AdamW torchao's
+    # ordinary element-wise kernels (mul_, lerp_, addcdiv_...: streaming), 8-bit AdamW torchao's (a block-wise
+    # absmax, a reduction, in each quantisation: MEMORY_EFFICIENCY)
+    bw = memory_bandwidth(gpu) if mem.optimizer_8bit else streaming_bandwidth(gpu)
     per_tensor = impl == "for-loop" or mem.optimizer_in_backward or mem.optimizer_8bit
     mta = gpu.hbm_gbs * 1e9 * FOREACH_MEMORY_EFFICIENCY
     s = param_bytes * passes / (bw if per_tensor else mta)
@@ -428,30 +433,44 @@ def _adamw_seconds(cfg: C.Config, gpu: GPU, param_bytes: float, n_tensors: int) 
 
 
 def _comm_seconds(cfg: C.Config, lay: Layout, gpu: GPU, plan: Plan, pieces: Pieces, compute_s: float,
-                  accum: int) -> tuple[float, float]:
-    """(exposed seconds, total seconds) of the collectives of one step."""
+                  backward_s: float) -> tuple[float, float]:
+    """(exposed seconds, total seconds) of the collectives of one step. What overlaps follows from the order the
+    step runs them in (``compute_s``: the step's GPU compute; ``backward_s``: one micro-batch's backward):
+
+    - FSDP2 gathers each group's parameters ahead of its use on its own stream and reduce-scatters each group's
+      gradients while the next group's backward runs: all is hidden but a micro-batch's first all-gather and a
+      backward's last reduce-scatter (one group's each), unless the collectives outlast the compute;
+    - DDP all-reduces a bucket (``parallel.ddp_bucket_mb``) as soon as its gradients are ready, during that
+      micro-batch's backward: the last bucket waits for the backward's end, and what is longer than the backward
+      shows;
+    - gradients are reduced once a step, or after every micro-batch with ``parallel.sync_every_microbatch``;
+    - tensor parallelism's all-reduces sit between the products that need them (all exposed); a pipeline's sends
+      hide behind the stage's next micro-batch except in the fill and the drain."""
     if lay.nproc == 1:
         return 0.0, 0.0
-    bw = link_bandwidth(gpu)
-    param_bytes = sum(p.nbytes for p in plan.params)
+    bw, accum = link_bandwidth(gpu), cfg.train.grad_accum_steps
+    syncs = accum if cfg.parallel.sync_every_microbatch else 1  # gradient reductions a step
     grad_bytes = sum(p.nbytes for p in plan.params if p.trainable)  # a frozen parameter has no gradient
     total = exposed = 0.0
     if lay.dp_shard > 1:
         n = lay.dp_shard
-        numel = sum(p.numel for p in plan.params)
+        groups = len(plan.stage_blocks) + 1  # a group per block, and the root's (embeddings, norm, head)
         grad_numel = sum(p.numel for p in plan.params if p.trainable)
-        mixed = cfg.parallel.fsdp_mixed_precision == "bf16"  # gathered in bf16, reduced in fp32
+        mixed = cfg.parallel.fsdp_mixed_precision == "bf16"  # reduced in fp32 (gathered: fsdp.gathered_size)
         gathers = 2 if cfg.parallel.fsdp_reshard_after_forward else 1
-        ag = gathers * accum * (2 * numel if mixed else param_bytes) * (n - 1) / n / bw
-        rs = (4 * grad_numel if mixed else grad_bytes) * (n - 1) / n / bw
+        gathered = sum(p.numel * gathered_size(cfg, p) for p in plan.params)
+        ag = gathers * accum * gathered * (n - 1) / n / bw
+        rs = syncs * (4 * grad_numel if mixed else grad_bytes) * (n - 1) / n / bw
+        edge = accum * gathered * (n - 1) / n / bw / groups + rs / groups  # the first gather, the last reduction
         total += ag + rs
-        exposed += max(0.0, ag + rs - 0.9 * compute_s)  # not sourced: the share of compute the gathers hide
+        exposed += max(edge, ag + rs - compute_s)
     if lay.dp_replicate > 1:
         n = lay.dp_replicate
         share = 1.0 / lay.dp_shard
-        ar = 2 * grad_bytes * share * (n - 1) / n / bw
-        total += ar
-        exposed += max(0.0, ar - 0.6 * compute_s)  # buckets overlap with the rest of backward (0.6: not sourced)
+        ar = 2 * grad_bytes * share * (n - 1) / n / bw  # one reduction (a ring all-reduce moves the bytes twice)
+        tail = min(ar, 2 * cfg.parallel.ddp_bucket_mb * 2**20 * (n - 1) / n / bw)  # the last bucket
+        total += syncs * ar
+        exposed += syncs * max(tail, ar - backward_s)
     if lay.tp > 1:
         n = lay.tp
         # the row-wise projections' outputs (and in backward the column-wise ones' input gradients), (B, T, C)
@@ -466,5 +485,7 @@ def _comm_seconds(cfg: C.Config, lay: Layout, gpu: GPU, plan: Plan, pieces: Piec
         n_mb = cfg.parallel.pp_microbatches or lay.pp
         p2p = 2 * act * n_mb * accum / bw
         total += p2p
-        exposed += p2p * 0.5  # not sourced: half the sends hidden behind compute
+        # a send runs beside the stage's next micro-batch, but not in the fill and the drain: the first micro-batch's
+        # activation hops through the pp - 1 stage boundaries forward, the last one's gradient back
+        exposed += min(p2p, 2 * (lay.pp - 1) * act * accum / bw)
     return exposed, total

@@ -103,12 +103,18 @@ def fp8_speedup(shapes: list[tuple[int, int]], bf16_flops_per_s: float, bytes_pe
     return bf16 / (bf16 / 2.0 + casts / bytes_per_s)
 
 
+def fp8_weight(fqn: str, shape: tuple) -> bool:
+    """Whether a Linear named ``fqn`` whose weight has this ``(out, in)`` shape is one ``apply_fp8`` converts:
+    inside the blocks, both sizes multiples of 16, not a mixture of experts' router or shared-expert gate
+    (routing stays in high precision, as do the routed experts: stacked 3-D weights, not Linears). The estimator
+    reads it by parameter name (:func:`tokenmill.estimate.fsdp.gathered_size`)."""
+    return (fqn.startswith("blocks.") and not fqn.endswith((".router", ".shared_gate")) and len(shape) == 2
+            and shape[0] % FP8_ALIGN == 0 and shape[1] % FP8_ALIGN == 0)
+
+
 def fp8_linear(fqn: str, module: nn.Module) -> bool:
-    """Whether ``apply_fp8`` converts this module: a Linear inside the blocks, both sizes multiples of 16, not
-    a mixture of experts' router or shared-expert gate (routing stays in high precision, as do the routed
-    experts: stacked weights, not Linears)."""
-    return (type(module) is nn.Linear and fqn.startswith("blocks.") and not fqn.endswith((".router", ".shared_gate"))
-            and module.in_features % FP8_ALIGN == 0 and module.out_features % FP8_ALIGN == 0)
+    """Whether ``apply_fp8`` converts this module: a Linear whose name and weight pass :func:`fp8_weight`."""
+    return type(module) is nn.Linear and fp8_weight(fqn, tuple(module.weight.shape))
 
 
 def fp8_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:

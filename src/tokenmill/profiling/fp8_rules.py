@@ -64,11 +64,12 @@ def fp8_cannot_pay(run: Run) -> Optional[Finding]:
 
 
 def _modelled_speedup(name: str, shapes: list[tuple[int, int]], compiled: bool) -> Optional[float]:
+    from tokenmill.estimate.bandwidth import streaming_bandwidth
     from tokenmill.estimate.gpus import gpu_spec
 
     flops = peak_flops(name, "bf16") if name else None
-    try:
-        bandwidth = gpu_spec(name).hbm_gbs * 1e9 if name else None
+    try:  # the casts stream: the bandwidth the estimator prices them at
+        bandwidth = streaming_bandwidth(gpu_spec(name)) if name else None
     except ConfigError:  # a GPU the estimator does not know: no model, only the other reasons
         bandwidth = None
     return fp8_speedup(shapes, flops, bandwidth, compiled) if flops and bandwidth else None

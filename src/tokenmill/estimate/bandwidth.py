@@ -1,0 +1,121 @@
+"""The share of a GPU's datasheet memory bandwidth a kernel that is not a matrix product reaches.
+
+Three shares, by architecture (:func:`tokenmill.estimate.attention.arch`: compute capability 8.x the A100's, 9.x and
+newer the H100's):
+
+- ``STREAM_MEMORY_EFFICIENCY``: a kernel that streams, one pass reading each input once and writing each output
+  once with no reduction (``STREAMING_OPS``: copies and casts, fills, arithmetic, comparisons, activations); what
+  BabelStream's copy kernel measures;
+- ``REDUCE_MEMORY_EFFICIENCY``: an eager one-pass reduction (``REDUCTION_OPS``: sum, mean, amax, vector norms),
+  each input read once; what BabelStream's dot kernel measures;
+- ``MEMORY_EFFICIENCY``: everything else (softmax, norms, index/scatter/gather, the embedding's backward,
+  cat and stack, dropout's random mask), read from PyTorch's standard attention, whose softmax passes the byte
+  count misses.
+
+:func:`kernel_bandwidth` picks one by the kernel's name: one rule for eager ATen operations and for Inductor's fused
+kernels. A fused kernel is named after the node it realises (:mod:`.inductor`): a pointwise root (``add``, ``mul``,
+``convert_element_type``) is a pointwise kernel, which reads each buffer once and writes once, so it streams; a
+fused reduction kernel (``sum``, ``mean``, ``amax``, ``var_mean``...: it carries the pointwise work around the
+reduction and may loop over its rows twice), a scatter or ``cat`` is named after that op and keeps
+``MEMORY_EFFICIENCY``; an eager ATen reduction reads its input once (``REDUCE_MEMORY_EFFICIENCY``).
+"""
+
+from __future__ import annotations
+
+from tokenmill.estimate.attention import arch
+from tokenmill.estimate.gpus import GPU
+from tokenmill.estimate.recorder import OpCost
+
+# Share of the datasheet bandwidth PyTorch's element-wise, softmax and reduction kernels reach, by architecture: the
+# share with which the roofline reproduces the 20 published measurements per GPU of a standard PyTorch attention
+# (baddbmm, mask add, softmax, bmm, forward and backward; attention.PYTORCH_TFLOPS, FlashAttention-2's release
+# benchmark), its streaming kernels (the mask's add, the casts: a third of the bytes) priced at
+# STREAM_MEMORY_EFFICIENCY: the two-decimal value whose mean signed error over them is nearest zero (0.0% on the A100
+# 80GB, -0.4% on the H100 SXM; mean absolute 5.5% and 7.5%, at most 11.3% and 16.2%; tests/test_estimate_attention.py
+# recomputes them). Read from those kernels, not from the validation set; it absorbs what the byte count misses in
+# them (softmax's passes over each row). It was 0.53 / 0.59 while the mask's add was priced with the softmax.
+MEMORY_EFFICIENCY = {"a100": 0.35, "h100": 0.39}
+# What a streaming kernel reaches: BabelStream 5.0's CUDA Copy kernel (c[i] = a[i], one read and one write, doubles;
+# the guide's fork github.com/gitaumark/BabelStream, src/main.cpp at 1a1a7295: 1,308,622,848 elements a 10.5 GB
+# array, 100 runs, the fastest after the first) as Microsoft's AI benchmarking guide ran it (github.com/Azure/
+# AI-benchmarking-guide, Benchmarks/NVIDIA/HBMBandwidth.py at 7a4e2c83), over the datasheet bandwidth of the GPU:
+# "NVIDIA A100-SXM4-80GB" (ND A100 v4, CUDA 12.5; Azure_Results/ND_A100_v4_results.md at 3bb66cac) 1.61 TB/s of
+# 2,039 GB/s, 79.0%; "NVIDIA H100 80GB HBM3", the SXM part (ND H100 v5, CUDA 12.6; "Azure Results/ND_H100_v5_results.md"
+# at f350e7e6) 2.90 TB/s of 3,350, 86.6%. The Copy kernel, fixed before any validation result was looked at: it
+# moves what a cast or a one-input op does; cross-checks, not used: Add and Triad (two reads, one write) 1.70 and
+# 2.97 TB/s (83.4%, 88.7%), and the H200 (ND_H200_v5_results.md at 7f20e5fa) Copy 4.01 of 4,800 GB/s (83.5%). The
+# RTX 4090 and L4 (GDDR6X/GDDR6, compute capability 8.9) take the A100's share through attention.arch: assumed.
+STREAM_COPY_TBS = {"a100": 1.61, "h100": 2.90}
+STREAM_DATASHEET_GBS = {"a100": 2039, "h100": 3350}
+STREAM_MEMORY_EFFICIENCY = {a: STREAM_COPY_TBS[a] * 1000 / STREAM_DATASHEET_GBS[a] for a in STREAM_COPY_TBS}
+# ATen ops (in-place forms included: a trailing "_" is dropped) whose kernel streams: one element-wise pass, each
+# input read once, each output written once, no reduction. Not here: reductions and norms (sum, mean, softmax,
+# layer/RMS norm: a second pass or a cross-thread reduction), index/gather/scatter and embedding (data-dependent
+# addresses), cat/stack/slice_backward (a fill and a copy, or many inputs), dropout's forward (random numbers).
+STREAMING_OPS = frozenset({
+    # copies and casts: read one tensor, write one
+    "_to_copy", "copy", "clone", "convert_element_type", "lift_fresh_copy", "triu", "tril",
+    # fills: write one
+    "fill", "zero", "zeros", "zeros_like", "ones", "ones_like", "full", "full_like", "new_zeros", "new_ones",
+    "new_full", "scalar_tensor", "arange", "iota",
+    # arithmetic, one to three inputs read once
+    "add", "sub", "rsub", "mul", "div", "neg", "reciprocal", "pow", "sqrt", "rsqrt", "abs", "sign", "maximum",
+    "minimum", "clamp", "clamp_min", "clamp_max", "where", "masked_fill", "lerp", "addcmul", "addcdiv", "remainder",
+    "fmod", "floor", "ceil", "round", "trunc",
+    # comparisons, logic and bit operations
+    "eq", "ne", "lt", "le", "gt", "ge", "logical_not", "logical_and", "logical_or", "bitwise_and", "bitwise_or",
+    "bitwise_xor", "bitwise_not", "__rshift__", "__lshift__",
+    # activations and their backward (a few arithmetic operations per element: still bound by memory)
+    "exp", "exp2", "expm1", "log", "log1p", "log2", "sigmoid", "tanh", "relu", "silu", "gelu", "erf", "sin", "cos",
+    "threshold_backward", "silu_backward", "gelu_backward", "sigmoid_backward", "tanh_backward",
+    # dropout's backward: the saved mask times the gradient
+    "native_dropout_backward",
+    # QLoRA's compiled dequantisation (roofline.nf4_dequant_costs): one fused pointwise kernel reading the 4-bit codes
+    # and the scales once and writing the weight; its 16-entry code table stays in cache
+    "nf4_dequant",
+})
+
+
+# What a one-pass reduction reaches (an eager ATen reduction: each input read once, a small output: sum, mean, amax,
+# a vector norm...): BabelStream's Dot kernel (sum of a[i] x b[i], two reads and
+# no array written) in the same runs as the Copy share above: 1.75 TB/s on the A100-SXM4-80GB, 3.18 TB/s on the H100
+# 80GB HBM3 (85.8%, 94.9%). Softmax, log-softmax and the layer/RMS norms are not one-pass here (a statistics pass,
+# then a pass that normalises: MEMORY_EFFICIENCY, which the attention benchmark's softmax measures), nor is an
+# Inductor kernel named after a reduction: it carries the pointwise work fused around the reduction (a norm's scale,
+# the softmax's exp and division) and, over a row longer than its persistent-reduction limit (the vocabulary's
+# log-softmax), loops over the row once for the statistics and again for that work, passes its byte count (each
+# buffer once) does not see: it keeps MEMORY_EFFICIENCY, the share measured on softmax.
+REDUCE_DOT_TBS = {"a100": 1.75, "h100": 3.18}
+REDUCE_MEMORY_EFFICIENCY = {a: REDUCE_DOT_TBS[a] * 1000 / STREAM_DATASHEET_GBS[a] for a in REDUCE_DOT_TBS}
+REDUCTION_OPS = frozenset({"sum", "mean", "amax", "amin", "max", "min", "prod", "norm", "linalg_vector_norm", "var",
+                           "std", "var_mean", "std_mean", "any", "all", "argmax", "argmin"})
+
+
+def reduces(name: str) -> bool:
+    """Whether a kernel of this name is a one-pass reduction (``REDUCTION_OPS``)."""
+    return name in REDUCTION_OPS
+
+
+def streams(name: str) -> bool:
+    """Whether a kernel of this name (an ATen op, or an Inductor kernel named after its root) streams."""
+    return name in STREAMING_OPS or (name.endswith("_") and name[:-1] in STREAMING_OPS)
+
+
+def memory_bandwidth(gpu: GPU) -> float:
+    """Bytes per second the GPU's non-streaming kernels move: its datasheet bandwidth x ``MEMORY_EFFICIENCY``."""
+    return gpu.hbm_gbs * 1e9 * MEMORY_EFFICIENCY[arch(gpu.cc)]
+
+
+def streaming_bandwidth(gpu: GPU) -> float:
+    """Bytes per second a streaming kernel moves: the datasheet bandwidth x ``STREAM_MEMORY_EFFICIENCY``."""
+    return gpu.hbm_gbs * 1e9 * STREAM_MEMORY_EFFICIENCY[arch(gpu.cc)]
+
+
+def kernel_bandwidth(c: OpCost, gpu: GPU) -> float:
+    """Bytes per second the kernel ``c`` (not a matrix product) moves: streaming, a one-pass reduction or neither,
+    by its name."""
+    if streams(c.name):
+        return streaming_bandwidth(gpu)
+    if reduces(c.name) and not c.fused:
+        return gpu.hbm_gbs * 1e9 * REDUCE_MEMORY_EFFICIENCY[arch(gpu.cc)]
+    return memory_bandwidth(gpu)

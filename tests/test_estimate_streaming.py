@@ -1,0 +1,115 @@
+"""Streaming element-wise kernels at BabelStream's share of the bandwidth, everything else at MEMORY_EFFICIENCY
+(tokenmill/estimate/bandwidth.py): the constant against its cited figures, eager ops traced by the recorder, and
+Inductor's fused pointwise and reduction kernels as estimate/inductor.py plans them."""
+
+import pytest
+import torch
+
+from tokenmill import config as C
+from tokenmill.estimate import bandwidth as B
+from tokenmill.estimate import roofline as R
+from tokenmill.estimate.gpus import gpu_spec
+from tokenmill.estimate.inductor import plan_graph
+from tokenmill.estimate.recorder import OpCost, Recorder
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return C.resolve("gpt2-124m", overrides={"data.source": "synthetic"}, overrides_from_string=False)
+
+
+def _traced(fn, *shapes, dtype=torch.bfloat16) -> list[OpCost]:
+    args = [torch.empty(s, dtype=dtype, device="meta") for s in shapes]
+    with Recorder() as rec:
+        fn(*args)
+    return rec.costs
+
+
+def test_streaming_share_is_the_cited_copy_bandwidth():
+    # BabelStream's Copy on Azure's ND A100 v4 and ND H100 v5: 1.61 and 2.90 TB/s of 2,039 and 3,350 GB/s
+    assert B.STREAM_MEMORY_EFFICIENCY["a100"] == pytest.approx(1610 / 2039)
+    assert B.STREAM_MEMORY_EFFICIENCY["h100"] == pytest.approx(2900 / 3350)
+    # the datasheet figures are the GPU table's for the measured GPUs
+    assert gpu_spec("a100-80gb").hbm_gbs == B.STREAM_DATASHEET_GBS["a100"]
+    assert gpu_spec("h100-sxm").hbm_gbs == B.STREAM_DATASHEET_GBS["h100"]
+    # streaming is faster than the softmax-derived share, and below the datasheet
+    for a in ("a100", "h100"):
+        assert B.MEMORY_EFFICIENCY[a] < B.STREAM_MEMORY_EFFICIENCY[a] < 1.0
+    # compute capability 8.9 (RTX 4090) takes the A100's share, the H200 the H100's
+    assert B.streaming_bandwidth(gpu_spec("rtx-4090")) == pytest.approx(1008e9 * 1610 / 2039)
+    assert B.streaming_bandwidth(gpu_spec("h200")) == pytest.approx(gpu_spec("h200").hbm_gbs * 1e9 * 2900 / 3350)
+
+
+@pytest.mark.parametrize("key", ["a100-80gb", "h100-sxm"])
+def test_eager_add_streams_and_softmax_does_not(cfg, key):
+    gpu = gpu_spec(key)
+    n = 8192 * 4096
+    (add,) = _traced(torch.add, (8192, 4096), (8192, 4096))
+    assert add.name == "add" and add.bytes == 3 * 2 * n  # two bf16 inputs read, one written
+    stream = gpu.hbm_gbs * 1e9 * B.STREAM_MEMORY_EFFICIENCY[B.arch(gpu.cc)]
+    assert R._op_seconds(add, cfg, gpu, 1) == pytest.approx(add.bytes / stream)
+    (inplace,) = _traced(lambda x, y: x.mul_(y), (8192, 4096), (8192, 4096))
+    assert inplace.name == "mul_" and R._op_seconds(inplace, cfg, gpu, 1) == pytest.approx(inplace.bytes / stream)
+    (cast,) = _traced(lambda x: x.float(), (8192, 4096))
+    assert cast.name == "_to_copy" and R._op_seconds(cast, cfg, gpu, 1) == pytest.approx(6 * n / stream)
+    (soft,) = _traced(lambda x: torch.softmax(x, -1), (8192, 4096))
+    assert soft.name == "_softmax" and soft.bytes == 2 * 2 * n
+    plain = gpu.hbm_gbs * 1e9 * B.MEMORY_EFFICIENCY[B.arch(gpu.cc)]
+    assert R._op_seconds(soft, cfg, gpu, 1) == pytest.approx(soft.bytes / plain)
+
+
+def test_which_names_stream():
+    for name in ("add", "add_", "mul", "_to_copy", "copy_", "silu", "silu_backward", "gelu", "where", "fill_",
+                 "native_dropout_backward", "convert_element_type", "zeros_like", "nf4_dequant"):
+        assert B.streams(name), name
+    for name in ("sum", "mean", "amax", "var_mean", "_softmax", "_softmax_backward_data", "native_layer_norm",
+                 "cat", "stack", "slice_backward", "index", "gather", "index_put_", "embedding",
+                 "embedding_dense_backward", "native_dropout", "mm"):
+        assert not B.streams(name), name
+    # one-pass reductions (BabelStream's dot share); softmax and the norms make a second pass and are not
+    for name in ("sum", "mean", "amax", "var_mean", "linalg_vector_norm"):
+        assert B.reduces(name), name
+    for name in ("_softmax", "_log_softmax", "_softmax_backward_data", "native_layer_norm", "add", "cat"):
+        assert not B.reduces(name), name
+
+
+def test_reduction_share_is_the_cited_dot_bandwidth(cfg):
+    # BabelStream's Dot in the same Azure runs: 1.75 and 3.18 TB/s of 2,039 and 3,350 GB/s
+    assert B.REDUCE_MEMORY_EFFICIENCY["a100"] == pytest.approx(1750 / 2039)
+    assert B.REDUCE_MEMORY_EFFICIENCY["h100"] == pytest.approx(3180 / 3350)
+    h100 = gpu_spec("h100-sxm")
+    red = OpCost("mean", bytes=1e9)
+    assert R._op_seconds(red, cfg, h100, 1) == pytest.approx(1e9 / (3350e9 * 3180 / 3350))
+
+
+def test_inductor_pointwise_kernel_streams_and_reduction_kernel_does_not(cfg):
+    """An RMS norm as Inductor plans it: the mean of squares is a fused reduction kernel (MEMORY_EFFICIENCY); the scale,
+    reading x, the mean and the weight once and writing once, a fused pointwise kernel (the streaming share)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+    gm = make_fx(rms, tracing_mode="fake")(torch.randn(64, 256), torch.randn(256))
+    kernels = [k.cost for k in plan_graph(gm, cpu=False).kernels]
+    assert [c.name for c in kernels] == ["mean", "mul"]
+    reduction, pointwise = kernels
+    assert pointwise.bytes == (64 * 256 + 64 + 256 + 64 * 256) * 4  # x, the mean, w read; the output written
+    h100 = gpu_spec("h100-sxm")
+    # at these sizes the kernel floor would hide the bandwidth: compare the shares on the byte counts themselves
+    assert all(c.fused for c in kernels)
+    big = [OpCost(c.name, bytes=c.bytes * 1e4, fused=True) for c in kernels]
+    assert R._op_seconds(big[1], cfg, h100, 1) == pytest.approx(big[1].bytes / B.streaming_bandwidth(h100))
+    # a fused reduction kernel keeps the softmax-measured share; the same reduction as one eager ATen op reads once
+    assert R._op_seconds(big[0], cfg, h100, 1) == pytest.approx(big[0].bytes / B.memory_bandwidth(h100))
+    eager = OpCost("mean", bytes=big[0].bytes)
+    assert R._op_seconds(eager, cfg, h100, 1) == pytest.approx(eager.bytes / (h100.hbm_gbs * 1e9
+                                                                            * B.REDUCE_MEMORY_EFFICIENCY["h100"]))
+
+
+def test_skinny_product_floor_streams(cfg):
+    # a LoRA factor x (8192 x 4096) @ A^T (4096 x 8) in bf16: its operands read once, its output written once
+    a100 = gpu_spec("a100-80gb")
+    c = OpCost("mm", flops=2.0 * 8192 * 4096 * 8, math="bf16", min_dim=8, dims=(1, 8192, 4096, 8))
+    nbytes = (8192 * 4096 + 4096 * 8 + 8192 * 8) * 2
+    assert R._op_seconds(c, cfg, a100, 1) == pytest.approx(nbytes / (2039e9 * 1610 / 2039))
