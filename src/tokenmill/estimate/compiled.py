@@ -15,7 +15,8 @@ Which pieces are compiled follows :func:`tokenmill.model.build.apply_compile`: `
 compiles the embeddings, the blocks and the head with the loss; ``compile.loss_outside`` leaves the head
 and the loss eager; ``compile.scope='block'`` compiles the blocks only. The chunked loss is costed as it runs
 under compile: one opaque operator (``model/loss.py``) whose chunk loop runs eagerly inside the graph. An activation-checkpointed block keeps only its input in forward and runs its
-compiled forward again in backward (Dynamo marks the checkpointed region for recomputation).
+compiled forward again in backward (Dynamo marks the checkpointed region for recomputation); one checkpointed with an
+op policy ('save-matmuls') is captured with the policy's tags, so it keeps what the partition keeps (:func:`selective`).
 
 Two measured behaviours of compiled training are part of the model: the logits the model returns beside
 its loss get a materialised zero gradient in backward (``autograd.Function`` materialises the gradient
@@ -81,7 +82,7 @@ def capture(module: nn.Module, fn: Callable, names: list[str], acts: list[tuple]
     def keep(slot: str):
         def compiler(gm, _example):
             got[slot] = gm
-            return make_boxed_func(gm)
+            return make_boxed_func(gm if slot == "fw" else _stop)  # backward: captured, not run
         return compiler
 
     fake = FakeTensorMode()
@@ -105,12 +106,23 @@ def capture(module: nn.Module, fn: Callable, names: list[str], acts: list[tuple]
         outs = outs if isinstance(outs, (tuple, list)) else (outs,)
         if "bw" not in got:  # a backward compiled lazily (else the forward compiled both: nothing to run)
             roots = [outs[i] for i in grad_of]
-            torch.autograd.backward(roots, [torch.ones_like(r) if r.dim() == 0 else torch.empty_like(r) for r in roots])
+            with contextlib.suppress(_Captured):
+                torch.autograd.backward(roots, [torch.ones_like(r) if r.dim() == 0 else torch.empty_like(r)
+                                                for r in roots])
     roles = [f"param:{n}" if isinstance(own[n], nn.Parameter) else "buffer" for n in names]
     roles += [r for r, *_ in acts]
     fw, bw = got["fw"], got["bw"]
     n_saved = sum(1 for n in bw.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents"))
     return Graphs(fw, bw, roles, len(_outputs(fw)) - n_saved)
+
+
+class _Captured(Exception):
+    """Raised by the backward graph instead of running it: once compiled it is captured (a graph that replays
+    saved random-number states, as a selectively checkpointed dropout's, could not run on fake tensors)."""
+
+
+def _stop(*_args):
+    raise _Captured
 
 
 def captured(key: tuple, module: nn.Module, fn: Callable, names: list[str], acts: list[tuple],
@@ -374,14 +386,59 @@ def _finish(trace: PieceTrace, params: dict[str, torch.Tensor], prefix: str = ""
     return trace
 
 
+class _Region(nn.Module):
+    """The block under the device model, also where the checkpoint recomputes it in backward (where the mode
+    that ran the forward is off: AOTAutograd traces backward after it)."""
+
+    def __init__(self, inner: nn.Module, devmode: DeviceModel):
+        super().__init__()
+        self.inner, self.devmode = inner, devmode
+
+    def forward(self, *args):
+        from torch.overrides import _get_current_function_mode_stack
+
+        off = self.devmode not in _get_current_function_mode_stack()
+        with self.devmode if off else _null(), self.devmode.autocast_region():
+            return self.inner(*args)
+
+
+def selective(block: nn.Module, inner: nn.Module, devmode: DeviceModel, rope: bool) -> Optional[Callable]:
+    """A block checkpointed with an op policy (``memory.activation_checkpointing_policy`` but 'full': the wrapper's
+    ``context_fn``) as ``torch.compile`` runs it: Dynamo turns ``torch.utils.checkpoint`` into the
+    ``tag_activation_checkpoint`` operator, whose body AOTAutograd traces under the policy's dispatch mode, which
+    tags each op of the joint graph with its policy (``node.meta['recompute']``); the min-cut partitioner then
+    saves what is MUST_SAVE and recomputes in the backward graph what is PREFER_RECOMPUTE (torch 2.11-2.13:
+    ``torch/_higher_order_ops/wrap.py``, ``torch/utils/checkpoint.py``, ``torch/_functorch/partitioners.py``).
+    The same operator is called here, on a one-node graph of the block, so the saved tensors are the partition's
+    own. None for a plain block or whole-block recomputation ('full': :func:`build_piece`'s ``checkpointed``)."""
+    context_fn = getattr(getattr(block, "checkpoint_fn", None), "keywords", {}).get("context_fn")
+    if inner is block or context_fn is None:
+        return None
+    from torch import fx
+    from torch._higher_order_ops.wrap import tag_activation_checkpoint
+
+    g = fx.Graph()
+    xs = [g.placeholder(n) for n in (("x", "cos", "sin") if rope else ("x",))]
+    g.output(g.call_module("block", (xs[0], (xs[1], xs[2])) if rope else (xs[0],)))
+    body = fx.GraphModule({"block": _Region(inner, devmode)}, g)
+    body.meta["_checkpoint_context_fn"] = context_fn  # where Dynamo puts the checkpoint's context_fn
+    return lambda *a: tag_activation_checkpoint(body, *a)
+
+
 def compiled_block(model: nn.Module, block: nn.Module, shape: tuple, act_dtype: torch.dtype, devmode: DeviceModel,
                    rounds: int, key: tuple = ()) -> PieceTrace:
-    """One compiled transformer block (an activation-checkpointed one recomputes its forward in backward)."""
+    """One compiled transformer block (an activation-checkpointed one recomputes its forward in backward; one
+    checkpointed selectively recomputes what its policy does not save: :func:`selective`)."""
     inner = getattr(block, "_checkpoint_wrapped_module", block)
     params = dict(inner.named_parameters())
     names = list(params) + [n for n, _ in inner.named_buffers()]
     acts = [("x", shape, act_dtype, True)]
-    if model.cfg.pos_emb == "rope":
+    rope = model.cfg.pos_emb == "rope"
+    sac = selective(block, inner, devmode, rope)
+    if sac is not None:
+        fn = sac  # its graphs depend on the policy: the caller's key names it
+        acts += [("buffer", tuple(model.rope_cos.shape), model.rope_cos.dtype, False)] * 2 if rope else []
+    elif rope:
         acts += [("buffer", tuple(model.rope_cos.shape), model.rope_cos.dtype, False)] * 2  # the model's buffers
 
         def fn(x, cos, sin):
@@ -391,7 +448,8 @@ def compiled_block(model: nn.Module, block: nn.Module, shape: tuple, act_dtype: 
             return inner(x)
     g = captured(key, inner, fn, names, acts, devmode, grad_of=[0])
     x_nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=act_dtype).element_size()
-    trace = build_piece("block", g, devmode, rounds, x_nbytes=x_nbytes, checkpointed=inner is not block)
+    trace = build_piece("block", g, devmode, rounds, x_nbytes=x_nbytes,
+                        checkpointed=inner is not block and sac is None)
     trace.buffer_bytes = sum(b.numel() * b.element_size() for b in block.buffers())
     trace.nf4_sizes = nf4_weights(block)
     prefix = {m: n for n, m in model.named_modules()}[block] + "."

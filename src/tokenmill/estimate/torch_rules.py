@@ -30,6 +30,8 @@ REREAD = (
     "Inductor fusion and pad_mm padding (torch/_inductor/scheduler.py, torch/_inductor/fx_passes/pad_mm.py) "
     "-> estimate/inductor.py",
     "AOTAutograd's min-cut partition (torch/_functorch/partitioners.py) -> estimate/compiled.py",
+    "how dynamo hands a selective checkpoint to AOTAutograd (torch/_higher_order_ops/wrap.py, "
+    "torch/utils/checkpoint.py) -> estimate/compiled.py selective",
     "the CUDA autocast op lists (aten/src/ATen/autocast_mode.cpp) -> estimate/device.py",
     "the CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp) -> estimate/allocator.py",
     "FSDP2's all-gather / reduce-scatter buffers and their streams (torch/distributed/fsdp/_fully_shard/"

@@ -374,7 +374,7 @@ def _trace_pieces(cfg: C.Config, vocab_size: int, device: str, batch: Optional[i
     if not model.wte.weight.requires_grad:  # frozen embeddings (LoRA): no backward to compile
         parts.discard("embed")
     # what a compiled piece's graphs depend on (compiled.captured): the traced model and its input, not the
-    # GPU's balance, the rounds or the checkpoint wrapper (a checkpointed block's graphs are its inner block's);
+    # GPU's balance, the rounds or a whole-block checkpoint wrapper (such a block's graphs are its inner block's);
     # the loss's fields only for the head (GPT.head_loss is the one place that reads them)
     graphs = (t.precision, tuple(sorted(cfg.lora.__dict__.items())), cfg.memory.offload_activations, vocab_size,
               device, tp, B, len(model.blocks), mixed)
@@ -383,12 +383,12 @@ def _trace_pieces(cfg: C.Config, vocab_size: int, device: str, batch: Optional[i
     for i, (block, checkpointed) in enumerate(zip(model.blocks, checkpointed_blocks(len(model.blocks), every))):
         kind = block_kind(checkpointed, i in traced_sparse)
         if kind in need and kind not in traced:
-            # a selectively checkpointed block (a policy other than 'full') is traced eager: its compiled form
-            # keeps what the policy saves, which the compiled model here (full recomputation) does not follow
-            selective = checkpointed and cfg.memory.activation_checkpointing_policy != "full"
-            traced[kind] = (CP.compiled_block(model, block, shape, dt, devmode, rounds, (body, graphs, "block", i))
-                            if "block" in parts and not selective
-                            else trace_block(model, block, shape, dt, devmode, accum, rounds))
+            # a selectively checkpointed block (a policy other than 'full') is captured with its policy
+            # (compiled.selective): its graphs depend on the policy, its key names it
+            policy = cfg.memory.activation_checkpointing_policy if checkpointed else "full"
+            traced[kind] = (CP.compiled_block(model, block, shape, dt, devmode, rounds,
+                                              (body, graphs, "block", i) + ((policy,) if policy != "full" else ()))
+                            if "block" in parts else trace_block(model, block, shape, dt, devmode, accum, rounds))
     head = (CP.compiled_head(model, shape, dt, devmode, rounds, (whole, graphs, "head")) if "head" in parts
             else trace_head(model, shape, dt, devmode, accum, rounds))
     embed = (CP.compiled_embed(model, B, T, devmode, rounds, (body, graphs, "embed")) if "embed" in parts
