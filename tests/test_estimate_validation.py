@@ -1,10 +1,13 @@
 """tokenmill estimate against published GPU measurements (benchmarks/validation/published.toml): every error
 recomputed, the means held at what the estimator reached, the doc's table and the printed error ranges the
 same figures as the file; the held-out set (heldout.toml) split by its rule, recording no errors, every case
-estimable (its errors are looked at once, by `update.py --heldout`, after the estimator is frozen)."""
+estimable (its errors are looked at once, by `update.py --heldout`, after the estimator is frozen), and
+`--heldout --fresh` selecting exactly the cases without a `spent` date."""
 
+import contextlib
 import hashlib
 import importlib.util
+import io
 import json
 from pathlib import Path
 
@@ -12,10 +15,12 @@ import pytest
 
 from tokenmill import config as C
 from tokenmill.cli import main
+from tokenmill.errors import DataError
 from tokenmill.estimate import estimate
 from tokenmill.estimate.uncertainty import MIN_CASES, OVERALL, REGIME_ERRORS, error_for, regime_table
 from tokenmill.estimate.validation import (
     config_of,
+    fresh,
     load,
     markdown_table,
     method_of,
@@ -116,20 +121,60 @@ def test_heldout_file_split_and_records_no_errors():
         assert c.source.startswith("https://github.com/") and c.config and c.memory_metric in ("allocated", "reserved")
     methods = {method_of(config_of(c)) for c in held}
     assert {"lora", "qlora"} <= methods
-    # every fine-tuning case of the published file was sent there by the rule
-    assert not [c.id for c in published if c.flags.get("lora.rank") and _held_out_rule(c.id)]
+    # every fine-tuning case of the published file was sent there by the rule, or is a spent held-out case
+    assert not [c.id for c in published if c.flags.get("lora.rank") and _held_out_rule(c.id) and not c.spent]
     doc = (ROOT / "docs" / "estimate.md").read_text()
     assert doc.count("<!-- heldout-table:start -->") == 1 and doc.count("<!-- heldout-table:end -->") == 1
 
 
 @pytest.mark.slow
-def test_heldout_cases_estimate_and_update_writes_nothing(capsys):
+def test_heldout_cases_estimate_and_update_writes_nothing():
     spec = importlib.util.spec_from_file_location("validation_update", ROOT / "benchmarks" / "validation" / "update.py")
     upd = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(upd)
     held, _ = load(HELDOUT)
     before = {p: p.read_text() for p in (HELDOUT, FILE, upd.DOC, upd.UNCERTAINTY)}
-    assert upd.main(["--heldout"]) == 0  # every case resolves and estimates; without --write nothing is written
-    out = capsys.readouterr().out
-    assert all(c.id in out for c in held) and "mean absolute error" in out
-    assert {p: p.read_text() for p in before} == before
+    # the printed errors stay in this buffer, never in pytest's report or CI's log: the fresh cases stay unseen
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = upd.main(["--heldout"])  # every case resolves and estimates; without --write nothing is written
+    out = buf.getvalue()
+    missing = [c.id for c in held if c.id not in out]
+    assert rc == 0 and not missing and "mean absolute error" in out, f"exit {rc}, cases not estimated: {missing}"
+    assert all(p.read_text() == text for p, text in before.items()), "update.py --heldout wrote a file"
+
+
+def _update_module():
+    spec = importlib.util.spec_from_file_location("validation_update", ROOT / "benchmarks" / "validation" / "update.py")
+    upd = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(upd)
+    return upd
+
+
+def test_heldout_fresh_selects_exactly_the_unspent_cases(tmp_path, capsys):
+    # a held-out file with a spent case and a fresh one (the published file's spent cases: moved there once seen)
+    text = FILE.read_text().split("\n[[case]]")
+    spent = next(t for t in text[1:] if "\nspent = " in t).split("\n#")[0]
+    other = next(t for t in text[1:] if "\nspent = " not in t).split("\n#")[0]
+    held_file = tmp_path / "held.toml"
+    held_file.write_text("[[case]]" + spent + "\n[[case]]" + other)
+    held, _ = load(held_file)
+    assert [c.spent is None for c in held] == [False, True]
+    upd = _update_module()
+    upd.HELDOUT = held_file
+    assert [c.id for c in upd.heldout_cases(["--heldout", "--fresh"])] == [held[1].id] == [c.id for c in fresh(held)]
+    assert [c.id for c in upd.heldout_cases(["--heldout"])] == [c.id for c in held]
+    # nothing fresh: the run says so and estimates nothing
+    one = tmp_path / "spent.toml"
+    one.write_text("[[case]]" + spent)
+    upd.HELDOUT = one
+    assert upd.main(["--heldout", "--fresh"]) == 0 and "nothing to evaluate" in capsys.readouterr().out
+    assert upd.main(["--fresh"]) == 2 and "with --heldout" in capsys.readouterr().out  # never the published run
+
+
+@pytest.mark.parametrize("value, word", [("5", "must be a string"), ('"yesterday"', "YYYY-MM-DD")])
+def test_spent_is_checked_where_read(tmp_path, value, word):
+    f = tmp_path / "cases.toml"
+    f.write_text(f'[[case]]\nid = "x"\nfamily = "llama"\nsource = "s"\nconfig = "c"\ngpu = "a100-80gb"\nspent = {value}\n')
+    with pytest.raises(DataError, match=word):
+        load(f)

@@ -13,10 +13,14 @@ not touched: they hold the means at what the estimator reached and are lowered b
 estimator is frozen and never used to choose anything. It prints their errors and means (overall and per regime)
 and writes nothing, unless ``--write`` is given too: then the table between ``<!-- heldout-table:start -->`` and
 ``<!-- heldout-table:end -->`` in ``docs/estimate.md``, nothing else (heldout.toml records no errors).
+``--fresh`` (with ``--heldout``) runs only the cases not evaluated yet: those without a ``spent = "YYYY-MM-DD"``
+date (a case gets one when its single evaluation is done); with ``--write`` their table goes between
+``<!-- heldout-fresh-table:start -->`` and ``<!-- heldout-fresh-table:end -->``, the spent cases' table untouched.
 
     python benchmarks/validation/update.py                      # rewrite the three files, print the per-case errors
     python benchmarks/validation/update.py --check              # print only
     python benchmarks/validation/update.py --heldout [--write]  # the held-out set: print (and write its table)
+    python benchmarks/validation/update.py --heldout --fresh [--write]  # only the cases without 'spent'
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import sys
 from pathlib import Path
 
 from tokenmill.estimate.uncertainty import regime_table
-from tokenmill.estimate.validation import load, markdown_table, run_case, summarize
+from tokenmill.estimate.validation import fresh, load, markdown_table, run_case, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
 TOML = ROOT / "benchmarks" / "validation" / "published.toml"
@@ -87,19 +91,33 @@ def _print(results: list[dict], regimes: bool = False) -> dict:
     return s
 
 
-def heldout(argv: list[str]) -> int:
-    """The held-out set: its errors printed; with ``--write``, its table written into docs/estimate.md."""
+def heldout_cases(argv: list[str]) -> list:
+    """The held-out cases to run: all of them, or with ``--fresh`` those without a ``spent`` date."""
     cases, _ = load(HELDOUT)
+    return fresh(cases) if "--fresh" in argv else cases
+
+
+def heldout(argv: list[str]) -> int:
+    """The held-out set (``--fresh``: its unspent cases): errors printed; with ``--write``, the table written into
+    docs/estimate.md (the fresh cases' table between its own markers)."""
+    cases = heldout_cases(argv)
+    if not cases:
+        print("no held-out case without 'spent': nothing to evaluate")
+        return 0
     results = [run_case(c) for c in cases]
     _print(results, regimes=True)
     if "--write" in argv:
-        DOC.write_text(_doc(DOC.read_text(), markdown_table(cases, results), "heldout-table"))
+        name = "heldout-fresh-table" if "--fresh" in argv else "heldout-table"
+        DOC.write_text(_doc(DOC.read_text(), markdown_table(cases, results), name))
     return 0
 
 
 def main(argv: list[str]) -> int:
     if "--heldout" in argv:
         return heldout(argv)
+    if "--fresh" in argv:
+        print("--fresh selects held-out cases: use it with --heldout (nothing run, nothing written)")
+        return 2
     cases, bounds = load(TOML)
     results = [run_case(c) for c in cases]
     s = _print(results)

@@ -5,7 +5,8 @@ express: memory its model holds that training never uses, a compiled model that 
 :func:`summarize` gives the mean absolute errors overall and per *regime* (eager / compiled, small / large
 micro-batch, one GPU / several, and the fine-tuning method: every weight trained, LoRA or QLoRA), and
 :func:`markdown_table` the table of docs/estimate.md. The same functions run ``benchmarks/validation/heldout.toml``,
-the held-out cases evaluated once after the estimator is frozen (``update.py --heldout``). The per-regime
+the held-out cases evaluated once after the estimator is frozen (``update.py --heldout``; a case already
+evaluated carries its date in ``spent``, and :func:`fresh` keeps the others: ``--heldout --fresh``). The per-regime
 errors are what :mod:`.uncertainty` prints beside every estimate; ``tests/test_estimate_validation.py``
 recomputes all of it, so the file, the doc and the printed ranges cannot drift apart.
 """
@@ -13,6 +14,7 @@ recomputes all of it, so the file, the doc and the printed ranges cannot drift a
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -20,7 +22,9 @@ from typing import Any, Optional
 import tomllib
 
 from tokenmill import config as C
+from tokenmill.errors import DataError
 from tokenmill.estimate.gpus import gpu_spec
+from tokenmill.filecheck import get
 
 SMALL_BATCH_TOKENS = 8192  # a micro-batch of fewer tokens per GPU is 'small': the host can set the pace
 
@@ -44,12 +48,27 @@ class Case:
     tokens_per_sec: Optional[float] = None
     memory_error: Optional[float] = None  # recorded in the file (estimate / measured - 1)
     speed_error: Optional[float] = None
+    spent: Optional[str] = None  # held-out only: the date (YYYY-MM-DD) the case was evaluated; absent = fresh
 
 
 def load(path: str | Path) -> tuple[list[Case], dict[str, Any]]:
-    """The cases and the ``[summary]`` table of a validation file."""
+    """The cases and the ``[summary]`` table of a validation file (``spent``, where given, checked: a
+    YYYY-MM-DD date string)."""
     doc = tomllib.loads(Path(path).read_text())
-    return [Case(**c) for c in doc.get("case", [])], doc.get("summary", {})
+    cases = []
+    for c in doc.get("case", []):
+        where = f"{path}: case {c.get('id', '?')}"
+        spent = get(c, "spent", str, where, err=DataError, default=None)
+        if spent is not None and not re.fullmatch(r"\d{4}-\d{2}-\d{2}", spent):
+            raise DataError(f"{where}: 'spent' must be the date the case was evaluated (YYYY-MM-DD), "
+                            f"got {spent!r}.")
+        cases.append(Case(**c))
+    return cases, doc.get("summary", {})
+
+
+def fresh(cases: list[Case]) -> list[Case]:
+    """The held-out cases not evaluated yet (no ``spent`` date): what ``update.py --heldout --fresh`` runs."""
+    return [c for c in cases if c.spent is None]
 
 
 def config_of(case: Case) -> C.Config:
