@@ -34,7 +34,7 @@ def corpus(path: Path, megabytes: float) -> Path:
     size = 0
     with open(path, "w", encoding="utf-8") as f:
         while size < megabytes * 1e6:
-            line = json.dumps({"text": " ".join(rnd.choice(WORDS) for _ in range(rnd.randint(20, 600)))}) + "\n"
+            line = json.dumps({"text": " ".join(rnd.choices(WORDS, k=rnd.randint(20, 600)))}) + "\n"
             f.write(line)
             size += len(line.encode())
     return path

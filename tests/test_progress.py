@@ -37,8 +37,9 @@ def test_train_and_eval_print_rate_and_eta_to_a_pipe(tmp_path):
     (text / "a.txt").write_text(" ".join(["the cat sat on a mat and the dog ran"] * 800))
     data, run_dir = tmp_path / "data", tmp_path / "run"
     assert run_cli("prepare", text, "--out", data, "--tokenizer", "bytes").returncode == 0  # the pipe: train and eval
-    out = run("train", "--preset", "tiny", "--data.path", str(data), "--run-dir", str(run_dir),
-              "--train.max_steps", "20", "--log.every_steps", "10", "--train.device", "cpu")
+    # train in this process (its stdout is not a terminal either); eval's progress goes to a real pipe
+    out = run_cli("train", "--preset", "tiny", "--data.path", data, "--run-dir", run_dir,
+                  "--train.max_steps", "20", "--log.every_steps", "10", "--train.device", "cpu")
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stdout.splitlines() if line.startswith("step") and "loss" in line
              and "val_loss" not in line]

@@ -215,9 +215,16 @@ def test_oom_is_reported_with_switches(tmp_path):
 
 @pytest.mark.slow
 def test_compile_keeps_the_math_and_checkpoint_names(tmp_path):
-    """torch.compile (Inductor on CPU: ~1 min of compilation) gives the eager losses, plain names."""
+    """torch.compile (Inductor on CPU: ~1 min of compilation) gives the eager losses, plain names; the
+    compiled run's summary.json has compile_s > 0 from torch's own counters, within the run's wall time, and
+    the whole-run peaks (None on a CPU) (tests/test_compile_cost.py's topic, checked on this run: one
+    compiled tiny run, not two)."""
+    from tokenmill.train.metrics import compile_seconds
+
+    assert compile_seconds() is not None  # this torch keeps the counters
     over = {"train.max_steps": 3, "log.every_steps": 1}
     train(tiny_cfg(**over), tmp_path / "eager", quiet=True)
+    torch._dynamo.reset()
     train(tiny_cfg(**over, **{"compile.enabled": True}), tmp_path / "compiled", quiet=True)
     eager, compiled = losses(tmp_path / "eager"), losses(tmp_path / "compiled")
     for s in eager:
@@ -225,6 +232,9 @@ def test_compile_keeps_the_math_and_checkpoint_names(tmp_path):
     keys = set(final_weights(tmp_path / "compiled"))
     assert keys == set(final_weights(tmp_path / "eager"))
     assert not any("_orig_mod" in k for k in keys)
+    summary = json.loads((tmp_path / "compiled" / "summary.json").read_text())
+    assert isinstance(summary["compile_s"], float) and 0 < summary["compile_s"] < summary["wall_s"]
+    assert summary["peak_alloc_mb_run"] is None and summary["peak_reserved_mb_run"] is None
 
 
 @pytest.mark.slow
