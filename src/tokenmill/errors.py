@@ -93,3 +93,8 @@ def describe_os_error(e: OSError, what: str = "") -> str:
 class AlreadyTrained(TokenmillError):
     """On resume: the run already reached ``train.max_steps``. ``train()`` reports it and returns
     without writing anything (not an error for the user)."""
+
+
+class GraphCaptured(TokenmillError):
+    """Not a user error: the estimator's signal that a compiled backward graph has been captured and need not run
+    (``estimate/compiled.py``: a graph replaying saved random-number states could not run on fake tensors)."""

@@ -39,6 +39,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from tokenmill.errors import GraphCaptured
 from tokenmill.estimate.device import DeviceModel
 from tokenmill.estimate.inductor import GraphPlan, plan_graph
 from tokenmill.estimate.pieces import PieceTrace, Round  # noqa: F401
@@ -106,7 +107,7 @@ def capture(module: nn.Module, fn: Callable, names: list[str], acts: list[tuple]
         outs = outs if isinstance(outs, (tuple, list)) else (outs,)
         if "bw" not in got:  # a backward compiled lazily (else the forward compiled both: nothing to run)
             roots = [outs[i] for i in grad_of]
-            with contextlib.suppress(_Captured):
+            with contextlib.suppress(GraphCaptured):
                 torch.autograd.backward(roots, [torch.ones_like(r) if r.dim() == 0 else torch.empty_like(r)
                                                 for r in roots])
     roles = [f"param:{n}" if isinstance(own[n], nn.Parameter) else "buffer" for n in names]
@@ -116,13 +117,9 @@ def capture(module: nn.Module, fn: Callable, names: list[str], acts: list[tuple]
     return Graphs(fw, bw, roles, len(_outputs(fw)) - n_saved)
 
 
-class _Captured(Exception):
-    """Raised by the backward graph instead of running it: once compiled it is captured (a graph that replays
-    saved random-number states, as a selectively checkpointed dropout's, could not run on fake tensors)."""
-
-
 def _stop(*_args):
-    raise _Captured
+    """The backward graph's stand-in once it is compiled and captured (errors.GraphCaptured)."""
+    raise GraphCaptured
 
 
 def captured(key: tuple, module: nn.Module, fn: Callable, names: list[str], acts: list[tuple],
