@@ -1,4 +1,5 @@
-"""The share of a GPU's datasheet memory bandwidth a kernel that is not a matrix product reaches.
+"""The share of a GPU's datasheet memory bandwidth a kernel that is not a matrix product reaches, and the bandwidth
+of its collectives (``LINK_EFFICIENCY``, :func:`link_bandwidth`, :func:`group_bandwidth`: within a node and across nodes).
 
 Three shares, by architecture (:func:`tokenmill.estimate.attention.arch`: compute capability 8.x the A100's, 9.x and
 newer the H100's):
@@ -119,3 +120,34 @@ def kernel_bandwidth(c: OpCost, gpu: GPU) -> float:
     if reduces(c.name) and not c.fused:
         return gpu.hbm_gbs * 1e9 * REDUCE_MEMORY_EFFICIENCY[arch(gpu.cc)]
     return memory_bandwidth(gpu)
+
+
+# Bus bandwidth NCCL's collectives reach / the link's datasheet rate per direction (link_bandwidth), from the
+# bandwidths NCCL's own topology model gives a link (the code that runs: NVIDIA/nccl src/graph/topo.h and topo.cc,
+# master 5067397c): an NVLink 20.0 GB/s on compute capability 8.x (SM80_NVLINK_BW; the A100's 12 NVLink-3 links of
+# 25 GB/s: 240 of 300 GB/s) and 20.6 GB/s on 9.x (SM90_NVLINK_BW; the H100's 18 NVLink-4 links: 370.8 of 450);
+# a PCIe x16 link width x GT/s / 8 x 0.75 (kvDictPciGen: 24 GB/s on Gen 4, 48 on Gen 5; 32 and 64 in the table).
+# Published checks: 8 A100-SXM4-80GB (Azure ND A100 v4, NCCL 2.18.5), all_reduce_perf busbw 231.6 GB/s at 8 GB,
+# 0.77 of 300 (github.com/Azure/AI-benchmarking-guide, Azure_Results/ND_A100_v4_results.md); on the H100,
+# S. Jeaugey (NCCL): 370 GB/s for every collective but the all-reduce, and for the ring all-reduce
+# (github.com/NVIDIA/nccl-tests/issues/212). Not modelled: the H100's default all-reduce through NVLink SHARP
+# (NVLS), 478.9 GB/s busbw at 8 GB on 8 H100 SXM (1.06 of 450; Azure ND H100 v5, NCCL 2.18.5, same repository).
+LINK_EFFICIENCY = {"a100": 20.0 / 25, "h100": 20.6 / 25, "pcie": 0.75}
+
+
+def group_bandwidth(gpu: GPU, size: int, stride: int) -> float:
+    """Bus bandwidth of a collective over ``size`` ranks ``stride`` apart in the device mesh (``parallel/world.py``:
+    pp, dp_replicate, dp_shard, tp, the last varying fastest; ranks fill a node in order): the link's
+    (:func:`link_bandwidth`) within a node; once the group spans nodes (``size x stride`` ranks over
+    ``gpu.node_gpus``), the network's line rate per GPU where it is slower (NCCL's topology model takes a NIC at its
+    speed, ``net.bw = mbps / 8000`` GB/s: NVIDIA/nccl src/graph/topo.cc). A GPU without a node keeps its link."""
+    bw = link_bandwidth(gpu)
+    if gpu.node_gpus and gpu.nic_gbps and size > 1 and size * stride > gpu.node_gpus:
+        return min(bw, gpu.nic_gbps / 8 * 1e9)
+    return bw
+
+
+def link_bandwidth(gpu: GPU) -> float:
+    """Bytes a second NCCL's collectives move per GPU and direction (their bus bandwidth): the datasheet link
+    bandwidth x ``LINK_EFFICIENCY`` of its PCIe link, else of its NVLink by architecture (the CPU's: the A100's)."""
+    return gpu.link_gbs * 1e9 * LINK_EFFICIENCY["pcie" if gpu.link.startswith("PCIe") else arch(gpu.cc)]

@@ -30,6 +30,12 @@ def register(subparsers) -> None:
     g.add_argument("--gpu", default=DEFAULT_GPU, help=f"GPU key or name (default {DEFAULT_GPU}; --gpus lists them; "
                                                       "'cpu' for a CPU run)")
     g.add_argument("--nproc", type=number(int, ge=1), default=1, help="processes (GPUs) of the run; parallel.* set the layout")
+    g.add_argument("--gpus-per-node", type=number(int, ge=1), default=None,
+                   help="GPUs a node holds: collectives over more ranks cross the network (default: the GPU's "
+                        "reference node, 8 for the A100/H100/H200 SXM; --gpus lists it)")
+    g.add_argument("--network-gbps", type=number(float, gt=0), default=None,
+                   help="the network's line rate per GPU between nodes, Gb/s (default: the reference node's, 200 on "
+                        "a DGX A100, 400 on a DGX H100/H200)")
     g.add_argument("--json", action="store_true", help="machine-readable output")
     g.add_argument("--advice", action="store_true",
                    help="also say which switches bring the memory under the GPU's: those with the same numerics first, "
@@ -44,6 +50,22 @@ def register(subparsers) -> None:
     p.set_defaults(func=cmd_estimate)
 
 
+def _gpu(args: argparse.Namespace):
+    """``--gpu``, with ``--gpus-per-node`` / ``--network-gbps`` over its reference node where given."""
+    if args.gpus_per_node is None and args.network_gbps is None:
+        return args.gpu
+    import dataclasses
+
+    from tokenmill.estimate.gpus import gpu_spec
+
+    spec = gpu_spec(args.gpu)
+    node = args.gpus_per_node or spec.node_gpus
+    net = args.network_gbps or spec.nic_gbps
+    if not node or not net:
+        raise C.ConfigError(f"{spec.name} has no reference node: give both --gpus-per-node and --network-gbps.")
+    return dataclasses.replace(spec, node_gpus=node, nic_gbps=net)
+
+
 def cmd_estimate(args: argparse.Namespace) -> int:
     from tokenmill.args import config_from_args
     from tokenmill.estimate import estimate
@@ -55,19 +77,20 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if args.resume or args.run_dir:
         raise C.ConfigError("--run-dir / --resume have no meaning for estimate (nothing runs).")
     cfg = config_from_args(args)
+    gpu = _gpu(args)
     if args.finetune:
         from tokenmill.estimate.finetune import format_finetune, lora_advice
 
         print(format_finetune(cfg, args.nproc, chosen_keys(args)))
         if args.advice:
-            print(f"\nadvice: {lora_advice(cfg, args.gpu, args.nproc, chosen_keys(args))}")
+            print(f"\nadvice: {lora_advice(cfg, gpu, args.nproc, chosen_keys(args))}")
         return 0
-    est = estimate(cfg, args.gpu, args.nproc)
+    est = estimate(cfg, gpu, args.nproc)
     advice = None
     if args.advice or (est.fits is False and not args.json):
         from tokenmill.estimate.advice import memory_advice
 
-        advice = memory_advice(cfg, args.gpu, args.nproc)
+        advice = memory_advice(cfg, gpu, args.nproc)
     if args.json:
         out = est.to_dict()
         if advice:

@@ -29,6 +29,8 @@ class GPU:
     sm: int = 0  # streaming multiprocessors (datasheet): the waves of a matrix product's tiles
     cc: tuple = (0, 0)  # compute capability: 8.0 Ampere A100, 8.9 Ada, 9.0 Hopper
     pcie: int = 0  # PCIe generation of the host link (x16): roofline.host_link_bytes_s
+    node_gpus: int = 0  # GPUs a node holds (0: unknown, one node): collectives over more cross the network
+    nic_gbps: float = 0.0  # the network's line rate per GPU, Gb/s (roofline.group_bandwidth)
 
     @property
     def cublas_workspace(self) -> int:
@@ -48,7 +50,8 @@ class GPU:
 
 
 GPUS: dict[str, GPU] = {g.key: g for g in (
-    *(GPU(r.key, r.name, r.memory_mb, r.hbm_gbs, r.link_gbs, r.link, r.sm, r.cc, r.pcie) for r in GPU_TABLE if r.key),
+    *(GPU(r.key, r.name, r.memory_mb, r.hbm_gbs, r.link_gbs, r.link, r.sm, r.cc, r.pcie, r.node_gpus, r.nic_gbps)
+      for r in GPU_TABLE if r.key),
     GPU("cpu", "cpu", 0, 50, 10, "shared memory"),
 )}
 _ALIASES = {"a100": "a100-80gb", "h100": "h100-sxm", "4090": "rtx-4090", "rtx4090": "rtx-4090"}
@@ -58,8 +61,11 @@ def _norm(s: str) -> str:
     return re.sub(r"[^a-z0-9]", "", s.lower())
 
 
-def gpu_spec(name: str) -> GPU:
-    """A GPU by key ('h100-sxm'), alias ('h100'), or the name torch reports ('NVIDIA H100 80GB HBM3')."""
+def gpu_spec(name: str | GPU) -> GPU:
+    """A GPU by key ('h100-sxm'), alias ('h100'), or the name torch reports ('NVIDIA H100 80GB HBM3'); a
+    :class:`GPU` is itself (``estimate --gpus-per-node``/``--network-gbps`` make one)."""
+    if isinstance(name, GPU):
+        return name
     n = _norm(name)
     for key, gpu in GPUS.items():
         if n in (_norm(key), _norm(gpu.name)):
@@ -76,11 +82,14 @@ def gpu_spec(name: str) -> GPU:
 
 def gpu_table_markdown() -> str:
     """The table of docs/estimate.md."""
-    rows = ["| key | torch name | memory (MiB) | HBM GB/s | link GB/s | bf16 / tf32 / fp32 TFLOPS |",
-            "|---|---|---|---|---|---|"]
+    rows = ["| key | torch name | memory (MiB) | HBM GB/s | link GB/s | node (GPUs, Gb/s network per GPU) "
+            "| bf16 / tf32 / fp32 TFLOPS |",
+            "|---|---|---|---|---|---|---|"]
     for g in GPUS.values():
         if g.key == "cpu":
             continue
         peaks = " / ".join(f"{(g.peak(m) or 0) / 1e12:.0f}" for m in ("bf16", "tf32", "fp32"))
-        rows.append(f"| `{g.key}` | {g.name} | {g.memory_mb:,.0f} | {g.hbm_gbs:,} | {g.link_gbs} ({g.link}) | {peaks} |")
+        node = f"{g.node_gpus}, {g.nic_gbps:g}" if g.node_gpus else "-"
+        rows.append(f"| `{g.key}` | {g.name} | {g.memory_mb:,.0f} | {g.hbm_gbs:,} | {g.link_gbs} ({g.link}) | {node} "
+                    f"| {peaks} |")
     return "\n".join(rows)

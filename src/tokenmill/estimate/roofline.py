@@ -46,11 +46,14 @@ import dataclasses
 from typing import Any
 
 from tokenmill import config as C
-from tokenmill.estimate.attention import arch, attention_efficiency
-from tokenmill.estimate.bandwidth import (  # noqa: F401 (MEMORY_EFFICIENCY: read here by tests and docs)
+from tokenmill.estimate.attention import attention_efficiency
+from tokenmill.estimate.bandwidth import (  # noqa: F401 (MEMORY_EFFICIENCY, LINK_EFFICIENCY: read here by tests and docs)
+    LINK_EFFICIENCY,
     MEMORY_EFFICIENCY,
     STREAM_MEMORY_EFFICIENCY,
+    group_bandwidth,
     kernel_bandwidth,
+    link_bandwidth,
     memory_bandwidth,
     streaming_bandwidth,
 )
@@ -119,17 +122,6 @@ ATTENTION_EFFICIENCY = 0.45
 # blocks per kernel (MultiTensorApply.cuh before CUDA 13): PyTorch PR #134373 measured 1,458 GB/s for
 # _foreach_copy_ on an H100 SXM (3,350 GB/s datasheet) through them
 FOREACH_MEMORY_EFFICIENCY = 1458 / 3350
-# Bus bandwidth NCCL's collectives reach / the link's datasheet rate per direction (link_bandwidth), from the
-# bandwidths NCCL's own topology model gives a link (the code that runs: NVIDIA/nccl src/graph/topo.h and topo.cc,
-# master 5067397c): an NVLink 20.0 GB/s on compute capability 8.x (SM80_NVLINK_BW; the A100's 12 NVLink-3 links of
-# 25 GB/s: 240 of 300 GB/s) and 20.6 GB/s on 9.x (SM90_NVLINK_BW; the H100's 18 NVLink-4 links: 370.8 of 450);
-# a PCIe x16 link width x GT/s / 8 x 0.75 (kvDictPciGen: 24 GB/s on Gen 4, 48 on Gen 5; 32 and 64 in the table).
-# Published checks: 8 A100-SXM4-80GB (Azure ND A100 v4, NCCL 2.18.5), all_reduce_perf busbw 231.6 GB/s at 8 GB,
-# 0.77 of 300 (github.com/Azure/AI-benchmarking-guide, Azure_Results/ND_A100_v4_results.md); on the H100,
-# S. Jeaugey (NCCL): 370 GB/s for every collective but the all-reduce, and for the ring all-reduce
-# (github.com/NVIDIA/nccl-tests/issues/212). Not modelled: the H100's default all-reduce through NVLink SHARP
-# (NVLS), 478.9 GB/s busbw at 8 GB on 8 H100 SXM (1.06 of 450; Azure ND H100 v5, NCCL 2.18.5, same repository).
-LINK_EFFICIENCY = {"a100": 20.0 / 25, "h100": 20.6 / 25, "pcie": 0.75}
 # GPU-side floor of a kernel: CUDA.jl's measurement, 80 tiny kernels replayed as one CUDA graph in 70 us
 # (host.GRAPH_KERNEL_US); the 2.0 us used before was kept for its validation score, which is no source
 KERNEL_MIN_US = GRAPH_KERNEL_US
@@ -201,12 +193,6 @@ def matmul_efficiency(c: OpCost, mode: str, gpu: GPU) -> float:
     if QUANTIZATION and c.dims and gpu.sm:
         eff *= quantization(c.dims, gpu.sm)
     return eff
-
-
-def link_bandwidth(gpu: GPU) -> float:
-    """Bytes a second NCCL's collectives move per GPU and direction (their bus bandwidth): the datasheet link
-    bandwidth x ``LINK_EFFICIENCY`` of its PCIe link, else of its NVLink by architecture (the CPU's: the A100's)."""
-    return gpu.link_gbs * 1e9 * LINK_EFFICIENCY["pcie" if gpu.link.startswith("PCIe") else arch(gpu.cc)]
 
 
 def attention_share(c: OpCost, mode: str, gpu: GPU) -> float:
@@ -448,12 +434,13 @@ def _comm_seconds(cfg: C.Config, lay: Layout, gpu: GPU, plan: Plan, pieces: Piec
       hide behind the stage's next micro-batch except in the fill and the drain."""
     if lay.nproc == 1:
         return 0.0, 0.0
-    bw, accum = link_bandwidth(gpu), cfg.train.grad_accum_steps
+    accum = cfg.train.grad_accum_steps
     syncs = accum if cfg.parallel.sync_every_microbatch else 1  # gradient reductions a step
     grad_bytes = sum(p.nbytes for p in plan.params if p.trainable)  # a frozen parameter has no gradient
     total = exposed = 0.0
     if lay.dp_shard > 1:
         n = lay.dp_shard
+        bw = group_bandwidth(gpu, n, lay.tp)
         groups = len(plan.stage_blocks) + 1  # a group per block, and the root's (embeddings, norm, head)
         grad_numel = sum(p.numel for p in plan.params if p.trainable)
         mixed = cfg.parallel.fsdp_mixed_precision == "bf16"  # reduced in fp32 (gathered: fsdp.gathered_size)
@@ -466,6 +453,7 @@ def _comm_seconds(cfg: C.Config, lay: Layout, gpu: GPU, plan: Plan, pieces: Piec
         exposed += max(edge, ag + rs - compute_s)
     if lay.dp_replicate > 1:
         n = lay.dp_replicate
+        bw = group_bandwidth(gpu, n, lay.dp_shard * lay.tp)
         share = 1.0 / lay.dp_shard
         ar = 2 * grad_bytes * share * (n - 1) / n / bw  # one reduction (a ring all-reduce moves the bytes twice)
         tail = min(ar, 2 * cfg.parallel.ddp_bucket_mb * 2**20 * (n - 1) / n / bw)  # the last bucket
@@ -473,6 +461,7 @@ def _comm_seconds(cfg: C.Config, lay: Layout, gpu: GPU, plan: Plan, pieces: Piec
         exposed += syncs * max(tail, ar - backward_s)
     if lay.tp > 1:
         n = lay.tp
+        bw = group_bandwidth(gpu, n, 1)
         # the row-wise projections' outputs (and in backward the column-wise ones' input gradients), (B, T, C)
         # in the matmuls' dtype: bf16/fp16 under pure bf16 and autocast
         act = pieces.batch * pieces.seq * cfg.model.n_embd * (4 if cfg.train.precision == "fp32" else 2)
@@ -481,6 +470,7 @@ def _comm_seconds(cfg: C.Config, lay: Layout, gpu: GPU, plan: Plan, pieces: Piec
         total += tp
         exposed += tp
     if lay.pp > 1:  # the residual stream between stages: bf16 only under pure bf16
+        bw = group_bandwidth(gpu, lay.pp, lay.dp * lay.tp)
         act = pieces.batch * pieces.seq * cfg.model.n_embd * (2 if cfg.train.precision == "bf16" else 4)
         n_mb = cfg.parallel.pp_microbatches or lay.pp
         p2p = 2 * act * n_mb * accum / bw

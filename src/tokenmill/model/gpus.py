@@ -15,7 +15,11 @@ reported). ``memory_mb`` is the memory CUDA reports as total (MiB); ``hbm_gbs`` 
 ``link_gbs`` what one GPU can send to its peers in one direction (NVLink for the SXM parts, else PCIe); ``sm``
 the streaming multiprocessors and ``cc`` the compute capability (NVIDIA's datasheets and CUDA's
 compute-capability table); ``pcie`` the generation of the x16 PCIe link to the host (datasheets: 'PCIe Gen4',
-'PCIe Gen5'; 0 where not given). ``tensor_cores``: bf16/TF32 tensor cores (compute capability 8.0 and newer), what the
+'PCIe Gen5'; 0 where not given). ``node_gpus`` and ``nic_gbps``: NVIDIA's reference node for the SXM parts, what a
+run across nodes goes through (the estimator's collectives): DGX A100, eight A100s and eight single-port ConnectX-6
+HDR InfiniBand adapters at 200 Gb/s for the compute fabric (DGX A100 datasheet); DGX H100 and DGX H200, eight GPUs and
+eight ConnectX-7 NDR links at 400 Gb/s (DGX H100/H200 datasheets); ``tokenmill estimate --gpus-per-node /
+--network-gbps`` describe another system. ``tensor_cores``: bf16/TF32 tensor cores (compute capability 8.0 and newer), what the
 doctor's fp32-math rule asks when a run recorded no capability; implied by ``fp8`` or a bf16 peak, else given.
 
 Rows with no peak (MFU None) stand for their tensor-core and FP8 facts alone: A10, A10G, A30, A40, L40, the RTX A
@@ -57,6 +61,8 @@ class GPUFacts:
     cc: tuple = (0, 0)
     tensor_cores: bool = False
     pcie: int = 0  # PCIe generation of the host link (x16)  # bf16/TF32 tensor cores; set from ``fp8`` or a bf16 peak when those say so
+    node_gpus: int = 0  # GPUs in NVIDIA's reference node for this part (DGX/HGX baseboard: 8); 0: none
+    nic_gbps: int = 0  # that node's compute-fabric NIC line rate per GPU, Gb/s (one NIC per GPU); 0: none
 
     def __post_init__(self):
         if self.fp8 or self.peaks.get("bf16") is not None:
@@ -67,19 +73,20 @@ GPU_TABLE: tuple[GPUFacts, ...] = (
     GPUFacts(("GH200",), _HOPPER_SXM, True),
     GPUFacts(("H200", "NVL"), _UNKNOWN, True),  # NVL parts run lower clocks than SXM
     GPUFacts(("H200",), _HOPPER_SXM, True, "h200", "NVIDIA H200", 143_771, 4_800, 450, _NVLINK4, 132, (9, 0),
-             pcie=5),
+             pcie=5, node_gpus=8, nic_gbps=400),
     GPUFacts(("H100", "NVL"), _UNKNOWN, True),
     GPUFacts(("H100", "PCIE"), {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51.2e12}, True,
              "h100-pcie", "NVIDIA H100 PCIe", 81_079, 2_000, 64, "PCIe 5.0 x16", 114, (9, 0), pcie=5),
     GPUFacts(("H100", "SXM5"), _HOPPER_SXM, True),
     GPUFacts(("H100", "SXM"), _HOPPER_SXM, True),
     GPUFacts(("H100", "HBM3"), _HOPPER_SXM, True,  # the SXM part reports "NVIDIA H100 80GB HBM3"
-             "h100-sxm", "NVIDIA H100 80GB HBM3", 81_079, 3_350, 450, _NVLINK4, 132, (9, 0), pcie=5),
+             "h100-sxm", "NVIDIA H100 80GB HBM3", 81_079, 3_350, 450, _NVLINK4, 132, (9, 0), pcie=5, node_gpus=8,
+             nic_gbps=400),
     GPUFacts(("H100",), _UNKNOWN, True),
     GPUFacts(("A100", "40GB"), _A100, False, "a100-40gb", "NVIDIA A100-SXM4-40GB", 40_536, 1_555, 300, _NVLINK3, 108,
-             (8, 0), pcie=4),
+             (8, 0), pcie=4, node_gpus=8, nic_gbps=200),
     GPUFacts(("A100", "80GB"), _A100, False, "a100-80gb", "NVIDIA A100-SXM4-80GB", 81_038, 2_039, 300, _NVLINK3, 108,
-             (8, 0), pcie=4),
+             (8, 0), pcie=4, node_gpus=8, nic_gbps=200),
     GPUFacts(("A100",), _A100, False),
     GPUFacts(("L40S",), {"bf16": 362.05e12, "fp16": 362.05e12, "tf32": 183e12, "fp32": 91.6e12}, True),
     GPUFacts(("L4",), {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30.3e12}, True,
