@@ -8,6 +8,8 @@ a single process and resume under any layout.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
@@ -28,9 +30,9 @@ def build_zero1_optimizer(model: nn.Module, cfg: OptimConfig, world: World) -> t
 
 
 def consolidated_state_dict(optimizer: torch.optim.Optimizer, world: World) -> dict | None:
-    """The full optimizer state dict on rank 0 (None elsewhere); a collective for ZeRO-1."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    """The full optimizer state dict on rank 0 (None elsewhere); a collective for ZeRO-1. A ZeRO-1 optimizer exists
+    only once ``torch.distributed.optim`` is imported: a run without one does not import it (half a second a save)."""
+    zero = getattr(sys.modules.get("torch.distributed.optim"), "ZeroRedundancyOptimizer", None)
+    if zero is not None and isinstance(optimizer, zero):
         optimizer.consolidate_state_dict(to=0)
     return optimizer.state_dict() if world.is_rank0 else None
