@@ -5,8 +5,9 @@
   factors, an unpadded 50,257 vocabulary) in bf16, fp32 with TF32 and plain fp32: milliseconds (median of CUDA
   events), TFLOPS, and beside each the estimator's own prediction (its tile/wave share of the SMs and its time)
   so the measured efficiency by shape can replace ``MATMUL_EFFICIENCY``, ``UNALIGNED`` and the memory floor;
-- ``bandwidth``: a copy and an add of 1 GiB tensors (GB/s): against ``MEMORY_EFFICIENCY`` (read from
-  FlashAttention-2's published A100/H100 figures: this GPU's own);
+- ``bandwidth``: a copy, an add, a sum and a row softmax of 1 GiB tensors (GB/s): against
+  ``STREAM_MEMORY_EFFICIENCY``, ``REDUCE_MEMORY_EFFICIENCY`` (BabelStream's Copy and Dot on Azure's A100/H100) and
+  ``MEMORY_EFFICIENCY`` (``estimate/bandwidth.py``: this GPU's own);
 - ``attention``: fused causal SDPA forward + backward (TFLOPS): against ``estimate/attention.py``'s published
   FlashAttention-2 shares (this GPU's own, and fp32's ``ATTENTION_EFFICIENCY``);
 - ``launch``: host microseconds per eager op (a tiny add, dispatched 2,000 times) and GPU microseconds per
@@ -82,7 +83,11 @@ def _bandwidth() -> dict:
     y = torch.empty_like(x)
     copy = _time_ms(lambda: y.copy_(x), 10)
     add = _time_ms(lambda: torch.add(x, y, out=y), 10)
-    return {"bytes": x.nbytes, "copy_gbs": 2 * x.nbytes / copy / 1e6, "add_gbs": 3 * x.nbytes / add / 1e6}
+    total = _time_ms(lambda: x.sum(), 10)  # a one-pass reduction: REDUCE_MEMORY_EFFICIENCY
+    rows = x.view(-1, 4096)  # softmax over rows, as attention's scores (MEMORY_EFFICIENCY)
+    soft = _time_ms(lambda: torch.softmax(rows, -1), 10)
+    return {"bytes": x.nbytes, "copy_gbs": 2 * x.nbytes / copy / 1e6, "add_gbs": 3 * x.nbytes / add / 1e6,
+            "sum_gbs": x.nbytes / total / 1e6, "softmax_gbs": 2 * x.nbytes / soft / 1e6}
 
 
 def _attention() -> list[dict]:
