@@ -246,6 +246,7 @@ def _attention_extra_ms(B: int, T: int, L: int, H: int, D: int, over_flex: bool 
     causal tile, at its published speed over FlashAttention-2's, estimate/attention.py FLEX_VS_FA2)."""
     from tokenmill.estimate import gpu_spec
     from tokenmill.estimate import roofline as R
+    from tokenmill.estimate.bandwidth import memory_bandwidth
 
     spec = gpu_spec("h100-sxm")
     fwd = 2 * 2 * B * H * T * T * D * 0.5  # causal: the half the flash kernel computes
@@ -253,7 +254,7 @@ def _attention_extra_ms(B: int, T: int, L: int, H: int, D: int, over_flex: bool 
 
     share = attention_efficiency((B * H, T, D), spec.cc, spec.sm)  # FlashAttention-2's, at this shape
     kernel = [max(f / (spec.peak("bf16") * share), R.KERNEL_MIN_US * 1e-6) for f in (fwd, 2.5 * fwd)]
-    read = B * T * T * 2 / R.memory_bandwidth(spec)
+    read = B * T * T * 2 / memory_bandwidth(spec)
     flex = sum(k * (1 - 1 / speed) for k, speed in zip(kernel, (1.25, 1.03))) if over_flex else 0.0
     return L * (sum(k + read for k in kernel) + flex) * 1e3
 

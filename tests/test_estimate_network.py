@@ -9,8 +9,8 @@ import json
 import pytest
 
 from conftest import run_cli
+from tokenmill.estimate.bandwidth import group_bandwidth, link_bandwidth
 from tokenmill.estimate.gpus import gpu_spec
-from tokenmill.estimate.roofline import group_bandwidth, link_bandwidth
 
 
 def test_a_group_over_more_gpus_than_a_node_takes_the_network():

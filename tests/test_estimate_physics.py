@@ -5,6 +5,7 @@ moves (and checked against torchao's own operations), and the kernel floor at it
 import pytest
 
 from tokenmill import config as C
+from tokenmill.estimate import bandwidth as BW
 from tokenmill.estimate import estimate, host
 from tokenmill.estimate import roofline as R
 from tokenmill.estimate.gpus import gpu_spec
@@ -25,7 +26,7 @@ def test_lora_rank8_product_is_priced_by_its_bytes():
     c = OpCost("mm", flops=2.0 * 8192 * 4096 * 8, math="bf16", min_dim=8, dims=(1, 8192, 4096, 8))
     nbytes = (8192 * 4096 + 4096 * 8 + 8192 * 8) * 2
     assert R.matmul_bytes(c) == nbytes
-    memory = nbytes / R.streaming_bandwidth(a100)  # one pass over the operands: the streaming share (bandwidth.py)
+    memory = nbytes / BW.streaming_bandwidth(a100)  # one pass over the operands: the streaming share (bandwidth.py)
     math = c.flops / (a100.peak("bf16") * R.matmul_efficiency(c, "bf16", a100))
     assert math < memory  # memory-bound: tens of microseconds, not the 0.1% of peak of a hand-set curve
     assert R._op_seconds(c, cfg, a100, 1) == pytest.approx(memory, rel=0.01)
@@ -123,10 +124,10 @@ def test_nf4_costs_follow_torchao():
 def test_link_bandwidth_is_nccls_model_of_each_link():
     # NCCL's topology model (src/graph/topo.h, topo.cc): 12 NVLink-3 links x 20.0 GB/s on an A100, 18 NVLink-4
     # links x 20.6 GB/s on an H100 or H200, an x16 PCIe link 16 lanes x its GT/s / 8 x 0.75
-    assert R.link_bandwidth(gpu_spec("a100-80gb")) == pytest.approx(12 * 20.0e9)
-    assert R.link_bandwidth(gpu_spec("a100-40gb")) == pytest.approx(12 * 20.0e9)
-    assert R.link_bandwidth(gpu_spec("h100-sxm")) == pytest.approx(18 * 20.6e9)
-    assert R.link_bandwidth(gpu_spec("h200")) == pytest.approx(18 * 20.6e9)
-    assert R.link_bandwidth(gpu_spec("l4")) == pytest.approx(16 * 16 / 8 * 0.75 * 1e9)  # PCIe 4.0 x16: 24 GB/s
-    assert R.link_bandwidth(gpu_spec("rtx-4090")) == pytest.approx(24e9)
-    assert R.link_bandwidth(gpu_spec("h100-pcie")) == pytest.approx(16 * 32 / 8 * 0.75 * 1e9)  # PCIe 5.0: 48 GB/s
+    assert BW.link_bandwidth(gpu_spec("a100-80gb")) == pytest.approx(12 * 20.0e9)
+    assert BW.link_bandwidth(gpu_spec("a100-40gb")) == pytest.approx(12 * 20.0e9)
+    assert BW.link_bandwidth(gpu_spec("h100-sxm")) == pytest.approx(18 * 20.6e9)
+    assert BW.link_bandwidth(gpu_spec("h200")) == pytest.approx(18 * 20.6e9)
+    assert BW.link_bandwidth(gpu_spec("l4")) == pytest.approx(16 * 16 / 8 * 0.75 * 1e9)  # PCIe 4.0 x16: 24 GB/s
+    assert BW.link_bandwidth(gpu_spec("rtx-4090")) == pytest.approx(24e9)
+    assert BW.link_bandwidth(gpu_spec("h100-pcie")) == pytest.approx(16 * 32 / 8 * 0.75 * 1e9)  # PCIe 5.0: 48 GB/s

@@ -10,9 +10,9 @@ from tokenmill import config as C
 from tokenmill.cli import main
 from tokenmill.errors import ParallelError
 from tokenmill.estimate import estimate
+from tokenmill.estimate.bandwidth import LINK_EFFICIENCY, link_bandwidth
 from tokenmill.estimate.gpus import gpu_spec
 from tokenmill.estimate.moe import _seconds, a2a_bytes, expert_matmuls, tokens_per_expert
-from tokenmill.estimate.roofline import LINK_EFFICIENCY, link_bandwidth
 
 MiB = 1024 * 1024
 

@@ -136,8 +136,8 @@ def expert_impl(cfg: C.Config, gpu: GPU, mm_math: str) -> str:
 
 def moe_terms(cfg: C.Config, lay, gpu: GPU, plan, tokens: int) -> dict[str, Any]:
     """The MoE parts of one rank's step (module doc); ``tokens``: one micro-batch's tokens on a rank."""
+    from tokenmill.estimate.bandwidth import group_bandwidth
     from tokenmill.estimate.host import HOST_OP_US
-    from tokenmill.estimate.roofline import link_bandwidth
     from tokenmill.estimate.step import _state_bytes
 
     m, ep = cfg.model, cfg.parallel.ep
@@ -185,7 +185,7 @@ def moe_terms(cfg: C.Config, lay, gpu: GPU, plan, tokens: int) -> dict[str, Any]
         "grouped_matmul_traced_ms": 1000 * traced * layers * A,
         "grouped_matmul_efficiency": (ideal / real / peak) if (peak and real and cuda) else None,
         "all_to_all_mb": a2a * layers * A / MB,
-        "all_to_all_ms": 1000 * a2a * layers * A / link_bandwidth(gpu),
+        "all_to_all_ms": 1000 * a2a * layers * A / group_bandwidth(gpu, ep, lay.tp),  # the ep group: dp ranks
         "a2a_buffer_bytes": 2 * slots * C_ * act if ep > 1 else 0,
         "link": gpu.link,
     }
@@ -293,12 +293,12 @@ def ep_memory(cfg: C.Config, spec: GPU, plan, pieces, t: dict[str, Any]):
 def _fsdp_expert_comm_delta(cfg: C.Config, lay, gpu: GPU, t: dict[str, Any]) -> float:
     """Seconds FSDP's expert all-gathers and reduce-scatters lose with ``ep`` (negative): the trace charged
     every expert over ``dp_shard`` ranks; with ``ep`` each rank gathers ``1 / ep`` of them over ``dp / ep``."""
-    from tokenmill.estimate.roofline import link_bandwidth
+    from tokenmill.estimate.bandwidth import group_bandwidth
 
     ep, n = cfg.parallel.ep, lay.dp_shard
     if ep == 1 or n == 1:
         return 0.0
-    bw = link_bandwidth(gpu)
+    bw = group_bandwidth(gpu, n, lay.tp)  # what roofline charged FSDP's gathers at
     mixed = cfg.parallel.fsdp_mixed_precision == "bf16"
     numel, width = t["expert_params"], t["param_width"]
     gathers = (2 if cfg.parallel.fsdp_reshard_after_forward else 1) * cfg.train.grad_accum_steps

@@ -91,9 +91,7 @@ def _gather_bytes(name: str, args: list[torch.Tensor], outs: list[torch.Tensor])
     n_idx = sum(t.numel() for t in index)
     src = next((t for t in args if t.is_floating_point() and t.dim() > 1), None)
     elem = src.element_size() if src is not None else 4
-    if name == "nll_loss_forward":  # one value read per target
-        return idx + n_idx * elem + written
-    if name == "nll_loss_backward":  # the gradient written once (zeros, then one value per target)
+    if name.startswith("nll_loss"):  # one value per target read (forward) or scattered into the zeroed gradient
         return idx + n_idx * elem + written
     return idx + 2 * written  # the rows read equal the rows written
 

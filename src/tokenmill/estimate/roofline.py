@@ -47,10 +47,7 @@ from typing import Any
 
 from tokenmill import config as C
 from tokenmill.estimate.attention import attention_efficiency
-from tokenmill.estimate.bandwidth import (  # noqa: F401 (MEMORY_EFFICIENCY, LINK_EFFICIENCY: read here by tests and docs)
-    LINK_EFFICIENCY,
-    MEMORY_EFFICIENCY,
-    STREAM_MEMORY_EFFICIENCY,
+from tokenmill.estimate.bandwidth import (
     group_bandwidth,
     kernel_bandwidth,
     link_bandwidth,
