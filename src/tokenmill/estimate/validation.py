@@ -48,7 +48,7 @@ class Case:
     tokens_per_sec: Optional[float] = None
     memory_error: Optional[float] = None  # recorded in the file (estimate / measured - 1)
     speed_error: Optional[float] = None
-    spent: Optional[str] = None  # held-out only: the date (YYYY-MM-DD) the case was evaluated; absent = fresh
+    spent: Optional[str] = None  # the date (YYYY-MM-DD) it was evaluated as held out; absent in heldout.toml: fresh
 
 
 def load(path: str | Path) -> tuple[list[Case], dict[str, Any]]:
