@@ -44,3 +44,11 @@ def test_a_node_the_gpu_table_lacks_must_be_described():
                 "--network-gbps", "100")
     assert r.returncode != 0 and "give both --gpus-per-node and --network-gbps" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("flag, value, says", [("--gpus-per-node", "0", "must be >= 1"),
+                                               ("--network-gbps", "nan", "expected a finite number"),
+                                               ("--network-gbps", "-5", "must be > 0")])
+def test_hostile_node_values_are_one_line_errors(flag, value, says):
+    r = run_cli("estimate", "--preset", "gpt2-124m", "--data.source", "synthetic", flag, value)
+    assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr
