@@ -13,8 +13,8 @@ the field (on the command line or in a ``--config`` file): the report names what
 QLoRA's term (:func:`qlora_mb`): the LoRA estimate less what the NF4 base saves. Every block projection's
 weight (adapted or not, as QLoRA quantises every Linear of the blocks) takes :func:`~tokenmill.model.lora.nf4_bytes` (half a byte per weight, an int8 scale per 64 and an
 fp32 factor per group of up to 256 scales: 4.13 bits per weight) instead of its dtype's width, plus one
-transient: the largest projection's weight dequantised in its dtype and cast for the matmul (torchao's NF4
-linear dequantises one projection at a time, in the forward and again in the backward). Embeddings, norms
+transient: the largest projection's weight dequantised in its dtype beside its int32 codes (model/nf4.py
+dequantises one projection at a time, in the forward and again in the backward). Embeddings, norms
 and the head keep their width; activations, gradients and optimizer state are LoRA's.
 """
 

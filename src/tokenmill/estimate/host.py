@@ -31,8 +31,8 @@ the CUDA path and GPU microseconds per tiny kernel in a CUDA graph): that Python
 cost per op what they cost on the 2-core CI CPU with CPU tensors (held-out eager batch-1 runs came out 9-24% too
 fast, issue 32: the CUDA path seems to cost more per op than this stand-in), that a CUDA launch adds ``CUDA_LAUNCH_US`` on top
 and that an Inductor kernel's wrapper call on the GPU costs what the CPU Inductor's does. QLoRA's eager NF4
-dequantisation is charged ``HOST_OP_US`` per ATen op it dispatches (``roofline.NF4_EAGER_OPS``), not its
-tensor subclass's Python dispatch, which nothing here has measured.
+dequantisation is charged ``HOST_OP_US`` per ATen op it dispatches (``roofline.NF4_EAGER_OPS``: it reads the
+NF4 tensor's plain codes and scales, so no tensor-subclass dispatch runs).
 """
 
 from __future__ import annotations

@@ -43,6 +43,13 @@ class OpCost:
     fused: bool = False  # one of Inductor's generated kernels (estimate/inductor.py), not an eager ATen kernel
 
 
+# In-place ops that write their first input without reading it (a copy, a fill, a masked or indexed write, a
+# random draw): its bytes count once. Every other in-place op (add_, mul_, exp_...) reads its input and writes it
+# back, twice the bytes, as an out-of-place op reading and writing a tensor of that size.
+OVERWRITES = frozenset({"copy_", "fill_", "zero_", "masked_fill_", "index_put_", "uniform_", "normal_", "bernoulli_",
+                        "random_", "exponential_"})
+
+
 def _dtype_name(dt: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dt, "fp32")
 
@@ -179,6 +186,6 @@ class Recorder(TorchDispatchMode):
             self.costs.append(OpCost(name, bytes=float(_gather_bytes(name, tensors, outs))))
             return
         moved = sum(_numel_bytes(t) for t in tensors) + sum(_numel_bytes(t) for t in outs)
-        if func._schema.is_mutable and outs and tensors and outs[0] is tensors[0]:
-            moved -= _numel_bytes(outs[0])  # in place: the output is the input, counted once
+        if name in OVERWRITES and outs and tensors and outs[0] is tensors[0]:
+            moved -= _numel_bytes(outs[0])  # writes its input without reading it: counted once
         self.costs.append(OpCost(name, bytes=float(moved)))

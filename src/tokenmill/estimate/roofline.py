@@ -219,12 +219,12 @@ def _op_seconds(c: OpCost, cfg: C.Config, gpu: GPU, cpu_threads: int) -> float:
     return max(t, KERNEL_MIN_US * 1e-6) if c.launches else t  # a kernel fused into the previous one: no floor
 
 
-# QLoRA (lora.quantize_base='nf4'): torchao's NF4 linear (LinearNF4) dequantises each NF4 weight to the input's
-# dtype in the forward and again in the backward; eagerly through NF4Tensor.get_original_weight, whose ATen
-# operations (torchao 0.18, counted by the recorder: tests/test_estimate_physics.py) are listed below. Compiled,
-# Inductor fuses that element-wise chain into one kernel (assumed, not traced: the estimator's compiled capture
-# runs on plain weights): it reads the codes and scales and writes the weight.
-NF4_EAGER_OPS = 25  # ATen operations dispatched per dequantisation, views included
+# QLoRA (lora.quantize_base='nf4'): each NF4 weight is dequantised to the input's dtype in the forward and again
+# in the backward; eagerly by model/nf4.py nf4_dequantize, whose ATen operations (counted by the recorder:
+# tests/test_estimate_physics.py) are listed below. Compiled, Inductor fuses torchao's element-wise chain into one
+# kernel (assumed, not traced: the estimator's compiled capture runs on plain weights): it reads the codes and
+# scales and writes the weight.
+NF4_EAGER_OPS = 17  # ATen operations dispatched per dequantisation, views included
 
 
 def nf4_dequant_costs(numel: int, elem: int, compiled: bool = False) -> list[OpCost]:
@@ -234,14 +234,13 @@ def nf4_dequant_costs(numel: int, elem: int, compiled: bool = False) -> list[OpC
     if compiled:
         return [OpCost("nf4_dequant", bytes=float(nf4_bytes(numel) + numel * elem))]
     half, blocks = numel // 2, numel // NF4_BLOCK
-    codes = [("__rshift__", 2 * half), ("_to_copy", half + 8 * half), ("bitwise_and", 2 * half),
-             ("_to_copy", half + 8 * half)]  # the two 4-bit halves of each byte, widened to int64 indices
-    lookup = [("index", 8 * half + half * elem + 16 * elem)] * 2  # the 16-entry code table, gathered
     groups = blocks // nf4_groups(numel)[1]  # the scales' factors, in the weight's dtype
+    table = [("clone", 272 * elem), ("repeat", 272 * elem), ("stack", 1024 * elem)]  # the 256 code pairs
     scalers = [("div", blocks * (1 + elem) + groups * elem), ("add", 2 * blocks * elem + elem)]
-    scale = [("clone", blocks * elem + half * elem), ("mul", 3 * half * elem)] * 2  # absmax repeated, multiplied
-    stack = [("stack", 4 * half * elem)]  # the two halves interleaved into the weight
-    return [OpCost(n, bytes=float(b)) for n, b in codes + lookup + scalers + scale + stack]
+    codes = [("_to_copy", half + 4 * half)]  # each byte widened to an int32 index
+    lookup = [("index_select", 4 * half + 2 * numel * elem)]  # the index read, a pair gathered and written
+    scale = [("mul_", 2 * numel * elem + blocks * elem)]  # in place, by the block scales
+    return [OpCost(n, bytes=float(b)) for n, b in table + scalers + codes + lookup + scale]
 
 
 def nf4_dequant_seconds(trace, compiled: bool, cfg: C.Config, gpu: GPU, threads: int

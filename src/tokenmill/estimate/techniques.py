@@ -230,7 +230,8 @@ def docmask_attention_seconds(seconds: float, cfg: C.Config, batch: int, seq: in
 
 def nf4_base_bytes(cfg: C.Config, vocab: int, rank: int) -> tuple[int, int, int]:
     """(bytes of the NF4 base's weights at the weights' width, their bytes as NF4, the largest one's transient
-    bytes: its dequantised copy in the forward) for ``cfg``'s ``lora.targets`` at ``rank`` (QLoRA,
+    bytes: its dequantised copy in the forward beside its int32 codes, 2 bytes a weight: model/nf4.py
+    nf4_dequantize) for ``cfg``'s ``lora.targets`` at ``rank`` (QLoRA,
     ``lora.quantize_base = 'nf4'``): the NF4 weights ``model/lora.py`` makes (:func:`~tokenmill.model.lora.nf4_weights`:
     every block projection, and each adapted routed experts' stack as one tensor), counted on one block of each kind
     (``model/build.py lora_on_meta``)."""

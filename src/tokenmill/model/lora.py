@@ -58,6 +58,7 @@ from tokenmill.model.nf4 import (
     NF4Base,
     is_nf4,
     nf4_bytes,
+    nf4_dequantize,
     nf4_groups,
     nf4_linear,
     nf4_product,
@@ -129,7 +130,7 @@ class LoRALinear(NF4Base, nn.Linear):
     def base_weight(self) -> torch.Tensor:
         """``W`` as the forward uses it: dequantised (in its own dtype) when it is stored as NF4."""
         w = self.weight.detach()
-        return w.get_original_weight() if is_nf4(w) else w
+        return nf4_dequantize(w) if is_nf4(w) else w
 
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
@@ -162,11 +163,11 @@ class _NF4ExpertProduct(torch.autograd.Function):
     def forward(ctx, xs, w, shape, offs, e):
         ctx.w, ctx.shape, ctx.e, ctx.grouped = w, shape, e, offs is not None
         ctx.save_for_backward(*(() if offs is None else (offs,)))
-        return _expert_mm(xs, w.get_original_weight().view(shape).to(xs.dtype), offs, e)
+        return _expert_mm(xs, nf4_dequantize(w, xs.dtype).view(shape), offs, e)
 
     @staticmethod
     def backward(ctx, gy):
-        w = ctx.w.get_original_weight().view(ctx.shape).to(gy.dtype)
+        w = nf4_dequantize(ctx.w, gy.dtype).view(ctx.shape)
         gx = torch._grouped_mm(gy, w, offs=ctx.saved_tensors[0]) if ctx.grouped else gy @ w[ctx.e]
         return gx, None, None, None, None
 
@@ -223,7 +224,7 @@ class LoRAExperts(NF4Base, Experts):
     def merged_weight(self, name: str) -> torch.Tensor:
         """``W_e + (alpha / r) B_e A_e`` for every expert, computed in fp32, in ``W``'s dtype."""
         w = getattr(self, name).detach()
-        base = w.get_original_weight().view(self.stacks[name]) if is_nf4(w) else w
+        base = nf4_dequantize(w).view(self.stacks[name]) if is_nf4(w) else w
         delta = torch.bmm(self.lora_B[name].float(), self.lora_A[name].float())
         return (base.float() + self.scale * delta).to(w.dtype)
 

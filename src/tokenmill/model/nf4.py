@@ -20,8 +20,8 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 from tokenmill.errors import ConfigError
 from tokenmill.model.recompute import quiet_context_fn_note, recompute_all_but_products
 
-__all__ = ["NF4_BLOCK", "NF4_SCALE_GROUP", "NF4Base", "is_nf4", "nf4_bytes", "nf4_groups", "nf4_linear", "nf4_product",
-           "to_nf4", "torchao_quietly"]
+__all__ = ["NF4_BLOCK", "NF4_SCALE_GROUP", "NF4Base", "is_nf4", "nf4_bytes", "nf4_dequantize", "nf4_groups",
+           "nf4_linear", "nf4_product", "to_nf4", "torchao_quietly"]
 
 quiet_context_fn_note()  # nf4_product's checkpoint under torch.compile
 
@@ -194,10 +194,48 @@ class NF4Base(nn.Module):
             mine.copy_(theirs)
 
 
+def nf4_dequantize(w: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The NF4 tensor ``w`` as a plain tensor of ``dtype`` (default: ``w``'s), bit for bit torchao's
+    ``get_original_weight`` (the same table values times the same block scales, in ``w``'s dtype) in three
+    large kernels instead of torchao's eleven: each byte's two codes looked up at once in a 256-entry table of
+    code pairs (its int32 index: one widening pass), then one multiply by the block scales. torchao widens
+    each half-byte to an int64 index and looks up, scales and interleaves the halves apart; this moves about
+    12.5 bytes a bf16 weight where torchao's moves 33 (``estimate/roofline.py`` nf4_dequant_costs)."""
+    table = w.nf4  # the 16 NF4 values, in w's dtype
+    pairs = torch.stack([table.repeat_interleave(16), table.repeat(16)], dim=-1)  # byte b -> (hi, lo) values
+    scales = w.dequantize_scalers(w.quantized_scalers, w.quantization_factor, w.scaler_block_size)
+    # at most the int32 codes (2 bytes a weight) beside the looked-up values: scaled in place, no third copy
+    out = pairs.index_select(0, w.quantized_data.to(torch.int32)).view(-1, w.block_size)
+    return out.mul_(scales.unsqueeze(-1)).view(w.shape).to(dtype or w.dtype)
+
+
+class _NF4Linear(torch.autograd.Function):
+    """``x W^T + b`` with ``W`` (NF4, frozen) dequantised by :func:`nf4_dequantize` to ``x``'s dtype in the
+    forward and again in the backward: only the 4-bit weight is kept between them (torchao's ``LinearNF4``,
+    with the faster dequantisation)."""
+
+    @staticmethod
+    def forward(ctx, x, w, bias):
+        ctx.save_for_backward(w)
+        ctx.bias_grad = bias is not None and bias.requires_grad
+        return F.linear(x, nf4_dequantize(w, x.dtype), bias)
+
+    @staticmethod
+    def backward(ctx, gy):
+        (w,) = ctx.saved_tensors
+        gx = gy @ nf4_dequantize(w, gy.dtype)
+        gb = gy.reshape(-1, gy.shape[-1]).sum(0) if ctx.bias_grad else None
+        return gx, None, gb
+
+
 def nf4_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x W^T + b`` with ``W`` an NF4 tensor, dequantised to ``x``'s dtype for the product (see
-    :func:`nf4_product`)."""
-    return nf4_product(F.linear, x, w, bias)
+    """``x W^T + b`` with ``W`` an NF4 tensor, dequantised to ``x``'s dtype for the product: eagerly by
+    :class:`_NF4Linear`; compiled, through torchao's linear, whose dequantisation Inductor fuses into one
+    kernel (see :func:`nf4_product`); so too under the estimator's graph capture, whose functional wrapper of
+    the weight dispatches to torchao's NF4 tensor without showing its codes."""
+    if torch.compiler.is_compiling() or not is_nf4(w):
+        return nf4_product(F.linear, x, w, bias)
+    return _NF4Linear.apply(x, w, bias)
 
 
 def nf4_product(fn, *args):
