@@ -15,8 +15,8 @@
 - ``host_link``: pinned host <-> GPU copies of 256 MiB (GB/s), each direction alone, both at once (one copy engine
   per direction?), and a device-to-host copy on a side stream beside a matmul on the compute stream (does it
   hide?): against ``roofline.host_link_bytes_s`` and activation offloading's overlap (``techniques.offload_stall_seconds``);
-- ``nf4``: torchao's NF4 dequantisation of a 4096 x 4096 weight (when torchao imports), against
-  ``roofline.nf4_dequant_costs``.
+- ``nf4``: the NF4 dequantisation of a 4096 x 4096 weight (when torchao imports), tokenmill's
+  (``model/nf4.py``) against ``roofline.nf4_dequant_costs``, and torchao's ``get_original_weight`` beside it.
 
 About a minute on an H100 (``benchmarks/session.py`` part ``gemm-efficiency``, at most 120 s):
 
@@ -132,13 +132,14 @@ def _nf4() -> dict:
     from tokenmill.estimate.roofline import nf4_dequant_costs
 
     try:
-        from tokenmill.model.lora import to_nf4
+        from tokenmill.model.nf4 import nf4_dequantize, to_nf4
         w = to_nf4(torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16))
     except Exception as e:  # torchao missing or failing: recorded, the rest of the file still written
         return {"error": f"{type(e).__name__}: {e}"}
-    ms = _time_ms(lambda: w.to(torch.bfloat16), 10)
     costs = nf4_dequant_costs(4096 * 4096, 2)
-    return {"numel": 4096 * 4096, "ms": ms, "est_bytes": sum(c.bytes for c in costs), "est_kernels": len(costs)}
+    return {"numel": 4096 * 4096, "ms": _time_ms(lambda: nf4_dequantize(w, torch.bfloat16), 10),
+            "torchao_ms": _time_ms(lambda: w.get_original_weight(), 10),
+            "est_bytes": sum(c.bytes for c in costs), "est_kernels": len(costs)}
 
 
 def _host_link() -> dict:
