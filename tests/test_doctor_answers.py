@@ -64,17 +64,17 @@ def test_workers_that_fit_the_free_cores():
     Both cores training: no worker is offered."""
     f = _data_facts(workers=1, cores=4, intra=1, data_ms=97.0)
     plan = rules.loading_plan(f)
-    assert not plan["too_small"] and (plan["workers"], plan["predicted_ms"]) == (3, pytest.approx(100 / 3))
+    assert not plan.too_small and (plan.workers, plan.predicted_ms) == (3, pytest.approx(100 / 3))
     assert rules.data_bound(f).suggestions[0]["switch"] == "--data.num_workers 3"
 
     small = _data_facts(workers=0, cores=2, intra=1, data_ms=95.0)
-    assert rules.loading_plan(small)["too_small"]
+    assert rules.loading_plan(small).too_small
     sug = rules.data_bound(small).suggestions
     assert sug[0]["switch"] == "--data.num_workers 1" and "predicted step 95.0 ms, now 100.0 ms" in sug[0]["why"]
     assert "too small for the per-sample work" in sug[1]["why"]
 
     none_free = _data_facts(workers=0, cores=2, intra=2, data_ms=95.0)
-    assert rules.loading_plan(none_free)["too_small"]
+    assert rules.loading_plan(none_free).too_small
     assert not any(s["switch"] for s in rules.data_bound(none_free).suggestions)
 
 

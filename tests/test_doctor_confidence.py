@@ -147,7 +147,7 @@ def test_a_small_machine_with_heavy_per_sample_work_is_told_so():
     """2 cores, 2 training threads, 90% of the step loading: no split of the cores helps."""
     f = data_facts(cores=2, intra=2, data_ms=90.0, work_ms=10.0)
     plan = rules.loading_plan(f)
-    assert plan["too_small"] and plan["cores_needed"] == 2 + math.ceil(1.25 * 90 / 10)
+    assert plan.too_small and plan.cores_needed == 2 + math.ceil(1.25 * 90 / 10)
     sug = suggestions(f)
     assert not any((s["switch"] or "").startswith(("--data.num_workers", "--data.prefetch_factor")) for s in sug)
     assert "too small for the per-sample work" in sug[0]["why"]
@@ -164,7 +164,7 @@ def test_workers_that_need_cores_take_them_from_the_training_threads():
     max(40 x 4/3, 60) = 60 ms per step, under 80% of today's 100 ms."""
     f = data_facts(cores=4, intra=4, data_ms=60.0)
     plan = rules.loading_plan(f)
-    assert (plan["workers"], plan["threads"]) == (1, 3) and plan["predicted_ms"] == pytest.approx(60.0)
+    assert (plan.workers, plan.threads) == (1, 3) and plan.predicted_ms == pytest.approx(60.0)
     top = suggestions(f)[0]
     assert top["switch"] == "--data.num_workers 1" and top["env"] == {"OMP_NUM_THREADS": "3"}
 

@@ -4,7 +4,10 @@ giving the same findings whether handed the typed run or the flat facts."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import re
+from pathlib import Path
 
 import pytest
 
@@ -77,7 +80,7 @@ def test_typed_rules_take_the_run_or_the_flat_facts_alike():
     odd = rules.logits_peak(_gpu_facts(config={"train.batch_size": 3, "model.loss_impl": "full"}))
     assert odd.suggestions[1]["switch"] is None
     data = rules.data_bound(run)
-    assert data.suggestions[0]["switch"] == f"--data.num_workers {rules.loading_plan(run)['workers']}"
+    assert data.suggestions[0]["switch"] == f"--data.num_workers {rules.loading_plan(run).workers}"
     keys = [x["key"] for x in rank(f)]  # rank types the facts once and hands the run to these rules
     assert "data_bound" in keys and "logits_peak" in keys
 
@@ -108,3 +111,115 @@ def test_the_windows_and_the_confidence_are_typed():
         c.level = "low"  # type: ignore[misc]
     with pytest.raises(DoctorError, match="'windows' is a dict, not Windows"):
         Run.of({**f, "windows": {"shares": {"data": [0.4, 0.4]}}})  # the old untyped form
+
+
+# ----------------------------------------------------------------------------------------------
+# every fact a rule reads is typed: no rule reads the flat dict, and each fact is checked where it is typed
+
+RULE_FILES = sorted((Path(rules.__file__).parent).glob("*rules*.py"))
+
+
+def test_no_rule_reads_the_flat_facts():
+    """Every rule module reads the typed run only: no attribute named ``facts`` on anything (``run.facts``), so a
+    misspelt fact is an AttributeError where it is read, never a silent None from ``dict.get``."""
+    assert {p.name for p in RULE_FILES} >= {"rules.py", "data_rules.py", "memory_rules.py", "model_rules.py",
+                                            "fp8_rules.py", "optim_rules.py", "technique_rules.py", "sft_rules.py",
+                                            "docmask_rules.py", "moe_rules.py"}
+    reads = [f"{p.name}:{node.lineno}" for p in RULE_FILES for node in ast.walk(ast.parse(p.read_text()))
+             if isinstance(node, ast.Attribute) and node.attr == "facts"]
+    assert not reads, reads
+    planted = ast.parse("def rule(run):\n    return run.facts.get('world_size')\n")  # what the walk catches
+    assert any(isinstance(n, ast.Attribute) and n.attr == "facts" for n in ast.walk(planted))
+
+
+SOURCE = {"call": "cudaStreamSynchronize", "op": "aten::item", "parent": "aten::copy_", "region": "h2d",
+          "python": "train.py(12): step", "per_step": 2.0, "ms_per_step": 0.5}
+NEW_FACTS = {"config": {"model.norm": "manual", "model.document_attention": "explicit"}, "world_size": 4,
+             "sync_sources": [SOURCE], "layer_forms": {"model.norm": {"total": 500, "matmul": 50, "extra": 150}},
+             "moe_load_max": 2, "moe_load_layer": 1, "moe_world_size": 4, "moe_a2a_share": 0.3,
+             "learned_frac": 0.4, "padding_frac": 0.25, "threads": {"intra_op": 8, "cpu_count": 2}}
+
+
+def test_the_newly_typed_facts_are_read_by_attribute():
+    from tokenmill.profiling.facts import FormOps, Moe, Sft, SyncSource
+
+    run = Run.of(NEW_FACTS)
+    assert run.timing.sync_sources == (SyncSource(**SOURCE),) and run.timing.sync_sources[0].per_step == 2.0
+    assert run.layer_forms == {"model.norm": FormOps(total=500, matmul=50, extra=150)}
+    assert run.moe == Moe(load_max=2.0, load_layer=1, world_size=4, a2a_share=0.3)
+    assert run.sft == Sft(padding_frac=0.25, learned_frac=0.4) and run.world_size == 4
+    assert run.recorded == {"model.norm", "model.document_attention"} and run.host.intra_op_known
+    bare = Run.of({"config": {}})  # absent: empty, None, one process, intra_op taken as 1 but not known
+    assert (bare.timing.sync_sources, bare.layer_forms, bare.moe, bare.sft) == ((), {}, Moe(), Sft())
+    assert (bare.world_size, bare.recorded, bare.host.intra_op, bare.host.intra_op_known) == (1, frozenset(), 1, False)
+    for obj, misspelt in ((run.timing.sync_sources[0], "regoin"), (run.moe, "load_maxx"), (run.sft, "learned"),
+                          (run.layer_forms["model.norm"], "extras"), (run, "worldsize"),
+                          (rules.loading_plan(_gpu_facts()), "worker")):
+        with pytest.raises(AttributeError):
+            getattr(obj, misspelt)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.moe.load_max = 1.0  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("key, bad, says", [
+    ("sync_sources", [1], "'sync_sources' is [1], not a list of objects"),
+    ("sync_sources", "h2d", "'sync_sources' is 'h2d', not a list of objects"),
+    ("sync_sources", [{**SOURCE, "region": 3}], "'sync_sources[0].region' is 3, not text"),
+    ("sync_sources", [{**SOURCE, "per_step": "2"}], "'sync_sources[0].per_step' is '2', not a finite number"),
+    ("layer_forms", [], "'layer_forms' is [], not an object"),
+    ("layer_forms", {"model.norm": 150}, "'layer_forms.model.norm' is 150, not an object"),
+    ("layer_forms", {"model.norm": {"total": 5, "matmul": 1, "extra": "2"}},
+     "'layer_forms.model.norm.extra' is '2', not an integer"),
+    ("layer_forms", {"model.norm": {"total": 5}}, "'layer_forms.model.norm' is {'total': 5}, without its total"),
+    ("moe_load_max", "2.5", "'moe_load_max' is '2.5', not a finite number"),
+    ("moe_load_layer", 1.5, "'moe_load_layer' is 1.5, not an integer"),
+    ("moe_world_size", True, "'moe_world_size' is True, not an integer"),
+    ("moe_a2a_share", [0.3], "'moe_a2a_share' is [0.3], not a finite number"),
+    ("world_size", 2.0, "'world_size' is 2.0, not an integer"),
+    ("learned_frac", "0.4", "'learned_frac' is '0.4', not a finite number"),
+    ("padding_frac", float("inf"), "'padding_frac' is inf, not a finite number"),
+    ("config", ["model.norm"], "'config' is ['model.norm'], not an object"),
+    ("threads", [8], "'threads' is [8], not an object"),
+    ("threads", {"intra_op": "8"}, "'threads.intra_op' is '8', not an integer"),
+])
+def test_a_damaged_fact_is_a_doctor_error_naming_it(key, bad, says):
+    Run.of(NEW_FACTS)  # the undamaged facts type
+    with pytest.raises(DoctorError, match=re.escape(says)):
+        Run.of({**NEW_FACTS, key: bad})
+
+
+def test_the_run_files_processes_reach_the_typed_run_and_a_damaged_one_is_one_line(tmp_path, capsys):
+    """summary.json's ``world_size`` is ``run.world_size`` (the estimates of technique_rules and docmask_rules ask
+    for that many processes); a damaged one, or profile.json sync sources that are not objects, end
+    ``tokenmill doctor`` with one line naming the file and the field, exit 1, no traceback."""
+    import json
+
+    from conftest import tiny_cfg
+    from tokenmill.cli import main
+    from tokenmill.profiling.doctor import gather_facts, load_run
+
+    rows = [{"step": s, "loss": 4.0, "tokens_per_sec": 1000.0, "data_ms": 1.0, "h2d_ms": 0.1, "forward_ms": 40.0,
+             "backward_ms": 50.0, "optimizer_ms": 8.0, "step_ms": 100.1, "other_ms": 1.0} for s in (2, 4, 6, 8)]
+    summary = {"steps": 8, "device": "cpu", "world_size": 2, "tokens_per_step": 128}
+
+    def run_dir(name: str, summary: dict, profile: dict | None = None) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        C.save(tiny_cfg(), d / "config.toml")
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (d / "summary.json").write_text(json.dumps(summary))
+        if profile is not None:
+            (d / "profile.json").write_text(json.dumps(profile))
+        return d
+
+    assert Run.of(gather_facts(load_run(run_dir("run", summary)))).world_size == 2
+    for name, d, says in (
+            ("summary.json", run_dir("summary", {**summary, "world_size": "2"}), "'world_size' must be an integer"),
+            ("profile.json", run_dir("profile", summary, {"version": 1, "device": "cpu", "syncs": {"sources": [1]}}),
+             "'syncs.sources[0]' must be an object, got 1")):
+        capsys.readouterr()
+        assert main(["doctor", str(d)]) == 1
+        out = capsys.readouterr()
+        assert not out.out and "Traceback" not in out.err, out
+        assert out.err.count("\n") == 1 and out.err.startswith("tokenmill: error: "), out.err
+        assert f"{d / name}'" in out.err and says in out.err, out.err

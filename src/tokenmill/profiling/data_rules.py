@@ -4,7 +4,9 @@ is too small for the per-sample work" (see ``docs/profile.md``, "Data workers to
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from tokenmill.profiling.facts import Run, typed
@@ -25,16 +27,16 @@ def data_bound(run: Run) -> Optional[Finding]:
     if work > 0:
         ev.append(f"data.cpu_work_ms = {work:g}: {work * batch:.0f} ms of per-sample CPU work per step")
     plan = loading_plan(run)
-    ev.append(plan["how"])
+    ev.append(plan.how)
     sug = []
-    if plan["too_small"]:
+    if plan.too_small:
         spare = free_core_workers(run, plan)
         if spare:  # the cores left free take workers: a switch --try can measure, however small its gain
             sug.append(spare)
         sug.append(advice(f"this machine is too small for the per-sample work: do it once offline (at prepare "
-                          f"time) or make it cheaper, or train on a machine with at least {plan['cores_needed']} "
+                          f"time) or make it cheaper, or train on a machine with at least {plan.cores_needed} "
                           "cores"))
-    elif plan["workers"] > workers:
+    elif plan.workers > workers:
         sug.append(_workers_switch(run, plan))
     compute = step - wait
     if workers > 0 and work > 0 and workers * compute >= 1.25 * work * batch:
@@ -48,25 +50,25 @@ def data_bound(run: Run) -> Optional[Finding]:
             sug.append(switch("data.pin_memory", True, "page-locked batches: faster, asynchronous copies"))
         if not d.non_blocking:
             sug.append(switch("data.non_blocking", True, "overlap the copy with compute (needs pinned memory)"))
-    if work > 0 and not plan["too_small"]:
+    if work > 0 and not plan.too_small:
         sug.append(advice("make the per-sample CPU work cheaper or do it once offline (e.g. at prepare time)"))
     return Finding(_clamp(0.9 * share), "data-bound: the training step waits for the DataLoader", ev, sug)
 
 
-def _workers_switch(run: Run, plan: dict) -> dict[str, Any]:
+def _workers_switch(run: Run, plan: Plan) -> dict[str, Any]:
     """``--data.num_workers N``, with ``OMP_NUM_THREADS`` in the environment when the training threads must
     give up cores to the workers."""
-    w, t = plan["workers"], plan["threads"]
+    w, t = plan.workers, plan.threads
     why = f"{w} worker processes load batches as fast as the step uses them"
     sug = switch("data.num_workers", w, why)
     if t is not None and t < run.host.intra_op:
         sug["why"] = (f"OMP_NUM_THREADS={t} in the environment and {w} worker(s): the training threads give "
-                      f"{w} core(s) to loading (predicted step {plan['predicted_ms']:.1f} ms)")
+                      f"{w} core(s) to loading (predicted step {plan.predicted_ms:.1f} ms)")
         sug["env"] = {"OMP_NUM_THREADS": str(t)}
     return sug
 
 
-def free_core_workers(run: Run, plan: dict) -> Optional[dict[str, Any]]:
+def free_core_workers(run: Run, plan: Plan) -> Optional[dict[str, Any]]:
     """Where no split of the cores hides the wait but the run left cores free (its cores less the training
     threads and the workers it had): ``--data.num_workers`` with one worker more per free core, the number
     that fits, and the step it predicts (``max(compute, load / W)``); None when no core is free."""
@@ -90,11 +92,25 @@ def free_core_workers(run: Run, plan: dict) -> Optional[dict[str, Any]]:
 SPARE_MARGIN, WORKER_MARGIN = 0.9, 0.8
 
 
+@dataclass(frozen=True)
+class Plan:
+    """How to hide the data wait on this machine (:func:`loading_plan`): ``need`` (workers that keep up),
+    ``workers`` and ``threads`` to suggest (threads: None to keep the run's), ``too_small`` (no split of the cores
+    helps), ``cores_needed`` (None: the run's cores unknown), ``predicted_ms`` and ``how`` (the reasoning, for the
+    evidence)."""
+
+    need: int
+    workers: int
+    threads: Optional[int]
+    too_small: bool
+    predicted_ms: float
+    cores_needed: Optional[int]
+    how: str
+
+
 @typed
-def loading_plan(run: Run) -> dict[str, Any]:
-    """How to hide the data wait on this machine: ``need`` (workers that keep up), ``workers`` and
-    ``threads`` to suggest (threads: None to keep the run's), ``too_small`` (no split of the cores helps),
-    ``cores_needed``, ``predicted_ms`` and ``how`` (the reasoning, for the evidence).
+def loading_plan(run: Run) -> Plan:
+    """How to hide the data wait on this machine (a :class:`Plan`).
 
     With ``W`` workers a step lasts ``max(compute, load / W)``; loading a step's batches takes ``data_ms``
     without workers, ``W x step_ms`` for ``W`` workers that cannot keep up. The workers need cores of their
@@ -110,29 +126,30 @@ def loading_plan(run: Run) -> dict[str, Any]:
     how = (f"loading a step's batches takes about {load:.1f} ms of CPU "
            + ("(the wait itself, loading in the training process)" if w == 0 else f"({w} worker(s) x {step:.1f} ms)")
            + f", the rest of the step {compute:.1f} ms: {need} workers keep up (with 25% headroom)")
-    plan = {"need": need, "workers": need, "threads": None, "too_small": False, "predicted_ms": compute,
-            "cores_needed": None}
     h = run.host
     cores = h.cores  # less the other work on the machine when the run started (where recorded)
-    if not cores:
-        return {**plan, "how": how}
     train_threads = h.training_threads
-    plan["cores_needed"] = train_threads + need
+    plan = Plan(need=need, workers=need, threads=None, too_small=False, predicted_ms=compute,
+                cores_needed=train_threads + need if cores else None, how=how)
+    if not cores:
+        return plan
     if need <= cores - train_threads:
-        return {**plan, "how": how + f"; the run had {cores} cores, {train_threads} for training: they fit"}
+        return dataclasses.replace(plan, how=how + f"; the run had {cores} cores, {train_threads} for training: "
+                                   "they fit")
     splits = core_splits(cores, h.intra_op, h.local_world_size, compute, load)
     how += f"; the run had {cores} cores and {train_threads} training thread(s)"
     fit = [x for x in splits if x[0] <= (SPARE_MARGIN if x[3] else WORKER_MARGIN) * step]
     if fit:
         best, k, t, _ = min(fit)
-        return {**plan, "workers": k, "threads": t, "predicted_ms": best,
-                "how": how + f": {k} worker(s) and {t} training thread(s) per process predict {best:.1f} ms per "
-                f"step (now {step:.1f} ms); loading will still limit the step, make it cheaper"}
+        return dataclasses.replace(plan, workers=k, threads=t, predicted_ms=best, how=how + f": {k} worker(s) and "
+                                   f"{t} training thread(s) per process predict {best:.1f} ms per step (now "
+                                   f"{step:.1f} ms); loading will still limit the step, make it cheaper")
     best = min(splits)[0] if splits else math.inf
-    return {**plan, "too_small": True, "workers": w, "predicted_ms": step,
-            "how": how + f": no split of them between training and loading predicts a step under "
-            f"{pct(SPARE_MARGIN)} of today's ({'best ' + format(best, '.1f') + ' ms' if splits else 'one core'}): "
-            f"the machine is too small for the per-sample work (it needs about {plan['cores_needed']} cores)"}
+    return dataclasses.replace(
+        plan, too_small=True, workers=w, predicted_ms=step, how=how + f": no split of them between training and "
+        f"loading predicts a step under {pct(SPARE_MARGIN)} of today's ("
+        f"{'best ' + format(best, '.1f') + ' ms' if splits else 'one core'}): the machine is too small for the "
+        f"per-sample work (it needs about {plan.cores_needed} cores)")
 
 
 def core_splits(cores: int, intra: int, procs: int, compute: float, load: float) -> list[tuple[float, int, int, bool]]:
@@ -151,4 +168,4 @@ def core_splits(cores: int, intra: int, procs: int, compute: float, load: float)
 def workers_needed(run: Run) -> tuple[int, str]:
     """DataLoader workers to suggest and how it was computed (:func:`loading_plan`)."""
     plan = loading_plan(run)
-    return plan["workers"], plan["how"]
+    return plan.workers, plan.how

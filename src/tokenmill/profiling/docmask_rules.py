@@ -47,7 +47,7 @@ def packed_chat(run: Run) -> bool:
     """The run packed a chat folder's conversations: ``data.chat_packing='pack'`` with its loss mask, and the chat
     figures in its summary (``learned_frac``: a chat folder trained on)."""
     d = run.config.data
-    return d.chat_packing == "pack" and d.loss_mask is not False and run.facts.get("learned_frac") is not None
+    return d.chat_packing == "pack" and d.loss_mask is not False and run.sft.learned_frac is not None
 
 
 def explicit_on_cuda(run: Run) -> Optional[str]:
@@ -57,7 +57,7 @@ def explicit_on_cuda(run: Run) -> Optional[str]:
     m, packed = run.config.model, packed_chat(run)
     if not (run.config.data.document_mask or packed) or m.attention != "sdpa" or run.device != "cuda":
         return None
-    recorded = "model.document_attention" in (run.facts.get("config") or {})
+    recorded = "model.document_attention" in run.recorded
     impl = m.document_attention if recorded else "explicit"
     if impl == "explicit" or (impl == "auto" and m.dropout > 0):
         return "data.chat_packing='pack'" if packed else "data.document_mask"
@@ -71,7 +71,7 @@ def document_mask_cost(run: Run) -> Optional[Finding]:
     what = explicit_on_cuda(run)
     if what is None:
         return None
-    key = json.dumps([C.flatten(run.config.to_dict()), run.gpu_name, run.memory.device_total_mb, run.facts.get("world_size"),
+    key = json.dumps([C.flatten(run.config.to_dict()), run.gpu_name, run.memory.device_total_mb, run.world_size,
                       what.startswith("data.chat")], sort_keys=True, default=str)
     on, fx = _with_and_without(key)
     if on is None or fx is None:

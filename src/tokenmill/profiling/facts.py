@@ -4,9 +4,14 @@
 (``summary.json`` and ``profile.json`` checked where they are read, in :mod:`.run_files`) into one flat dict;
 :meth:`Run.of` types it once: the config becomes a :class:`Config` (the run's values over the config's own
 defaults, so a rule reads ``run.config.model.head_width``, never a default re-derived), and the facts become
-frozen dataclasses (:class:`Timing`, :class:`Data`, :class:`Memory`, :class:`Host`) whose every figure is a
-number or None, checked here; the windows the split is judged over are a :class:`Windows`
-(``run.timing.windows``). A misspelt fact is an ``AttributeError`` where it is read, not a silent None.
+frozen dataclasses (:class:`Timing`, :class:`Data`, :class:`Memory`, :class:`Host`, :class:`Work`,
+:class:`Device`, :class:`Wall`, :class:`Sft`, :class:`Moe`) whose every figure is a number or None, checked here;
+the windows the split is judged over are a :class:`Windows` (``run.timing.windows``), the places the steps
+synchronise :class:`SyncSource` entries (``run.timing.sync_sources``), the operators the slow layer forms add
+:class:`FormOps` by config field (``run.layer_forms``); ``run.world_size`` is the run's processes and
+``run.recorded`` the keys its own config recorded. A value of the wrong type (a string where a number belongs, a
+list of non-objects) is a :class:`DoctorError` naming the fact; a misspelt fact is an ``AttributeError`` where it
+is read, not a silent None. No rule reads the flat dict (``run.facts``; tests/test_doctor_typed.py checks it).
 
 A rule written for the typed run is wrapped with :func:`typed`: it takes a :class:`Run` and returns a
 :class:`~tokenmill.profiling.findings.Finding` or None; the wrapper still accepts the flat dict (the rule
@@ -26,6 +31,7 @@ from typing import Any, Optional, TypeVar
 
 from tokenmill import config as C
 from tokenmill.errors import DoctorError
+from tokenmill.filecheck import shown
 
 Num = Optional[float]
 PHASES = ("data", "h2d", "forward", "backward", "optimizer")
@@ -42,6 +48,33 @@ def _num(f: dict[str, Any], key: str, where: str = "") -> Num:
     return float(v)
 
 
+def _int(f: dict[str, Any], key: str, where: str = "") -> Optional[int]:
+    """The fact ``key`` as an int, or None when absent; anything else (a float, a string, a bool) is a
+    :class:`DoctorError` naming it."""
+    v = f.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise DoctorError(f"the doctor's fact '{where}{key}' is {shown(v)}, not an integer (a damaged run file?)")
+    return v
+
+
+def _text(f: dict[str, Any], key: str, where: str = "") -> str:
+    """The fact ``key`` as text ("" when absent); anything else is a :class:`DoctorError` naming it."""
+    v = f.get(key)
+    if v is not None and not isinstance(v, str):
+        raise DoctorError(f"the doctor's fact '{where}{key}' is {shown(v)}, not text (a damaged run file?)")
+    return v or ""
+
+
+def _object(f: dict[str, Any], key: str, where: str = "") -> dict[str, Any]:
+    """The fact ``key`` as an object ({} when absent); anything else is a :class:`DoctorError` naming it."""
+    v = f.get(key)
+    if v is not None and not isinstance(v, dict):
+        raise DoctorError(f"the doctor's fact '{where}{key}' is {shown(v)}, not an object (a damaged run file?)")
+    return v or {}
+
+
 def _from(cls: type, f: dict[str, Any]) -> Any:
     """``cls`` from the facts of the same names: numbers (``Num``) checked by :func:`_num`, text as text, and
     ``Seconds`` maps (part -> number) checked entry by entry."""
@@ -54,6 +87,8 @@ def _from(cls: type, f: dict[str, Any]) -> Any:
         elif x.type == "Seconds":
             part = f.get(x.name) or {}
             out[x.name] = {k: _num(part, k, f"{x.name}.") for k in part}
+        elif x.type == "tuple[SyncSource, ...]":
+            out[x.name] = sync_sources(f, x.name)
         elif x.type == "Optional[Windows]":
             w = f.get(x.name)
             if w is not None and not isinstance(w, Windows):
@@ -66,10 +101,37 @@ def _from(cls: type, f: dict[str, Any]) -> Any:
 Seconds = dict[str, float]
 
 
-def _nums(cls: type, f: dict[str, Any]) -> Any:
-    """``cls`` (a dataclass of ``Num`` fields) from the facts of the same names (:func:`_from`; kept for the
-    rule files that build their own typed facts this way, e.g. ``sft_rules``)."""
-    return _from(cls, f)
+@dataclass(frozen=True)
+class SyncSource:
+    """One place the profiled steps synchronise the host with the device (``profile.json`` ``syncs.sources``): the
+    runtime call, the operator that made it and its parent, the phase (``region``) and Python line it ran in, how
+    many times per step and the host time per step it cost."""
+
+    call: str = ""
+    op: str = ""
+    parent: str = ""
+    region: str = ""
+    python: str = ""
+    per_step: float = 0.0
+    ms_per_step: Num = None
+
+
+def sync_sources(f: dict[str, Any], key: str = "sync_sources") -> tuple[SyncSource, ...]:
+    """The facts' ``key`` (a list of objects, as :func:`tokenmill.profiling.doctor.gather_facts` takes them from
+    ``profile.json``) as :class:`SyncSource` entries, each value checked; none when absent."""
+    v = f.get(key)
+    if v is None:
+        return ()
+    if not isinstance(v, (list, tuple)) or not all(isinstance(s, (dict, SyncSource)) for s in v):
+        raise DoctorError(f"the doctor's fact '{key}' is {shown(v)}, not a list of objects (a damaged run file?)")
+    out = []
+    for i, s in enumerate(v):
+        if isinstance(s, dict):
+            where = f"{key}[{i}]."
+            s = SyncSource(*(_text(s, k, where) for k in ("call", "op", "parent", "region", "python")),
+                           per_step=_num(s, "per_step", where) or 0.0, ms_per_step=_num(s, "ms_per_step", where))
+        out.append(s)
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -95,8 +157,8 @@ class Timing:
     """The steady step and its phases (ms per step; shares of the step; each share's standard error over the
     run's own steps or log windows), activation checkpointing's recompute (measured or estimated), the host-device
     synchronisations per step and what they cost, the share of forward, backward, optimizer and the loop
-    (``compute_share``), where the step time, split and recompute come from, and the windows the split is
-    over (None without per-window figures)."""
+    (``compute_share``), where the step time, split and recompute come from, the windows the split is
+    over (None without per-window figures) and where the syncs are made (the profile's; none without one)."""
 
     step_ms: Num = None
     forward_ms: Num = None
@@ -120,6 +182,7 @@ class Timing:
     phase_source: str = ""
     recompute_source: str = ""
     windows: Optional[Windows] = None
+    sync_sources: tuple[SyncSource, ...] = ()
 
     def share_lo(self, phase: str) -> Num:
         """``phase``'s share less twice its standard error over the run's own steps or log windows: what the
@@ -226,6 +289,16 @@ class Host:
     intra_op: int = 1
     local_world_size: int = 1
     load_avg: float = 0.0
+    intra_op_known: bool = False  # the summary recorded the training threads (else intra_op is taken as 1)
+
+    @staticmethod
+    def of(f: dict[str, Any]) -> Host:
+        """The facts' ``threads`` (``summary.json``'s), each value checked."""
+        th, w = _object(f, "threads"), "threads."
+        intra = _int(th, "intra_op", w)
+        return Host(cpu_count=_int(th, "cpu_count", w), intra_op=intra or 1,
+                    local_world_size=_int(th, "local_world_size", w) or 1, load_avg=_num(th, "load_avg", w) or 0.0,
+                    intra_op_known=bool(intra))
 
     @property
     def cores(self) -> Optional[int]:
@@ -240,9 +313,66 @@ class Host:
 
 
 @dataclass(frozen=True)
+class Sft:
+    """A chat fine-tune's shares of its steps' input positions, the means over its steps (``summary.json``
+    ``padding_frac`` and ``learned_frac``; None: not a chat run, or an older version)."""
+
+    padding_frac: Num = None
+    learned_frac: Num = None
+
+
+@dataclass(frozen=True)
+class Moe:
+    """A mixture of experts' routing (``moe_rules.moe_facts``): the median over the steady log rows of the worst
+    sparse layer's load (its busiest expert's routed slots over the mean) and that layer, the run's processes
+    (``summary.json``'s ``world_size``) and the all-to-all's share of the profile's top operators (None: a dense
+    model, a run of an older version, or not shown)."""
+
+    load_max: Num = None
+    load_layer: Optional[int] = None
+    world_size: Optional[int] = None
+    a2a_share: Num = None
+
+    @staticmethod
+    def of(f: dict[str, Any]) -> Moe:
+        return Moe(_num(f, "moe_load_max"), _int(f, "moe_load_layer"), _int(f, "moe_world_size"),
+                   _num(f, "moe_a2a_share"))
+
+
+@dataclass(frozen=True)
+class FormOps:
+    """The operators of one forward + backward of a narrow copy of the run's model (:mod:`.layer_ops`): all of
+    them, the matrix products among them, and how many a slow layer form runs that its fast form would not."""
+
+    total: int
+    matmul: int
+    extra: int
+
+
+def layer_forms(f: dict[str, Any], key: str = "layer_forms") -> dict[str, FormOps]:
+    """The facts' ``key`` (config field -> ``{"total", "matmul", "extra"}``, counted by
+    :func:`tokenmill.profiling.layer_ops.layer_form_ops`) as :class:`FormOps`, each count checked."""
+    out = {}
+    for field, counts in _object(f, key).items():
+        if not isinstance(counts, FormOps):
+            counts = _object({field: counts}, field, f"{key}.")  # an object, else an error naming it
+            n = [_int(counts, k, f"{key}.{field}.") for k in ("total", "matmul", "extra")]
+            if None in n:
+                raise DoctorError(f"the doctor's fact '{key}.{field}' is {shown(counts)}, without its total, matmul "
+                                  "and extra operator counts (a damaged run file?)")
+            counts = FormOps(*n)
+        out[field] = counts
+    return out
+
+
+@dataclass(frozen=True)
 class Run:
-    """A run as the rules read it: ``config`` (typed), ``device``, the measured facts, ``facts`` (the flat dict,
-    for what is not typed yet), and the GPU's name and compute capability (CUDA)."""
+    """A run as the rules read it: ``config`` (typed), ``device``, the measured facts, and the GPU's name and
+    compute capability (CUDA), a chat fine-tune's shares (``sft``), a mixture of experts' routing (``moe``), the
+    operators the slow layer forms add (``layer_forms``), the run's processes (``world_size``) and the keys its own
+    config recorded (``recorded``: a field newer than the run is absent). ``facts`` is the flat dict the run was
+    typed from: no shipped rule reads it; :func:`tokenmill.profiling.doctor.rank` hands it to a rule written over
+    the flat facts (not marked :func:`typed`)."""
 
     config: C.Config
     device: str
@@ -256,17 +386,20 @@ class Run:
     facts: dict[str, Any]
     gpu_name: str = ""
     gpu_capability: Optional[tuple[int, ...]] = None
+    sft: Sft = Sft()
+    moe: Moe = Moe()
+    layer_forms: dict[str, FormOps] = dataclasses.field(default_factory=dict)
+    world_size: int = 1
+    recorded: frozenset[str] = frozenset()
 
     @staticmethod
     def of(f: dict[str, Any]) -> Run:
         """Type the flat facts once (module doc)."""
-        th = f.get("threads") or {}
-        host = Host(cpu_count=th.get("cpu_count"), intra_op=th.get("intra_op") or 1,
-                    local_world_size=th.get("local_world_size") or 1, load_avg=th.get("load_avg") or 0.0)
-        cap = f.get("gpu_capability")
-        return Run(typed_config(f.get("config") or {}), str(f.get("device") or "cpu"), _from(Timing, f),
-                   _from(Data, f), _from(Memory, f), host, _from(Work, f), _from(Device, f), _from(Wall, f), f,
-                   str(f.get("gpu_name") or ""), tuple(cap) if cap else None)
+        cap, config = f.get("gpu_capability"), _object(f, "config")
+        return Run(typed_config(config), str(f.get("device") or "cpu"), _from(Timing, f),
+                   _from(Data, f), _from(Memory, f), Host.of(f), _from(Work, f), _from(Device, f), _from(Wall, f), f,
+                   str(f.get("gpu_name") or ""), tuple(cap) if cap else None, _from(Sft, f), Moe.of(f),
+                   layer_forms(f), _int(f, "world_size") or 1, frozenset(config))
 
     def memory_fill(self) -> Num:
         """The peak's fraction of the GPU's memory (None on CPU or when either is unknown)."""

@@ -58,8 +58,8 @@ def layer_forms(run: Run) -> Optional[Finding]:
     backward spend outside matrix products (the matmul share measured by the profile: kernels on CUDA,
     host operators on CPU). A form that adds no operator on this device (a hand-written RMSNorm on a
     CPU, where nn.RMSNorm runs the same operators) is not named."""
-    counts = run.facts.get("layer_forms") or {}  # operators counted on the model (layer_ops.py), per field
-    slow = [k for k in slow_forms(run.config) if (counts.get(k) or {}).get("extra", 1) > 0]
+    counts = run.layer_forms  # operators counted on the model (layer_ops.py), per field (facts.FormOps)
+    slow = [k for k in slow_forms(run.config) if k not in counts or counts[k].extra > 0]
     if not slow:
         return None
     forms = {k: form_what(run.config, k) for k in slow}
@@ -69,7 +69,7 @@ def layer_forms(run: Run) -> Optional[Finding]:
     share = None
     if fb and all(k in counts for k in slow):
         c = counts[slow[0]]
-        extra, other = sum(counts[k]["extra"] for k in slow), max(1, c["total"] - c["matmul"])
+        extra, other = sum(counts[k].extra for k in slow), max(1, c.total - c.matmul)
         rest = fb * (1.0 - (mm or 0.0))
         share = extra / other * rest
         ev.append(f"{extra} of the {other} operators other than matrix products in a forward + backward "

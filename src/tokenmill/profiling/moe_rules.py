@@ -1,10 +1,12 @@
 """Doctor rules for mixtures of experts (``model.moe_experts`` > 0): routing imbalance, the all-to-all's share of
 the step under expert parallelism, and expert matmuls too small for the GPU.
 
-Facts (:func:`moe_facts`, put among the doctor's facts by ``gather_facts``): ``moe_load_max``, the median over the
-run's steady log rows of the worst sparse layer's load (the trainer logs ``moe_load_<i>``: layer i's busiest
-expert's routed slots over the mean, :func:`tokenmill.model.moe.router_stats`), ``moe_load_layer`` (the layer
-with the highest median load) and ``moe_world_size`` (``summary.json``'s processes).
+Facts (:func:`moe_facts`, put among the doctor's facts by ``gather_facts`` and typed once as ``run.moe``, a
+:class:`~tokenmill.profiling.facts.Moe`): ``moe_load_max``, the median over the run's steady log rows of the worst
+sparse layer's load (the trainer logs ``moe_load_<i>``: layer i's busiest expert's routed slots over the mean,
+:func:`tokenmill.model.moe.router_stats`), ``moe_load_layer`` (the layer with the highest median load),
+``moe_world_size`` (``summary.json``'s processes) and ``moe_a2a_share`` (the all-to-all's share of the profile's
+top operators).
 
 Thresholds:
 
@@ -64,7 +66,7 @@ def moe_facts(rows: list[dict[str, Any]], summary: dict[str, Any],
 
 
 def _one_process(run: Run) -> bool:
-    return int(run.facts.get("moe_world_size") or 1) == 1 and run.config.parallel.ep == 1
+    return (run.moe.world_size or 1) == 1 and run.config.parallel.ep == 1
 
 
 def _flag(run: Run, key: str, value: Any, why: str) -> dict[str, Any]:
@@ -88,11 +90,11 @@ def routing_imbalance(run: Run) -> Optional[Finding]:
     """The busiest expert's load at least :data:`IMBALANCE` x the mean: raise the load-balancing loss, or turn on
     the auxiliary-loss-free routing bias (``model.moe_bias_update_rate``)."""
     m = run.config.model
-    load = run.facts.get("moe_load_max")
-    if not m.moe_experts or not isinstance(load, (int, float)) or load < IMBALANCE:
+    load = run.moe.load_max
+    if not m.moe_experts or load is None or load < IMBALANCE:
         return None
     ep, coef = run.config.parallel.ep, m.moe_aux_loss_coef
-    layer = run.facts.get("moe_load_layer")
+    layer = run.moe.load_layer
     ev = [f"the busiest expert gets {load:.2f}x the mean routed tokens (metrics.jsonl moe_load_max, the median over "
           f"the steady log rows" + (f"; layer {layer} the worst" if layer is not None else "") + "): 1.0 is "
           f"balanced, {m.moe_experts / m.moe_top_k:.0f} every token on the same {m.moe_top_k} experts",
@@ -140,7 +142,7 @@ def _estimate(run: Run):
             g = GPUS["h100-sxm"]
         if run.memory.device_total_mb:
             g = dataclasses.replace(g, memory_mb=run.memory.device_total_mb)
-        return estimate(run.config, g, int(run.facts.get("moe_world_size") or 1))
+        return estimate(run.config, g, run.moe.world_size or 1)
     except (TokenmillError, ValueError, KeyError, TypeError, RuntimeError):
         return None
 
@@ -152,8 +154,8 @@ def all_to_all_share(run: Run) -> Optional[Finding]:
     ep = run.config.parallel.ep
     if ep == 1 or not run.config.model.moe_experts:
         return None
-    share, source = run.facts.get("moe_a2a_share"), "the profile's top operators"
-    if not isinstance(share, (int, float)):
+    share, source = run.moe.a2a_share, "the profile's top operators"
+    if share is None:
         est = _estimate(run)
         if est is None or "all_to_all_ms" not in est.time_breakdown_ms:
             return None

@@ -109,21 +109,20 @@ def host_sync(run: Run) -> Optional[Finding]:
         per_step = 1.0  # the trainer reads the losses back at every log step
     if per_step < 1.0:
         return None
-    sources = run.facts.get("sync_sources") or []  # profile.json's, checked where read (run_files.PROFILE)
+    sources = t.sync_sources  # profile.json's, typed (facts.SyncSource)
     ev = [f"{per_step:.1f} host-device synchronisations per step"]
     for s in sources[:3]:
-        where = s.get("python") or s.get("parent") or ""
-        ev.append(f"{s.get('op') or s.get('call')} in phase '{s.get('region')}' ({where}): {s['per_step']:.2f}/step")
+        ev.append(f"{s.op or s.call} in phase '{s.region}' ({s.python or s.parent}): {s.per_step:.2f}/step")
     sug = []
     if every < 10:
         ev.append(f"log.every_steps = {every}: the trainer synchronises and reads the loss back at every log step")
         sug.append(switch("log.every_steps", 50, "synchronise (and log) every 50 steps instead"))
-    if any(s.get("region") == "h2d" for s in sources):
+    if any(s.region == "h2d" for s in sources):
         if not d.pin_memory:
             sug.append(switch("data.pin_memory", True, "a copy from pageable memory blocks the host"))
         if not d.non_blocking:
             sug.append(switch("data.non_blocking", True, "asynchronous host-to-device copies (with pinned memory)"))
-    if any(s.get("region") in ("forward", "backward", "optimizer") for s in sources):
+    if any(s.region in ("forward", "backward", "optimizer") for s in sources):
         sug.append(advice("avoid .item()/.tolist()/print(tensor) and nonzero()/boolean-mask indexing inside the "
                           "step: keep values on the device (torch.where, masked arithmetic) and read them rarely"))
     cost = t.sync_share or 0.0  # host time in the syncs and the logging around them
@@ -317,7 +316,7 @@ def thread_oversubscription(run: Run) -> Optional[Finding]:
     loading does real work) than cores. The threads of one operator wait for the slowest, which waits
     for a core."""
     h, d = run.host, run.config.data
-    if run.device != "cpu" or not (run.facts.get("threads") or {}).get("intra_op") or not h.cpu_count:
+    if run.device != "cpu" or not h.intra_op_known or not h.cpu_count:
         return None
     intra, cores, procs = h.intra_op, h.cpu_count, h.local_world_size
     workers = d.num_workers

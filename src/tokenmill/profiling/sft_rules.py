@@ -2,7 +2,8 @@
 and teaches nothing, and a loss mask that leaves few learned tokens in a step.
 
 Both read the run's own figures from ``summary.json`` (type-checked where read: :data:`tokenmill.profiling.run_files.SUMMARY`;
-:func:`sft_facts` puts them among the doctor's facts, :class:`Sft` types them): ``padding_frac`` and ``learned_frac``,
+:func:`sft_facts` puts them among the doctor's facts, typed once as ``run.sft``, a
+:class:`~tokenmill.profiling.facts.Sft`): ``padding_frac`` and ``learned_frac``,
 the means over the run's steps of the shares of the step's input positions that are padding and that are learned
 targets, and the typed run's ``work.tokens_per_step`` and ``config``.
 
@@ -22,10 +23,9 @@ Thresholds:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Optional
 
-from tokenmill.profiling.facts import Num, Run, _nums, typed
+from tokenmill.profiling.facts import Run, typed
 from tokenmill.profiling.findings import MIN_SCORE, Finding, _clamp, advice, pct, switch
 
 HEAVY_PADDING = 0.2
@@ -38,22 +38,10 @@ def sft_facts(summary: dict[str, Any]) -> dict[str, Any]:
             if summary.get(k) is not None}
 
 
-@dataclass(frozen=True)
-class Sft:
-    """A chat fine-tune's shares of its steps' input positions (None: not a chat run, or an older version)."""
-
-    padding_frac: Num = None
-    learned_frac: Num = None
-
-    @staticmethod
-    def of(run: Run) -> Sft:
-        return _nums(Sft, run.facts)
-
-
 @typed
 def heavy_padding(run: Run) -> Optional[Finding]:
     """A share of padding of at least :data:`HEAVY_PADDING`: that share of the compute teaches nothing."""
-    pad = Sft.of(run).padding_frac
+    pad = run.sft.padding_frac
     if pad is None or pad < HEAVY_PADDING:
         return None
     packing = run.config.data.chat_packing
@@ -74,7 +62,7 @@ def heavy_padding(run: Run) -> Optional[Finding]:
 def few_learned_tokens(run: Run) -> Optional[Finding]:
     """Fewer than :data:`FEW_LEARNED` learned tokens per optimizer step: a noisy mean, and most of the step's compute
     spent on prompt tokens that teach nothing."""
-    frac, per_step = Sft.of(run).learned_frac, run.work.tokens_per_step
+    frac, per_step = run.sft.learned_frac, run.work.tokens_per_step
     if frac is None or not per_step:
         return None
     per_step = int(per_step)

@@ -47,7 +47,7 @@ def _estimate(run: Run, overrides: dict[str, Any]):
         except TokenmillError:
             g = GPUS["h100-sxm"]
         gpu = dataclasses.replace(g, memory_mb=run.memory.device_total_mb)  # the run's GPU, all its specs
-        return estimate(config, gpu, int(run.facts.get("world_size") or 1))
+        return estimate(config, gpu, run.world_size)
     except (TokenmillError, ValueError, KeyError, TypeError, RuntimeError):
         return None
 
