@@ -29,11 +29,11 @@ REGIME_ERRORS: dict[tuple[str, str, str, str], tuple[Optional[float], int, Optio
     ("eager", "large", "many", "qlora"): (0.216, 1, 0.177, 1),
     ("eager", "large", "one", "full"): (0.088, 1, 0.243, 2),
     ("eager", "large", "one", "lora"): (None, 0, 0.155, 2),
-    ("eager", "small", "one", "full"): (0.076, 4, 0.193, 4),
+    ("eager", "small", "one", "full"): (0.019, 3, 0.193, 4),
     ("eager", "small", "one", "lora"): (0.04, 3, None, 0),
     ("eager", "small", "one", "qlora"): (0.097, 2, None, 0),
 }
-OVERALL = {"memory": (0.068, 41), "speed": (0.109, 47)}  # all measurements: (error, cases)
+OVERALL = {"memory": (0.063, 40), "speed": (0.109, 47)}  # all measurements: (error, cases)
 
 
 def regime_table(summary: dict[str, Any]) -> dict:
