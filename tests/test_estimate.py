@@ -258,17 +258,25 @@ def test_cpu_estimate_agrees_with_measured_allocations(case, tmp_path):
 # GPU estimates against the seeds' published figures
 
 
+# Memory within 15% of the seeds' figures. Speed: the bound is where the estimate stands (docs/estimate.md: 32.2% and
+# 19.4%, every rung faster than the seeds'; the rasbt README's timed windows also hold its evaluations), kept so a
+# change that moves the seeds' speed further shows here rather than going unnoticed, as the move from 14.8% did.
+SEED_BOUNDS = {"rasbt": {"peak_reserved_mb": 0.15, "tokens_per_sec": 0.33},
+               "book-memory": {"peak_alloc_mb": 0.15, "time_for_samples_s": 0.20}}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name,metric", [("rasbt", "peak_reserved_mb"), ("book-memory", "peak_alloc_mb")])
-def test_ladder_estimates_within_15_percent_of_the_seed_references(name, metric, tmp_path):
+@pytest.mark.parametrize("name", sorted(SEED_BOUNDS))
+def test_ladder_estimates_against_the_seed_references(name, tmp_path):
     ladder = load_ladder(name)
     doc = predict_ladder(ladder, tmp_path, log=lambda line: None)
-    refs = [r for r in doc["rungs"] if metric in r["reference"]]
-    assert refs and all(r["status"] == "estimated" for r in refs)
-    errors = [abs(r["estimate"][metric] / r["reference"][metric] - 1) for r in refs]
-    mean = sum(errors) / len(errors)
-    assert mean <= 0.15, f"{name}: mean relative error {mean:.1%} ({[round(e, 3) for e in errors]})"
-    assert doc["estimate"]["mean_abs_error"][metric]["mean_abs_error"] == pytest.approx(mean)
+    for metric, bound in SEED_BOUNDS[name].items():
+        refs = [r for r in doc["rungs"] if metric in r["reference"]]
+        assert refs and all(r["status"] == "estimated" for r in refs)
+        errors = [abs(r["estimate"][metric] / r["reference"][metric] - 1) for r in refs]
+        mean = sum(errors) / len(errors)
+        assert mean <= bound, f"{name} {metric}: mean relative error {mean:.1%} ({[round(e, 3) for e in errors]})"
+        assert doc["estimate"]["mean_abs_error"][metric]["mean_abs_error"] == pytest.approx(mean)
     saved = json.loads((tmp_path / "ladder.json").read_text())
     assert set(saved["rungs"][0]["estimate"]) >= {"peak_alloc_mb", "peak_reserved_mb", "step_ms", "tokens_per_sec"}
     md = (tmp_path / "ladder.md").read_text()
