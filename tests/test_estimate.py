@@ -171,8 +171,8 @@ def test_roofline_kernel_times():
     assert _op_seconds(ew, cfg, a100, 1) == pytest.approx(1.555e9 / (1555e9 * 1610 / 2039))
     red = OpCost("sum", bytes=1.555e9)  # a one-pass reduction: BabelStream's dot share on the A100
     assert _op_seconds(red, cfg, a100, 1) == pytest.approx(1.555e9 / (1555e9 * 1750 / 2039))
-    soft = OpCost("_softmax", bytes=1.555e9)  # softmax: the A100's MEMORY_EFFICIENCY, 0.35
-    assert _op_seconds(soft, cfg, a100, 1) == pytest.approx(1.555e9 / (1555e9 * 0.35))
+    soft = OpCost("_softmax", bytes=1.555e9)  # softmax: the A100's MEMORY_EFFICIENCY, 0.37
+    assert _op_seconds(soft, cfg, a100, 1) == pytest.approx(1.555e9 / (1555e9 * 0.37))
 
 
 def test_layouts_and_pipeline_order():
@@ -258,10 +258,10 @@ def test_cpu_estimate_agrees_with_measured_allocations(case, tmp_path):
 # GPU estimates against the seeds' published figures
 
 
-# Memory within 15% of the seeds' figures. Speed: the bound is where the estimate stands (docs/estimate.md: 32.2% and
+# Memory within 15% of the seeds' figures. Speed: the bound is where the estimate stands (docs/estimate.md: 29.9% and
 # 19.4%, every rung faster than the seeds'; the rasbt README's timed windows also hold its evaluations), kept so a
 # change that moves the seeds' speed further shows here rather than going unnoticed, as the move from 14.8% did.
-SEED_BOUNDS = {"rasbt": {"peak_reserved_mb": 0.15, "tokens_per_sec": 0.33},
+SEED_BOUNDS = {"rasbt": {"peak_reserved_mb": 0.15, "tokens_per_sec": 0.30},
                "book-memory": {"peak_alloc_mb": 0.15, "time_for_samples_s": 0.20}}
 
 

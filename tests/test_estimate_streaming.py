@@ -112,4 +112,7 @@ def test_skinny_product_floor_streams(cfg):
     a100 = gpu_spec("a100-80gb")
     c = OpCost("mm", flops=2.0 * 8192 * 4096 * 8, math="bf16", min_dim=8, dims=(1, 8192, 4096, 8))
     nbytes = (8192 * 4096 + 4096 * 8 + 8192 * 8) * 2
-    assert R._op_seconds(c, cfg, a100, 1) == pytest.approx(nbytes / (2039e9 * 1610 / 2039))
+    # priced at the longer of its math and its floor: the two within 2% (its 256-deep split slices keep
+    # roofline.depth_share(256) of the deep rate), the floor its bytes at the streaming share
+    floor = nbytes / (2039e9 * 1610 / 2039)
+    assert floor <= R._op_seconds(c, cfg, a100, 1) <= 1.02 * floor

@@ -43,7 +43,7 @@ tensor parallelism's all-reduces are on the critical path, and the pipeline adds
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 from tokenmill import config as C
 from tokenmill.estimate.attention import attention_efficiency
@@ -145,6 +145,26 @@ def host_link_bytes_s(gpu: GPU) -> float:
 
 CPU_FLOPS_PER_THREAD = 3e10  # not sourced: a rough CPU guide (fp32, one thread); the CPU is no prediction target
 
+# A product's depth K costs each output tile a fixed start and finish (filling the load pipeline, writing the tile
+# out), worth K_OVERHEAD steps of its K loop: a product of depth K runs at K / (K + K_OVERHEAD) of what a deep one
+# does. From OpenXLA's measured H100 GEMM table (xla/service/gpu/model/matmul_interpolator_data.h in
+# tensorflow/tensorflow at 372d578b, sm_90): batch 4 of 4096 x 4096 outputs ran at 504 / 620 / 726 / 765 / 793
+# TFLOPS in bf16 at K = 256 / 512 / 1024 / 2048 / 4096, which 0.834 x K / (K + 163) gives within 2%, and at 242 /
+# 320 / 323 / 342 / 347 in fp32 (TF32 tensor cores: XLA's default precision) at the same K, where K = 256 against
+# K = 4096 gives 122 (tests/test_estimate_physics.py). Plain fp32 runs on the CUDA cores, 15x slower a K step than
+# bf16 on the tensor cores, so its fixed costs are a few K steps: none charged. The large-product shares above are
+# best shapes of depth 4096 or more, so a product keeps them from DEPTH_REF on and falls below them under it.
+# Measured on the H100 only: every GPU takes it until benchmarks/validation/gemm_efficiency.py measures its own.
+K_OVERHEAD = {"bf16": 163, "fp16": 163, "tf32": 122}
+DEPTH_REF = 4096
+
+
+def depth_share(k: int, mode: str = "bf16") -> float:
+    """Share of a deep product's throughput a ``mode`` product of depth ``k`` keeps (``K_OVERHEAD``; 1 from
+    DEPTH_REF on, and for plain fp32)."""
+    k0 = K_OVERHEAD.get(mode, 0)
+    return min(1.0, (k / (k + k0)) / (DEPTH_REF / (DEPTH_REF + k0)))
+
 
 QUANTIZATION = True
 # the large cuBLAS tiles of NVIDIA's "Matrix Multiplication Background User's Guide" (DU-09799-001, 2023, section
@@ -153,13 +173,15 @@ TILES = ((256, 128), (128, 256), (128, 128))
 SPLIT_K_MIN = 256  # assumed, not measured: the shallowest K slice a split-K product keeps (two 128-deep stages)
 
 
-def quantization(dims: tuple, sm: int) -> float:
+def quantization(dims: tuple, sm: int, mode: Optional[str] = None) -> float:
     """Share of the GPU's SMs a matrix product of (batch, M, K, N) keeps busy: its output is cut into tiles
     (tile quantization: partial tiles at the edges compute padding) run in waves of one tile per SM (wave
     quantization: the last wave leaves SMs idle); a product with few output tiles and a long K is split along K
     so that more tiles run at once (split-K, ``CUBLASLT_ALGO_CONFIG_SPLITK_NUM``; at most 16 splits, each at
     least :data:`SPLIT_K_MIN` deep). The best tile of :data:`TILES` and split, as cuBLAS's heuristics pick one
-    (NVIDIA Deep Learning Performance guide, "Matrix Multiplication Background": tile and wave quantization)."""
+    (NVIDIA Deep Learning Performance guide, "Matrix Multiplication Background": tile and wave quantization).
+    With a math ``mode``, each choice also keeps :func:`depth_share` of its K slice (a split shortens every tile's
+    K loop): the product of the two, what the roofline prices."""
     batch, m, k, n = dims
     best = 0.0
     for tm, tn in TILES:
@@ -168,7 +190,8 @@ def quantization(dims: tuple, sm: int) -> float:
             if split > 1 and k // split < SPLIT_K_MIN:
                 break
             waves = -(-(tiles * split) // sm)
-            best = max(best, batch * m * n * split / (waves * sm * tm * tn))
+            share = batch * m * n * split / (waves * sm * tm * tn)
+            best = max(best, share * depth_share(k // split, mode) if mode else share)
     return min(best, 1.0)
 
 
@@ -183,12 +206,13 @@ def matmul_bytes(c: OpCost) -> float:
 
 def matmul_efficiency(c: OpCost, mode: str, gpu: GPU) -> float:
     """Share of the dense peak a product runs at: ``MATMUL_EFFICIENCY`` of the GPU x the SMs its tiles keep busy
-    (:func:`quantization`), x ``UNALIGNED`` for a misaligned tensor-core product."""
+    and what the depth of each tile's K loop keeps (:func:`quantization` with :func:`depth_share`), x
+    ``UNALIGNED`` for a misaligned tensor-core product."""
     eff = large_matmul_share(gpu)
     if mode != "fp32" and not c.aligned:
         eff *= UNALIGNED
     if QUANTIZATION and c.dims and gpu.sm:
-        eff *= quantization(c.dims, gpu.sm)
+        eff *= quantization(c.dims, gpu.sm, mode)
     return eff
 
 
