@@ -5,11 +5,15 @@ import pytest
 
 from test_doctor import cuda_facts, facts, write_run
 from tokenmill import config as C
+from tokenmill.estimate.gpus import GPUS
 from tokenmill.profiling.doctor import diagnose
+from tokenmill.profiling.facts import Run
 from tokenmill.profiling.moe_rules import (
     A2A_SHARE,
     IMBALANCE,
+    SMALL_LOSS,
     all_to_all_share,
+    group_loss,
     moe_facts,
     routing_imbalance,
     small_expert_matmuls,
@@ -68,7 +72,12 @@ def test_small_expert_matmuls_on_one_gpu_suggest_a_larger_batch_to_try():
            "model.block_size": 256, "train.batch_size": 8}  # 8 x 256 x 2 / 64 = 64 tokens per expert
     f = small_expert_matmuls(cuda_facts(config=cfg, moe_world_size=1, flops_per_token=2e9))
     assert f is not None and "64 tokens per expert" in f.evidence[0]
-    assert f.suggestions[0]["switch"] == "--train.batch_size 64"  # 8x: 512 tokens per expert
+    # the smallest of 2x, 4x, 8x the tokens per expert at which the estimator's grouped-matmul loss falls under
+    # SMALL_LOSS: 4x, 256 tokens per expert (the products' depth, roofline.depth_share, prices the thin weight
+    # gradients, whose K is the expert's tokens)
+    run, gpu = Run.of(cuda_facts(config=cfg, moe_world_size=1, flops_per_token=2e9)), GPUS["h100-sxm"]
+    assert group_loss(run, 64 * 4, gpu) < SMALL_LOSS <= group_loss(run, 64 * 2, gpu)
+    assert f.suggestions[0]["switch"] == "--train.batch_size 32"
     big = {**cfg, "train.batch_size": 64}
     assert small_expert_matmuls(cuda_facts(config=big, moe_world_size=1, flops_per_token=2e9)) is None
     assert small_expert_matmuls(facts(config=cfg)) is None  # CPU: no tensor cores to starve

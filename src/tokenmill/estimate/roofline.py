@@ -146,15 +146,12 @@ def host_link_bytes_s(gpu: GPU) -> float:
 CPU_FLOPS_PER_THREAD = 3e10  # not sourced: a rough CPU guide (fp32, one thread); the CPU is no prediction target
 
 # A product's depth K costs each output tile a fixed start and finish (filling the load pipeline, writing the tile
-# out), worth K_OVERHEAD steps of its K loop: a product of depth K runs at K / (K + K_OVERHEAD) of what a deep one
-# does. From OpenXLA's measured H100 GEMM table (xla/service/gpu/model/matmul_interpolator_data.h in
-# tensorflow/tensorflow at 372d578b, sm_90): batch 4 of 4096 x 4096 outputs ran at 504 / 620 / 726 / 765 / 793
-# TFLOPS in bf16 at K = 256 / 512 / 1024 / 2048 / 4096, which 0.834 x K / (K + 163) gives within 2%, and at 242 /
-# 320 / 323 / 342 / 347 in fp32 (TF32 tensor cores: XLA's default precision) at the same K, where K = 256 against
-# K = 4096 gives 122 (tests/test_estimate_physics.py). Plain fp32 runs on the CUDA cores, 15x slower a K step than
-# bf16 on the tensor cores, so its fixed costs are a few K steps: none charged. The large-product shares above are
-# best shapes of depth 4096 or more, so a product keeps them from DEPTH_REF on and falls below them under it.
-# Measured on the H100 only: every GPU takes it until benchmarks/validation/gemm_efficiency.py measures its own.
+# out) worth K_OVERHEAD steps of its K loop: depth K runs at K / (K + K_OVERHEAD) of a deep product's rate. OpenXLA's
+# measured H100 table (xla/service/gpu/model/matmul_interpolator_data.h, tensorflow 372d578b, sm_90), batch 4 of
+# 4096 x 4096 outputs at K = 256 ... 4096: 504 / 620 / 726 / 765 / 793 bf16 TFLOPS, which 0.834 x K / (K + 163) gives
+# within 2%; 242 ... 347 in fp32 (TF32: XLA's default), K = 256 against 4096 giving 122 (tests/test_estimate_physics.py).
+# Plain fp32 on the CUDA cores (K steps 15x slower): none. The large-product shares are best shapes of depth 4096 or
+# more: kept from DEPTH_REF on. Measured on the H100 only; every GPU takes it until gemm_efficiency.py measures its own.
 K_OVERHEAD = {"bf16": 163, "fp16": 163, "tf32": 122}
 DEPTH_REF = 4096
 
