@@ -1,10 +1,11 @@
 """Measure, on a CUDA GPU, the figures the estimator's roofline (``tokenmill.estimate.roofline``) and host model
 (``tokenmill.estimate.host``) take from outside sources today, and write them raw as JSON:
 
-- ``matmul``: ``torch.matmul`` over a grid of shapes (square, GPT-2 and Llama projections, LoRA's rank-8..64
-  factors, an unpadded 50,257 vocabulary) in bf16, fp32 with TF32 and plain fp32: milliseconds (median of CUDA
-  events), TFLOPS, and beside each the estimator's own prediction (its tile/wave share of the SMs and its time)
-  so the measured efficiency by shape can replace ``MATMUL_EFFICIENCY``, ``UNALIGNED`` and the memory floor;
+- ``matmul``: ``torch.matmul`` over a grid of shapes (square, a depth sweep at 4096 x 4096 outputs, GPT-2 and
+  Llama projections, LoRA's rank-8..64 factors, an unpadded 50,257 vocabulary) in bf16, fp32 with TF32 and plain
+  fp32: milliseconds (median of CUDA events), TFLOPS, and beside each the estimator's own prediction (its
+  tile/wave share of the SMs, its depth share and its efficiency) so the measured efficiency by shape can replace
+  ``MATMUL_EFFICIENCY``, ``K_OVERHEAD`` (measured on the H100 only), ``UNALIGNED`` and the memory floor;
 - ``bandwidth``: a copy, an add, a sum and a row softmax of 1 GiB tensors (GB/s): against
   ``STREAM_MEMORY_EFFICIENCY``, ``REDUCE_MEMORY_EFFICIENCY`` (BabelStream's Copy and Dot on Azure's A100/H100) and
   ``MEMORY_EFFICIENCY`` (``estimate/bandwidth.py``: this GPU's own);
@@ -36,6 +37,8 @@ from tokenmill.atomic import write_json
 SQUARE = [(n, n, n) for n in (512, 1024, 2048, 4096, 8192)]
 MODEL = [(8192, 768, 2304), (8192, 768, 3072), (8192, 3072, 768), (8192, 768, 50257), (8192, 768, 50304),
          (8192, 4096, 4096), (8192, 4096, 14336), (8192, 14336, 4096), (4224, 8192, 2048), (1024, 768, 768)]
+# the depth sweep of OpenXLA's H100 table that roofline.depth_share is read from (4096 x 4096 outputs, K = 256 ... 4096)
+DEPTH = [(4096, k, 4096) for k in (256, 512, 1024, 2048, 4096)]
 LORA = [(t, d, r) for t in (2048, 8192) for d in (768, 4096) for r in (8, 16, 64)] + \
        [(t, r, d) for t in (2048, 8192) for d in (768, 4096) for r in (8, 16, 64)]
 
@@ -57,13 +60,13 @@ def _time_ms(fn, reps: int = 20) -> float:
 
 def _matmuls(gpu, deadline: float) -> list[dict]:
     from tokenmill.estimate.recorder import OpCost
-    from tokenmill.estimate.roofline import matmul_bytes, matmul_efficiency, quantization
+    from tokenmill.estimate.roofline import depth_share, matmul_bytes, matmul_efficiency, quantization
 
     out = []
     for mode, dtype, tf32 in (("bf16", torch.bfloat16, False), ("tf32", torch.float32, True),
                               ("fp32", torch.float32, False)):
         torch.backends.cuda.matmul.allow_tf32 = tf32
-        for m, k, n in SQUARE + MODEL + LORA:
+        for m, k, n in SQUARE + DEPTH + MODEL + LORA:
             if time.monotonic() > deadline:
                 return out
             a = torch.randn(m, k, device="cuda", dtype=dtype)
@@ -73,7 +76,7 @@ def _matmuls(gpu, deadline: float) -> list[dict]:
                        min_dim=min(m, k, n), aligned=all(d % 8 == 0 for d in (m, k, n)), dims=(1, m, k, n))
             out.append({"mode": mode, "m": m, "k": k, "n": n, "ms": ms, "tflops": c.flops / ms / 1e9,
                         "bytes": matmul_bytes(c), "est_sm_share": quantization(c.dims, gpu.sm) if gpu.sm else None,
-                        "est_efficiency": matmul_efficiency(c, mode, gpu)})
+                        "est_depth_share": depth_share(k, mode), "est_efficiency": matmul_efficiency(c, mode, gpu)})
     torch.backends.cuda.matmul.allow_tf32 = False
     return out
 
