@@ -136,7 +136,7 @@ SOURCE = {"call": "cudaStreamSynchronize", "op": "aten::item", "parent": "aten::
           "python": "train.py(12): step", "per_step": 2.0, "ms_per_step": 0.5}
 NEW_FACTS = {"config": {"model.norm": "manual", "model.document_attention": "explicit"}, "world_size": 4,
              "sync_sources": [SOURCE], "layer_forms": {"model.norm": {"total": 500, "matmul": 50, "extra": 150}},
-             "moe_load_max": 2, "moe_load_layer": 1, "moe_world_size": 4, "moe_a2a_share": 0.3,
+             "moe_load_max": 2, "moe_load_layer": 1, "moe_a2a_share": 0.3,
              "learned_frac": 0.4, "padding_frac": 0.25, "threads": {"intra_op": 8, "cpu_count": 2}}
 
 
@@ -146,7 +146,7 @@ def test_the_newly_typed_facts_are_read_by_attribute():
     run = Run.of(NEW_FACTS)
     assert run.timing.sync_sources == (SyncSource(**SOURCE),) and run.timing.sync_sources[0].per_step == 2.0
     assert run.layer_forms == {"model.norm": FormOps(total=500, matmul=50, extra=150)}
-    assert run.moe == Moe(load_max=2.0, load_layer=1, world_size=4, a2a_share=0.3)
+    assert run.moe == Moe(load_max=2.0, load_layer=1, a2a_share=0.3)
     assert run.sft == Sft(padding_frac=0.25, learned_frac=0.4) and run.world_size == 4
     assert run.recorded == {"model.norm", "model.document_attention"} and run.host.intra_op_known
     bare = Run.of({"config": {}})  # absent: empty, None, one process, intra_op taken as 1 but not known
@@ -173,7 +173,7 @@ def test_the_newly_typed_facts_are_read_by_attribute():
     ("layer_forms", {"model.norm": {"total": 5}}, "'layer_forms.model.norm' is {'total': 5}, without its total"),
     ("moe_load_max", "2.5", "'moe_load_max' is '2.5', not a finite number"),
     ("moe_load_layer", 1.5, "'moe_load_layer' is 1.5, not an integer"),
-    ("moe_world_size", True, "'moe_world_size' is True, not an integer"),
+    ("world_size", True, "'world_size' is True, not an integer"),
     ("moe_a2a_share", [0.3], "'moe_a2a_share' is [0.3], not a finite number"),
     ("world_size", 2.0, "'world_size' is 2.0, not an integer"),
     ("learned_frac", "0.4", "'learned_frac' is '0.4', not a finite number"),

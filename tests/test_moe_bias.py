@@ -171,7 +171,7 @@ def test_doctor_names_the_bias_switch_for_unbalanced_routing():
     from test_moe_rules import MOE
     from tokenmill.profiling.moe_rules import routing_imbalance
 
-    hot = routing_imbalance(facts(config=MOE, moe_load_max=2.5, moe_load_layer=1, moe_world_size=1))
+    hot = routing_imbalance(facts(config=MOE, moe_load_max=2.5, moe_load_layer=1, world_size=1))
     switches = [s["switch"] for s in hot.suggestions]
     assert "--model.moe_bias_update_rate 0.001" in switches
     on = routing_imbalance(facts(config={**MOE, "model.moe_bias_update_rate": 0.002}, moe_load_max=2.5))

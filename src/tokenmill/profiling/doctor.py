@@ -348,7 +348,7 @@ def gather_facts(run: dict[str, Any]) -> dict[str, Any]:
     f["compute_share"] = _compute_share(f)
     f["tokens_per_sec"], f["mfu"], f["tokens_per_sec_source"] = _same_window_speed(f, summary)
     f.update(sft_facts(summary))  # chat fine-tuning: padding and learned shares (profiling/sft_rules.py)
-    f.update(rules.moe_facts(steady_rows(run), summary, prof))  # experts' load, processes (moe_rules.py)
+    f.update(rules.moe_facts(steady_rows(run), prof))  # experts' load, all-to-all share (moe_rules.py)
     f["threads"], f["world_size"] = summary.get("threads"), summary.get("world_size")  # run.host, run.world_size
     if "recompute_share" not in f and rules.config_value(cfg, "memory.activation_checkpointing") and f.get("step_ms"):
         # no profile: backward is about twice the forward without recompute; the excess is the recompute

@@ -324,19 +324,16 @@ class Sft:
 @dataclass(frozen=True)
 class Moe:
     """A mixture of experts' routing (``moe_rules.moe_facts``): the median over the steady log rows of the worst
-    sparse layer's load (its busiest expert's routed slots over the mean) and that layer, the run's processes
-    (``summary.json``'s ``world_size``) and the all-to-all's share of the profile's top operators (None: a dense
-    model, a run of an older version, or not shown)."""
+    sparse layer's load (its busiest expert's routed slots over the mean) and that layer, and the all-to-all's share
+    of the profile's top operators (None: a dense model, a run of an older version, or not shown)."""
 
     load_max: Num = None
     load_layer: Optional[int] = None
-    world_size: Optional[int] = None
     a2a_share: Num = None
 
     @staticmethod
     def of(f: dict[str, Any]) -> Moe:
-        return Moe(_num(f, "moe_load_max"), _int(f, "moe_load_layer"), _int(f, "moe_world_size"),
-                   _num(f, "moe_a2a_share"))
+        return Moe(_num(f, "moe_load_max"), _int(f, "moe_load_layer"), _num(f, "moe_a2a_share"))
 
 
 @dataclass(frozen=True)

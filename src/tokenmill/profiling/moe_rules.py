@@ -5,8 +5,8 @@ Facts (:func:`moe_facts`, put among the doctor's facts by ``gather_facts`` and t
 :class:`~tokenmill.profiling.facts.Moe`): ``moe_load_max``, the median over the run's steady log rows of the worst
 sparse layer's load (the trainer logs ``moe_load_<i>``: layer i's busiest expert's routed slots over the mean,
 :func:`tokenmill.model.moe.router_stats`), ``moe_load_layer`` (the layer with the highest median load),
-``moe_world_size`` (``summary.json``'s processes) and ``moe_a2a_share`` (the all-to-all's share of the profile's
-top operators).
+and ``moe_a2a_share`` (the all-to-all's share of the profile's top operators); the run's processes are
+``run.world_size``.
 
 Thresholds:
 
@@ -42,10 +42,9 @@ AUX_COEF_MAX = 0.1
 SMALL_LOSS = 0.3
 
 
-def moe_facts(rows: list[dict[str, Any]], summary: dict[str, Any],
-              profile: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-    """The routing figures of a run's steady log rows (none for a dense model, or a run of an older version), its
-    processes, and the all-to-all's share of the profile's top operators where they show it."""
+def moe_facts(rows: list[dict[str, Any]], profile: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """The routing figures of a run's steady log rows (none for a dense model, or a run of an older version) and
+    the all-to-all's share of the profile's top operators where they show it."""
     a2a = [o["share"] for o in (profile or {}).get("top_ops") or []
            if any(n in str(o.get("name", "")).lower() for n in A2A_NAMES)]
     loads = [r["moe_load_max"] for r in rows if isinstance(r.get("moe_load_max"), (int, float))]
@@ -58,15 +57,13 @@ def moe_facts(rows: list[dict[str, Any]], summary: dict[str, Any],
                 layers.setdefault(int(k[9:]), []).append(float(v))
     worst = max(layers, key=lambda i: statistics.median(layers[i])) if layers else None
     out: dict[str, Any] = {"moe_load_max": statistics.median(loads), "moe_load_layer": worst}
-    if isinstance(summary.get("world_size"), int):
-        out["moe_world_size"] = summary["world_size"]
     if a2a:
         out["moe_a2a_share"] = sum(a2a)
     return out
 
 
 def _one_process(run: Run) -> bool:
-    return (run.moe.world_size or 1) == 1 and run.config.parallel.ep == 1
+    return run.world_size == 1 and run.config.parallel.ep == 1
 
 
 def _flag(run: Run, key: str, value: Any, why: str) -> dict[str, Any]:
@@ -142,7 +139,7 @@ def _estimate(run: Run):
             g = GPUS["h100-sxm"]
         if run.memory.device_total_mb:
             g = dataclasses.replace(g, memory_mb=run.memory.device_total_mb)
-        return estimate(run.config, g, run.moe.world_size or 1)
+        return estimate(run.config, g, run.world_size)
     except (TokenmillError, ValueError, KeyError, TypeError, RuntimeError):
         return None
 
