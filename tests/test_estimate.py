@@ -258,10 +258,12 @@ def test_cpu_estimate_agrees_with_measured_allocations(case, tmp_path):
 # GPU estimates against the seeds' published figures
 
 
-# Memory within 15% of the seeds' figures. Speed: the bound is where the estimate stands (docs/estimate.md: 29.9% and
+# Memory within 15% of the seeds' figures. Speed: the bound is where the estimate stands (docs/estimate.md: 31.7% and
 # 19.4%, every rung faster than the seeds'; the rasbt README's timed windows also hold its evaluations), kept so a
 # change that moves the seeds' speed further shows here rather than going unnoticed, as the move from 14.8% did.
-SEED_BOUNDS = {"rasbt": {"peak_reserved_mb": 0.15, "tokens_per_sec": 0.30},
+# 29.9% -> 31.7%: UNALIGNED from its source (0.6 -> 0.714) speeds the rungs before the vocabulary's padding; the
+# README's own padding rung (+13.7%) says the A100's penalty is larger, but a seed is not a source to fit to.
+SEED_BOUNDS = {"rasbt": {"peak_reserved_mb": 0.15, "tokens_per_sec": 0.32},
                "book-memory": {"peak_alloc_mb": 0.15, "time_for_samples_s": 0.20}}
 
 

@@ -49,8 +49,9 @@ def test_tile_and_wave_share_against_a_hand_computation():
     assert R.quantization((1, 8192, 768, 3072), 108) == pytest.approx(3072 / (29 * 108))
     h100 = gpu_spec("h100-sxm")
     c = OpCost("mm", flops=1.0, math="bf16", min_dim=768, dims=(1, 1024, 768, 768))
-    # priced with the depth of each tile's K loop: the two-way split keeps 384 of the 768
-    assert R.matmul_efficiency(c, "bf16", h100) == pytest.approx(794.5 / 989 * 96 / 132 * R.depth_share(384))
+    # priced with the depth of each tile's K loop; on the H100 a split keeps 512 deep at least (SPLIT_K_MIN), so
+    # this product runs unsplit: 48 tiles of 132 SMs, each 768 deep
+    assert R.matmul_efficiency(c, "bf16", h100) == pytest.approx(794.5 / 989 * 48 / 132 * R.depth_share(768))
 
 
 def test_nf4_dequantisation_bytes_by_hand():
@@ -93,7 +94,8 @@ def test_large_matmul_share_is_its_source():
     # MAMF BF16 table (stas00/ml-engineering 744d01e1): A100 SXM 271.2 of 312, H100 SXM 794.5 of 989 ("H200 is the
     # same"); the 4090: zzc0721/torch-performance-test-data issue 78's bf16 at n = 2048..10240 over 165.2
     a100, h100, rtx = 271.2 / 312, 794.5 / 989, (164.81 + 151.50 + 160.17 + 158.54) / 4 / 165.2
-    cited = {"a100-40gb": a100, "a100-80gb": a100, "h100-sxm": h100, "h200": h100, "h100-pcie": h100, "l4": h100,
+    l4 = (70.89 + 54.91 + 59.40 + 56.90) / 4 / 121  # the same source's issue 120, n = 2048..10240, over 121
+    cited = {"a100-40gb": a100, "a100-80gb": a100, "h100-sxm": h100, "h200": h100, "h100-pcie": h100, "l4": l4,
              "rtx-4090": rtx}
     assert R.MATMUL_EFFICIENCY == pytest.approx(cited)
     assert (round(100 * a100, 1), round(100 * h100, 1), round(100 * rtx, 1)) == (86.9, 80.3, 96.1)  # as printed
@@ -177,3 +179,19 @@ def test_depth_share_is_its_source():
     assert R.quantization((1, 8192, 768, 3072), 132, "bf16") == pytest.approx(
         R.quantization((1, 8192, 768, 3072), 132) * R.depth_share(768))  # enough tiles: no split
     assert 0.85 < R.depth_share(768) < 0.87 and 0.8 < ratio < 0.9
+
+
+def test_alignment_split_and_fp32_attention_are_their_sources():
+    """UNALIGNED: PyTorch issue 181718's align1 products against the aligned one (4090, bf16); SPLIT_K_MIN: CUTLASS's
+    eight K tiles a stream-K split (64 deep on Hopper, 32 on Ampere), so an H100 product 768 deep is not split where
+    an A100 one is; fp32 fused attention: the TF32 peak (3xTF32 on the tensor cores) whatever train.tf32 says."""
+    assert R.UNALIGNED == pytest.approx(0.714, abs=0.001)
+    assert R.SPLIT_K_MIN == {"a100": 256, "h100": 512}
+    few_tiles = (1, 256, 768, 256)  # 2 output tiles: splitting K is the only way to fill more SMs
+    assert R.quantization(few_tiles, 132, split_min=512) == R.quantization(few_tiles, 132, split_min=769)
+    assert R.quantization(few_tiles, 108, split_min=256) > R.quantization(few_tiles, 108, split_min=769)
+    a100 = gpu_spec("a100-80gb")
+    off = C.resolve("gpt2-124m", overrides={"train.tf32": False}, overrides_from_string=False)
+    attn = OpCost("_efficient_attention_forward", flops=1e12, math="fp32", attention=True, attn=(12, 1024, 64))
+    assert R._op_seconds(attn, off, a100, 1) == pytest.approx(1e12 / (a100.peak("tf32") * R.ATTENTION_EFFICIENCY))
+    assert 0.25 < R.ATTENTION_EFFICIENCY < 0.32

@@ -178,3 +178,19 @@ def test_spent_is_checked_where_read(tmp_path, value, word):
     f.write_text(f'[[case]]\nid = "x"\nfamily = "llama"\nsource = "s"\nconfig = "c"\ngpu = "a100-80gb"\nspent = {value}\n')
     with pytest.raises(DataError, match=word):
         load(f)
+
+
+def test_hf_loss_holds_the_bytes_its_cases_state():
+    """loss_bytes.py's count behind the Answer.AI cases' other_mib: Hugging Face 4.38's loss keeps the fp32 logits
+    (4 bytes a logit) beside what tokenmill's head_loss holds at its peak (about 12: the fp32 log-softmax, its
+    gradient and the gradient of its input)."""
+    spec = importlib.util.spec_from_file_location("loss_bytes", ROOT / "benchmarks" / "validation" / "loss_bytes.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    per_logit = mod.measure()
+    assert 11.5 < per_logit["tokenmill"] < 13.0, per_logit
+    assert abs(per_logit["hf-4.38"] - per_logit["tokenmill"] - 4.0) < 0.25, per_logit
+    published, _ = load(FILE)
+    stated = {c.id: c.other_mib for c in published if c.id.startswith("answerai-")}
+    batch = {c.id: c.flags["train.batch_size"] for c in published if c.id.startswith("answerai-")}
+    assert stated and all(stated[k] == 4 * batch[k] * 2048 * 32000 / 2**20 for k in stated), stated

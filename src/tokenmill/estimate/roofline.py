@@ -11,20 +11,16 @@ Every kernel the trace records (:class:`~tokenmill.estimate.trace.OpCost`) costs
   Background User's Guide"), times ``UNALIGNED`` when a dimension is not a multiple of 8 (an unpadded vocabulary:
   cuBLAS falls back to slower kernels); fused attention kernels run at FlashAttention-2's published share of the
   peak for their sequence length and head size, scaled by the SMs their grid fills (:mod:`.attention`). The math
-  mode is the operands' dtype (bf16/fp16); fp32 matmuls run on TF32 tensor cores with ``train.tf32``. Peaks:
-  :data:`tokenmill.model.flops.PEAK_FLOPS`; ``benchmarks/validation/gemm_efficiency.py`` measures all of it on a
-  lent GPU (``benchmarks/session.py``);
-- QLoRA's base (``lora.quantize_base='nf4'``): torchao dequantises every block projection's weight in the forward and
-  again in the backward (:func:`nf4_dequant_costs`: its kernels and the bytes they move);
+  mode is the operands' dtype (bf16/fp16); fp32 matmuls run on TF32 tensor cores with ``train.tf32``;
+  ``benchmarks/validation/gemm_efficiency.py`` measures all of it on a lent GPU;
+- QLoRA's base: every NF4 weight dequantised in the forward and the backward (:func:`nf4_dequant_costs`);
 - everything else: bytes read and written / (memory bandwidth x a share, :mod:`.bandwidth`): a streaming
   element-wise kernel (one read of each input, one write, no reduction; eager or an Inductor pointwise kernel)
   at ``STREAM_MEMORY_EFFICIENCY`` (BabelStream's copy), the rest (reductions, softmax, norms, gathers and
   scatters, cat) at ``MEMORY_EFFICIENCY``;
 - ``KERNEL_MIN_US`` (a kernel never takes less).
 
-Each constant below names its source; ``docs/estimate.md`` lists those still awaiting a measurement.
-
-The host issues the step while the GPU runs it, so a step takes the longer of the GPU's time and the host's
+Each constant below names its source; ``docs/estimate.md`` lists those still awaiting a measurement. The host issues the step while the GPU runs it, so a step takes the longer of the GPU's time and the host's
 (:mod:`.host`: per dispatched eager op, per compiled kernel, per graph call, per optimizer call, with their
 measured sources): with small micro-batches the host sets the pace. A compiled piece's costs are Inductor's
 own fused kernels (:mod:`.inductor`), not the eager ops scaled by a factor.
@@ -46,7 +42,7 @@ import dataclasses
 from typing import Any, Optional
 
 from tokenmill import config as C
-from tokenmill.estimate.attention import attention_efficiency
+from tokenmill.estimate.attention import arch, attention_efficiency
 from tokenmill.estimate.bandwidth import (
     group_bandwidth,
     kernel_bandwidth,
@@ -100,7 +96,7 @@ MATMUL_EFFICIENCY = {
     "h100-sxm": 794.5 / 989,  # MAMF "NVIDIA H100 SXM": 794.5 of 989 TFLOPS (80.3%), 2048x2048x13312, torch 2.7.0
     "h200": 794.5 / 989,  # the H100 SXM row, whose note reads "H200 is the same"
     "h100-pcie": 794.5 / 989,  # no published figure: the H100 SXM's share
-    "l4": 794.5 / 989,  # no published figure: the H100 SXM's share
+    "l4": (70.89 + 54.91 + 59.40 + 56.90) / 4 / 121,  # the same source's issue 120 (torch 2.9.0), same rule: 50.0%
     "rtx-4090": (164.81 + 151.50 + 160.17 + 158.54) / 4 / 165.2,  # issue 78, n = 2048, 4096, 8192, 10240: 96.1%
 }
 
@@ -110,11 +106,14 @@ def large_matmul_share(gpu: GPU) -> float:
     return MATMUL_EFFICIENCY.get(gpu.key, MATMUL_EFFICIENCY["h100-sxm"])
 
 
-UNALIGNED = 0.6  # not sourced: cuBLAS's kernels for a dimension not a multiple of 8; gemm_efficiency.py measures it
-# bf16/fp16 fused attention on Ampere and newer: FlashAttention-2's published throughput by sequence length and
-# head size (estimate/attention.py). What is left, fp32 inputs (the memory-efficient kernel) and older GPUs, runs
-# at this hand value, not sourced (gemm_efficiency.py measures it)
-ATTENTION_EFFICIENCY = 0.45
+# a dimension not a multiple of 8: cuBLAS's align1 kernels. PyTorch issue 181718 (RTX 4090, bf16 square products):
+# N = 2055, 2057, 2071, 2073 at 115.6 / 106.8 / 110.9 / 112.0 TFLOPS against N = 2040's 155.9: 0.714
+UNALIGNED = (115.6 + 106.8 + 110.9 + 112.0) / 4 / 155.9
+# bf16/fp16 fused attention: FlashAttention-2's published throughput (estimate/attention.py). fp32 inputs run the
+# memory-efficient kernel, whose fp32 products are 3xTF32 on the tensor cores whatever train.tf32 says (PyTorch's
+# mem_eff_attention/gemm_kernel_utils.h, DefaultGemmType for sm80+): a share of the TF32 peak, xformers' A100 fp32
+# forward (facebookresearch/xformers PR 587: B 64, M 1024, H 16, K 64 / 128 at 49.1 / 43.0 TFLOPS over 156)
+ATTENTION_EFFICIENCY = (49.1 + 43.0) / 2 / 156
 # multi-tensor-apply kernels (foreach and fused AdamW, clip_grad_norm_'s foreach norm and scale) launch at most 320
 # blocks per kernel (MultiTensorApply.cuh before CUDA 13): PyTorch PR #134373 measured 1,458 GB/s for
 # _foreach_copy_ on an H100 SXM (3,350 GB/s datasheet) through them
@@ -167,15 +166,17 @@ QUANTIZATION = True
 # the large cuBLAS tiles of NVIDIA's "Matrix Multiplication Background User's Guide" (DU-09799-001, 2023, section
 # 2.3: 256x128 and 128x256 the most efficient, 128x128 next)
 TILES = ((256, 128), (128, 256), (128, 128))
-SPLIT_K_MIN = 256  # assumed, not measured: the shallowest K slice a split-K product keeps (two 128-deep stages)
+# the shallowest K slice a split-K product keeps: CUTLASS's stream-K scheduler gives each split at least 8 K tiles
+# (tile_scheduler_params.h, min_iters_per_sk_unit_), 64 deep on Hopper, 32 in Ampere's kernels (cuBLAS names them)
+SPLIT_K_MIN = {"a100": 8 * 32, "h100": 8 * 64}
 
 
-def quantization(dims: tuple, sm: int, mode: Optional[str] = None) -> float:
+def quantization(dims: tuple, sm: int, mode: Optional[str] = None, split_min: int = SPLIT_K_MIN["a100"]) -> float:
     """Share of the GPU's SMs a matrix product of (batch, M, K, N) keeps busy: its output is cut into tiles
     (tile quantization: partial tiles at the edges compute padding) run in waves of one tile per SM (wave
     quantization: the last wave leaves SMs idle); a product with few output tiles and a long K is split along K
     so that more tiles run at once (split-K, ``CUBLASLT_ALGO_CONFIG_SPLITK_NUM``; at most 16 splits, each at
-    least :data:`SPLIT_K_MIN` deep). The best tile of :data:`TILES` and split, as cuBLAS's heuristics pick one
+    least ``split_min`` deep: :data:`SPLIT_K_MIN`). The best tile of :data:`TILES` and split, as cuBLAS's heuristics pick one
     (NVIDIA Deep Learning Performance guide, "Matrix Multiplication Background": tile and wave quantization).
     With a math ``mode``, each choice also keeps :func:`depth_share` of its K slice (a split shortens every tile's
     K loop): the product of the two, what the roofline prices."""
@@ -184,7 +185,7 @@ def quantization(dims: tuple, sm: int, mode: Optional[str] = None) -> float:
     for tm, tn in TILES:
         tiles = batch * -(-m // tm) * -(-n // tn)
         for split in (1, 2, 4, 8, 16):
-            if split > 1 and k // split < SPLIT_K_MIN:
+            if split > 1 and k // split < split_min:
                 break
             waves = -(-(tiles * split) // sm)
             share = batch * m * n * split / (waves * sm * tm * tn)
@@ -209,13 +210,13 @@ def matmul_efficiency(c: OpCost, mode: str, gpu: GPU) -> float:
     if mode != "fp32" and not c.aligned:
         eff *= UNALIGNED
     if QUANTIZATION and c.dims and gpu.sm:
-        eff *= quantization(c.dims, gpu.sm, mode)
+        eff *= quantization(c.dims, gpu.sm, mode, SPLIT_K_MIN[arch(gpu.cc)])
     return eff
 
 
 def attention_share(c: OpCost, mode: str, gpu: GPU) -> float:
-    """Share of the peak a fused attention kernel runs at: FlashAttention-2's for bf16/fp16 inputs on Ampere and
-    newer (:func:`tokenmill.estimate.attention.attention_efficiency`), else ``ATTENTION_EFFICIENCY``."""
+    """Share of the peak a fused attention kernel runs at: FlashAttention-2's for bf16/fp16 inputs
+    (:func:`tokenmill.estimate.attention.attention_efficiency`), else ``ATTENTION_EFFICIENCY`` of the TF32 peak."""
     if mode in ("bf16", "fp16") and c.attn and gpu.cc >= (8, 0):
         return attention_efficiency(c.attn, gpu.cc, gpu.sm)
     return ATTENTION_EFFICIENCY
@@ -227,7 +228,7 @@ def _op_seconds(c: OpCost, cfg: C.Config, gpu: GPU, cpu_threads: int) -> float:
             return c.flops / (CPU_FLOPS_PER_THREAD * cpu_threads)
         return c.bytes / (gpu.hbm_gbs * 1e9)
     if c.flops:
-        mode = c.math if c.math != "fp32" else ("tf32" if cfg.train.tf32 else "fp32")
+        mode = c.math if c.math != "fp32" else ("tf32" if cfg.train.tf32 or c.attention else "fp32")
         peak = gpu.peak(mode) or gpu.peak("fp32") or 1e13
         eff = attention_share(c, mode, gpu) if c.attention else matmul_efficiency(c, mode, gpu)
         # the roofline: a product is as slow as its math or its memory traffic, whichever is longer. A product's
