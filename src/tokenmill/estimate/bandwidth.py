@@ -46,10 +46,15 @@ MEMORY_EFFICIENCY = {"a100": 0.37, "h100": 0.39}
 # at f350e7e6) 2.90 TB/s of 3,350, 86.6%. The Copy kernel, fixed before any validation result was looked at: it
 # moves what a cast or a one-input op does; cross-checks, not used: Add and Triad (two reads, one write) 1.70 and
 # 2.97 TB/s (83.4%, 88.7%), and the H200 (ND_H200_v5_results.md at 7f20e5fa) Copy 4.01 of 4,800 GB/s (83.5%). The
-# RTX 4090 and L4 (GDDR6X/GDDR6, compute capability 8.9) take the A100's share through attention.arch: assumed.
+# L4 (GDDR6, compute capability 8.9) takes the A100's share through attention.arch: assumed.
 STREAM_COPY_TBS = {"a100": 1.61, "h100": 2.90}
 STREAM_DATASHEET_GBS = {"a100": 2039, "h100": 3350}
 STREAM_MEMORY_EFFICIENCY = {a: STREAM_COPY_TBS[a] * 1000 / STREAM_DATASHEET_GBS[a] for a in STREAM_COPY_TBS}
+# A GPU with its own published copy kernel: the RTX 4090 (GDDR6X, 1,008 GB/s), github.com/xytpai/nvbench
+# standard/global_memory_bandwidth.cu (a CUDA copy of a 1 GiB array, read and write counted) and its README's
+# RTX 4090 row: 904.3 GB/s with 8-byte elements (float2, BabelStream's element size); the 4- and 16-byte rows give
+# 920.2 and 921.9. Cross-check, not used: torch's copy_ at 912 GB/s (github.com/chsasank/device-benchmarks).
+STREAM_BY_GPU = {"rtx-4090": 904.335 / 1008}
 # ATen ops (in-place forms included: a trailing "_" is dropped) whose kernel streams: one element-wise pass, each
 # input read once, each output written once, no reduction. Not here: reductions and norms (sum, mean, softmax,
 # layer/RMS norm: a second pass or a cross-thread reduction), index/gather/scatter and embedding (data-dependent
@@ -109,8 +114,9 @@ def memory_bandwidth(gpu: GPU) -> float:
 
 
 def streaming_bandwidth(gpu: GPU) -> float:
-    """Bytes per second a streaming kernel moves: the datasheet bandwidth x ``STREAM_MEMORY_EFFICIENCY``."""
-    return gpu.hbm_gbs * 1e9 * STREAM_MEMORY_EFFICIENCY[arch(gpu.cc)]
+    """Bytes per second a streaming kernel moves: the datasheet bandwidth x the GPU's own copy share
+    (``STREAM_BY_GPU``) or its architecture's (``STREAM_MEMORY_EFFICIENCY``)."""
+    return gpu.hbm_gbs * 1e9 * STREAM_BY_GPU.get(gpu.key, STREAM_MEMORY_EFFICIENCY[arch(gpu.cc)])
 
 
 def kernel_bandwidth(c: OpCost, gpu: GPU) -> float:
