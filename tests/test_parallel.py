@@ -97,13 +97,15 @@ def ref(tmp_path_factory) -> dict[int, float]:
 
 def two_rank_jobs(tmp: Path) -> list[dict]:
     """Every data-parallel layout, then a resume of the FSDP run's step-3 DCP checkpoint under DDP (a
-    different layout), then the 2-rank tensor and pipeline layouts (MP_2, read through ``mp2_runs``): run in
-    one 2-rank launch with other files' 2-rank jobs (conftest.two_rank_launch, TWO_RANK)."""
+    different layout), then the 2-rank tensor and pipeline layouts (MP_2, read through ``mp2_runs``), and the
+    DDP run whose rank 1 dies (ELASTIC): run in one 2-rank launch with other files' 2-rank jobs
+    (conftest.two_rank_launch, TWO_RANK; the dying run last, the launch restarted once for it)."""
     jobs = [{"cfg": common(**over), "run_dir": str(tmp / name)} for name, over in LAYOUTS.items()]
     jobs.append({"cut": {"src": str(tmp / "fsdp_zero3"), "step": 3}, "run_dir": str(tmp / "fsdp_to_ddp"),
                  "cfg": common(), "resume": True})
-    assert not set(MP_2) & {*LAYOUTS, "fsdp_to_ddp"}  # one folder per run
-    return jobs + [{"cfg": common(**over), "run_dir": str(tmp / name)} for name, (over, _, _) in MP_2.items()]
+    assert not set(MP_2) & {*LAYOUTS, "fsdp_to_ddp", "elastic"}  # one folder per run
+    jobs += [{"cfg": common(**over), "run_dir": str(tmp / name)} for name, (over, _, _) in MP_2.items()]
+    return jobs + [{"cfg": common(**ELASTIC), "run_dir": str(tmp / "elastic"), "kill_rank1_at_step": 5}]
 
 
 def four_rank_jobs(tmp: Path) -> list[dict]:
@@ -281,15 +283,18 @@ def test_four_rank_combinations_match_single_process(four_rank_launch, tmp_path)
         assert json.loads((runs / name / "summary.json").read_text())["layout"] == name.replace("_", "+")
 
 
+ELASTIC = {"checkpoint.every_steps": 2}
+
+
 @pytest.mark.slow
-def test_elastic_restart_resumes_after_a_rank_dies(tmp_path, ref):
+def test_elastic_restart_resumes_after_a_rank_dies(two_rank_runs, ref):
     """Rank 1 exits hard after step 5 on the first attempt (test-only fault injection through the
-    ``on_step_end`` callback); torchrun restarts both workers, which resume from the step-4
-    checkpoint and finish with the full loss trajectory (the uninterrupted run's, ``ref``)."""
-    over = common(**{"checkpoint.every_steps": 2})
-    launch(tmp_path, [{"cfg": over, "run_dir": str(tmp_path / "run"), "kill_rank1_at_step": 5}], max_restarts=1)
-    assert_same_losses(losses(tmp_path / "run"), ref, what="elastic")
-    assert json.loads((tmp_path / "run" / "summary.json").read_text())["start_step"] == 4
+    ``on_step_end`` callback); torchrun (``--max-restarts=1``) restarts both workers, which resume from the
+    step-4 checkpoint and finish with the full loss trajectory (the uninterrupted run's, ``ref``). The last
+    job of the shared 2-rank launch (two_rank_jobs): the restart costs no launch of its own."""
+    run = two_rank_runs / "elastic"
+    assert_same_losses(losses(run), ref, what="elastic")
+    assert json.loads((run / "summary.json").read_text())["start_step"] == 4
 
 
 @pytest.mark.slow
@@ -373,6 +378,18 @@ def _cut_run(src: Path, dst: Path, step: int, trim_metrics: bool = False) -> Non
 # The worker (run by torchrun, not by pytest)
 
 
+def _jobs_to_run(jobs: list[dict], restarted: bool) -> list[dict]:
+    """All ``jobs``; in workers torchrun restarted, those from the first one without a summary.json on, which
+    must be the job whose rank 1 exits on purpose (``kill_rank1_at_step``, the last of its launch: see
+    conftest._shared_launch). Any other job that failed fails the launch, as without restarts."""
+    if not restarted:
+        return jobs
+    todo = [job for job in jobs if not (Path(job["run_dir"]) / "summary.json").exists()]
+    if not todo or "kill_rank1_at_step" not in todo[0] or todo != jobs[len(jobs) - len(todo):]:
+        raise SystemExit(f"restarted with unexpected jobs left: {[job['run_dir'] for job in todo]}")
+    return todo
+
+
 def _worker(spec_path: str) -> None:
     import torch
     import torch.distributed as dist
@@ -383,7 +400,7 @@ def _worker(spec_path: str) -> None:
     init_process_group("gloo", torch.device("cpu"))
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     try:
-        for job in json.loads(Path(spec_path).read_text())["jobs"]:
+        for job in _jobs_to_run(json.loads(Path(spec_path).read_text())["jobs"], restarted):
             if "cut" in job:
                 if dist.get_rank() == 0:
                     cut = job["cut"]
