@@ -50,7 +50,7 @@ def _answers(capsys, monkeypatch) -> tuple:
             "--finetune", "--advice", "--gpu", "l4"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    lora = ft.with_lora(ft.with_recipe(_tiny())[0], 16)
+    lora = ft.with_lora(ft.with_recipe(_tiny(), set(SHAPE))[0], 16)  # the flags the command line set, kept
     spec = A._spec("l4", 0.9 * core.estimate(lora, "l4").peak_reserved_mb)
     found = A.search(lora, spec)
     return printed, [vars(r) for r in rows[0][0]], found.chosen, found.best, list(found.seen.values())

@@ -57,11 +57,33 @@ def test_finetune_estimate_of_8b_starts_from_the_usual_recipe(monkeypatch, capsy
 
 def test_recipe_skips_the_fields_the_user_chose():
     cfg = C.resolve("tiny-llama", overrides={"memory.activation_checkpointing": 0}, overrides_from_string=False)
-    out, taken = ft.with_recipe(cfg, {"memory.activation_checkpointing"})
+    out, taken = ft.with_recipe(cfg, {"memory.activation_checkpointing", "train.batch_size"})
     assert out.memory.activation_checkpointing == 0 and out.train.precision == "bf16"
     assert out.model.loss_impl == "chunked" and taken == ["--model.loss_impl chunked", "--train.precision bf16"]
-    same, none = ft.with_recipe(out, ())  # already the recipe but for the chosen field: nothing more to set
-    assert none == ["--memory.activation_checkpointing 1"] and same.memory.activation_checkpointing == 1
+    assert out.train.batch_size == cfg.train.batch_size  # the user's micro-batch kept
+    same, none = ft.with_recipe(out, ())  # already the recipe but for the chosen fields: those are set now
+    assert same.memory.activation_checkpointing == 1 and none[0] == "--memory.activation_checkpointing 1"
+    b = cfg.train.batch_size  # the preset's micro-batch becomes one sequence, accumulated to the same global batch
+    assert none[1:] == [f"--train.batch_size 1 --train.grad_accum_steps {b}"] and b > 1
+    assert (same.train.batch_size, same.train.grad_accum_steps) == (1, b)
+
+
+def test_the_bare_finetune_command_answers_with_a_fine_tuning_micro_batch(monkeypatch, capsys):
+    """``estimate --finetune --preset llama3.1-8b`` with nothing else: the preset's pre-training micro-batch
+    (8 x 8,192 tokens) is not what a fine-tune on one GPU runs; the recipe's one sequence accumulated to the same
+    global batch is, and the report says so. LoRA then fits a 24 GB GPU; a micro-batch the user sets is kept."""
+    monkeypatch.setattr(ft, "GPUS", {"rtx-4090": ft.GPUS["rtx-4090"]})
+    assert main(["estimate", "--preset", "llama3.1-8b", "--finetune"]) == 0
+    out = capsys.readouterr().out
+    assert "micro-batch 1 x 8192 tokens" in out.splitlines()[0]
+    assert "--train.batch_size 1 --train.grad_accum_steps 8" in out and "accumulating to the same global batch" in out
+    lora = C.resolve("llama3.1-8b", overrides={**FINETUNE_RECIPE, "train.batch_size": 1, "train.grad_accum_steps": 8,
+                                               "lora.rank": 16}, overrides_from_string=False)
+    assert float(_row(out, "rtx-4090")[6]) == _gb(lora, "rtx-4090") < 23.6
+    mine = C.resolve("llama3.1-8b", overrides={"train.batch_size": 4}, overrides_from_string=False)
+    kept, taken = ft.with_recipe(mine, {"train.batch_size"})
+    assert kept.train.batch_size == 4 and not any("batch_size" in t for t in taken)
+    assert "kept as you set it: train.batch_size 4" in ft._recipe_line(kept, taken)
 
 
 def _switches(text: str) -> dict[str, str]:

@@ -325,7 +325,7 @@ def test_estimate_finetune_has_a_qlora_column(monkeypatch):
     cfg = C.resolve("llama3.1-8b", overrides={"model.block_size": 1024, "train.batch_size": 4, "lora.rank": 16,
                                               "train.precision": "bf16", "model.loss_impl": "chunked",
                                               "memory.activation_checkpointing": 1}, overrides_from_string=False)
-    out = finetune.format_finetune(cfg)
+    out = finetune.format_finetune(cfg, chosen={"train.batch_size"})  # the micro-batch as set, not the recipe's
     row = next(line.split() for line in out.splitlines() if line.startswith("  l4 "))
     lora, qlora = float(row[6]), float(row[9])  # GB, one decimal
     n = 32 * (2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096)  # every projection of the 32 blocks

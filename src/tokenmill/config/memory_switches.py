@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FINETUNE_RECIPE", "MemorySwitch", "finetune_recipe", "flags", "getter", "memory_switches"]
+__all__ = ["FINETUNE_MICRO_BATCH", "FINETUNE_RECIPE", "MemorySwitch", "finetune_recipe", "flags", "getter", "memory_switches"]
 
 Get = Callable[[str], Any]
 
@@ -143,11 +143,24 @@ def memory_switches(get: Get, searched_only: bool = False) -> list[MemorySwitch]
 
 
 # The recipe fine-tuners run (torchtune's single-GPU LoRA configs, for one: bf16 weights, activation
-# checkpointing, a chunked cross-entropy): `tokenmill estimate --finetune` starts from it.
+# checkpointing, a chunked cross-entropy): `tokenmill estimate --finetune` starts from it. With it, a micro-batch
+# of FINETUNE_MICRO_BATCH sequence(s), accumulated to the same global batch (Lit-GPT's and Answer.AI's fine-tunes
+# and Hugging Face's per-device batch of 1-4 with gradient accumulation): a preset's pre-training micro-batch
+# (8 x 8,192 tokens for Llama 3.1 8B) is not what a fine-tune on one GPU runs.
 FINETUNE_RECIPE = {"train.precision": "bf16", "memory.activation_checkpointing": 1, "model.loss_impl": "chunked"}
+FINETUNE_MICRO_BATCH = 1
 
 
 def finetune_recipe(get: Get) -> list[MemorySwitch]:
     """The switches of :data:`FINETUNE_RECIPE` that the config read by ``get`` does not use yet, as the list
-    above has them."""
-    return [s for s in memory_switches(get) if s.overrides.items() <= FINETUNE_RECIPE.items()]
+    above has them, then the micro-batch of :data:`FINETUNE_MICRO_BATCH` (the same global batch)."""
+    out = [s for s in memory_switches(get) if s.overrides.items() <= FINETUNE_RECIPE.items()]
+    b, a = get("train.batch_size"), get("train.grad_accum_steps")
+    pipelined = get("parallel.pp") > 1  # a pipeline splits each micro-batch into its own micro-batches
+    if b > FINETUNE_MICRO_BATCH and not b % FINETUNE_MICRO_BATCH and not pipelined and not get(
+            "memory.optimizer_in_backward"):  # optimizer_in_backward steps on every micro-batch: no accumulation
+        out.append(MemorySwitch({"train.batch_size": FINETUNE_MICRO_BATCH,
+                                 "train.grad_accum_steps": a * b // FINETUNE_MICRO_BATCH},
+                                "the same global batch, accumulated over micro-batches of "
+                                f"{FINETUNE_MICRO_BATCH} sequence(s)", frozenset({ACTIVATIONS, LOGITS})))
+    return out

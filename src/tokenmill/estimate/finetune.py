@@ -7,8 +7,9 @@ gradients and optimizer state for the adapters only), on ``nproc`` processes of 
 fine-tune (the same adapters over an NF4 base, ``lora.quantize_base = 'nf4'``).
 
 Every column starts from the recipe fine-tuners run (:data:`~tokenmill.config.memory_switches.FINETUNE_RECIPE`:
-bf16 weights, activation checkpointing, the chunked loss; :func:`with_recipe`), except where the user chose
-the field (on the command line or in a ``--config`` file): the report names what it set.
+bf16 weights, activation checkpointing, the chunked loss; and a micro-batch of one sequence accumulated to the same
+global batch; :func:`with_recipe`), except where the user chose the field (on the command line or in a ``--config``
+file): the report names what it set.
 
 QLoRA's term (:func:`qlora_mb`): the LoRA estimate less what the NF4 base saves. Every block projection's
 weight (adapted or not, as QLoRA quantises every Linear of the blocks) takes :func:`~tokenmill.model.lora.nf4_bytes` (half a byte per weight, an int8 scale per 64 and an
@@ -146,11 +147,13 @@ def lora_advice(cfg: C.Config, gpu: str, nproc: int = 1, chosen: Iterable[str] =
 
 def _recipe_line(cfg: C.Config, taken: list[str]) -> str:
     """What the estimate assumes: the recipe, the switches of it set here, and the user's own choices kept."""
-    from tokenmill.config.memory_switches import FINETUNE_RECIPE
+    from tokenmill.config.memory_switches import FINETUNE_MICRO_BATCH, FINETUNE_RECIPE
 
+    recipe = {**FINETUNE_RECIPE, "train.batch_size": FINETUNE_MICRO_BATCH}
     mine = [f"{k} {C.concrete(cfg, 'cuda').train.precision if k == 'train.precision' else _value(cfg, k)}"
-            for k, v in FINETUNE_RECIPE.items() if _value(cfg, k) != v]
-    line = "the usual fine-tuning recipe (" + ", ".join(f"{k} {v}" for k, v in FINETUNE_RECIPE.items()) + ")"
+            for k, v in recipe.items() if _value(cfg, k) != v]
+    line = ("the usual fine-tuning recipe (" + ", ".join(f"{k} {v}" for k, v in recipe.items())
+            + ", accumulating to the same global batch)")
     if taken:
         line += f"; set here: {' '.join(taken)}"
     if mine:
