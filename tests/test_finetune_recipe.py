@@ -118,3 +118,12 @@ def test_advice_finds_a_memory_recipe_before_more_gpus():
                                                                       and k == "train.grad_accum_steps")}
         less = C.validate(C.apply_overrides(C.from_dict(cfg.to_dict()), rest, from_string=True))
         assert estimate(less, "l4").peak_reserved_mb > cap, key
+
+
+def test_advice_on_a_config_that_fits_says_so():
+    """A LoRA fine-tune well under the GPU with nothing left to switch: the advice says it fits, not "use more
+    GPUs" (which it said before, sending a run that fits onto more hardware)."""
+    cfg = C.resolve("tiny-llama", overrides={**FINETUNE_RECIPE, "train.batch_size": 1, "lora.rank": 8},
+                    overrides_from_string=False)
+    text = memory_advice(cfg, "h100-sxm")
+    assert text.endswith("it fits as it is: no memory switch is needed") and "more GPUs" not in text

@@ -140,6 +140,8 @@ def memory_advice(cfg: C.Config, gpu: str = "h100-sxm", nproc: int = 1, capacity
     head = f"this needs about {base / GB:.1f} GB per GPU (peak reserved"
     head += f", {spec.name} has {cap / GB:.1f} GB)" if cap else ")"
     if not found.chosen:
+        if cap and base <= cap:  # nothing to lower: saying "use more GPUs" here would send a run that fits away
+            return head + "; it fits as it is: no memory switch is needed"
         return head + "; no single switch of tokenmill's lowers it much: use more GPUs (parallel.dp_shard) or a smaller model"
     merged = _merged(found.chosen)
     flags = " ".join(f"--{k} {str(v).lower() if isinstance(v, bool) else v}" for k, v in merged.items())
