@@ -163,6 +163,12 @@ def test_doctor_cli_text_json_and_errors(tmp_path, capsys):
     (tmp_path / "untimed" / "config.toml").write_text((tmp_path / "run" / "config.toml").read_text())
     assert main(["doctor", str(tmp_path / "untimed")]) == 1
     assert "neither profile.json nor timed rows" in capsys.readouterr().err
+    # --run-dir, as train, eval, sample and export name the folder, gives the same verdict
+    assert main(["doctor", "--run-dir", str(tmp_path / "run"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["main"] == "host_sync"
+    assert main(["doctor"]) == 2 and "give one run directory" in capsys.readouterr().err
+    assert main(["doctor", str(tmp_path / "run"), "--run-dir", str(tmp_path / "untimed")]) == 2
+    assert "got " in capsys.readouterr().err
 
 
 @pytest.fixture

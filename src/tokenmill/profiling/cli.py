@@ -39,7 +39,8 @@ def register(subparsers) -> None:
         "present) and print the main bottleneck, its evidence and the switches to try, best first. With --try N, "
         "measure the top N switches as short A/B runs of the run's config.",
     )
-    d.add_argument("run_dir", metavar="RUN_DIR")
+    d.add_argument("run_dir", metavar="RUN_DIR", nargs="?", help="the run directory (or --run-dir, as train names it)")
+    d.add_argument("--run-dir", dest="run_dir_flag", metavar="RUN_DIR", help=argparse.SUPPRESS)
     d.add_argument("--json", action="store_true", help="machine-readable output")
     t = d.add_argument_group("measuring the advice")
     t.add_argument("--try", dest="try_n", type=number(int, ge=0), default=0, metavar="N",
@@ -80,6 +81,12 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from tokenmill.profiling.doctor import DoctorError, diagnose, format_verdict
     from tokenmill.profiling.trial import format_trials, run_trials
 
+    given = [d for d in (args.run_dir, args.run_dir_flag) if d is not None]
+    if not given or (len(given) == 2 and given[0] != given[1]):
+        print("tokenmill: error: doctor: give one run directory: tokenmill doctor RUN_DIR (or --run-dir RUN_DIR)"
+              + (f"; got {given[0]} and {given[1]}" if len(given) == 2 else ""), file=sys.stderr)
+        return 2
+    args.run_dir = given[0]
     try:
         verdict = diagnose(args.run_dir)
         verdict["memory_estimate"] = memory_estimate(args.run_dir, verdict)
