@@ -154,6 +154,13 @@ def test_folder_without_template_unsupported_family_and_missing_paths(world, mon
     assert code == 1 and "does not exist" in err and "Did you mean" in err and str(world["folder"]) in err
     code, _, err, _ = chat(monkeypatch, capsys, [world["dir"]], ["Hi"])
     assert code == 1 and "neither a tokenmill run directory" in err
+    # --run-dir, as train names a run's folder, is the same path; none or two different ones: one line
+    code, out, err, _ = chat(monkeypatch, capsys, ["--run-dir", world["folder"]], ["Hi"])
+    assert code == 0 and out == reference(world["model"], world["tok"], [{"role": "user", "content": "Hi"}]) + "\n"
+    code, _, err, _ = chat(monkeypatch, capsys, [], ["Hi"])
+    assert code == 1 and err.count("\n") == 1 and "give one run directory or model folder" in err
+    code, _, err, _ = chat(monkeypatch, capsys, [world["folder"], "--run-dir", bare], ["Hi"])
+    assert code == 1 and "got " in err
 
 
 def _sequences(data: Path) -> list[list[int]]:

@@ -99,8 +99,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
                           f"{args.max_new_tokens}, {args.temperature}, {args.top_k}, {args.context}).")
     if not 0.0 < args.top_p <= 1.0:
         raise SampleError(f"--top-p must be in (0, 1] (1 = no nucleus filtering), got {args.top_p}.")
+    given = [d for d in (args.path, args.run_dir) if d is not None]
+    if not given or (len(given) == 2 and given[0] != given[1]):
+        raise SampleError("chat: give one run directory or model folder: tokenmill chat PATH (or --run-dir PATH)"
+                          + (f"; got {given[0]} and {given[1]}." if len(given) == 2 else "."))
     device = resolve_device(args.device, "--device")
-    cm = load_chat_model(args.path, args.chat_template, args.checkpoint, device, args.context)
+    cm = load_chat_model(given[0], args.chat_template, args.checkpoint, device, args.context)
     opts = ChatOptions(args.temperature, args.top_k or None, args.top_p if args.top_p < 1.0 else None,
                        args.max_new_tokens, args.seed)
     return chat_loop(cm, opts)
@@ -110,7 +114,9 @@ def _add_chat(sub) -> None:
     """The ``chat`` command's arguments."""
     p = sub.add_parser("chat", help="talk to a run's model or a Hugging Face folder through its chat template",
                        allow_abbrev=False)
-    p.add_argument("path", help="a run directory or a Hugging Face model folder (Llama, Qwen2, Qwen3, Mistral, GPT-2)")
+    p.add_argument("path", nargs="?", help="a run directory or a Hugging Face model folder (Llama, Qwen2, Qwen3, "
+                   "Mistral, GPT-2); --run-dir PATH works too, as train names a run's folder")
+    p.add_argument("--run-dir", help=argparse.SUPPRESS)
     p.add_argument("--chat-template", metavar="FILE",
                    help="a Jinja chat template, for a model folder or run that has none (default: the model's own)")
     p.add_argument("--temperature", type=number(float), default=0.7, help="softmax temperature; 0 = greedy (default: 0.7)")
