@@ -195,6 +195,9 @@ def test_try_reports_the_ratio_and_whether_it_exceeds_the_noise():
     text = "\n".join(trial.format_trials({"repeats": 3, "steps": 30, "order": ["A", "B1"], "baseline": base,
                                          "tries": [{**same, "switch": "--x 1", "env": {}, "finding": "k"}]}))
     assert "B/A ratio" in text and "does not exceed the noise" in text
+    # a verdict with nothing measurable: --try runs nothing and says so, without an empty "Tried (...)" header
+    nothing = {"steps": 30, "repeats": 3, "order": [], "baseline": [], "tries": [], "note": "no suggestion of x"}
+    assert trial.format_trials(nothing) == ["\nNothing tried: no suggestion of x"]
 
 
 # ------------------------------------------------------------------------------------------------

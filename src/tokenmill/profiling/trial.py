@@ -211,6 +211,8 @@ def compare(base: list[dict[str, Any]], runs: list[dict[str, Any]], measure: str
 
 def format_trials(report: dict[str, Any]) -> list[str]:
     """The --try report as text lines."""
+    if report.get("note") and not report.get("order"):  # nothing was run: no rounds to describe
+        return [f"\nNothing tried: {report['note']}"]
     lines = [f"\nTried ({report['repeats']} round(s) of {report['steps']} steps, a fresh process per run, "
              f"A and B alternated: {' '.join(report['order'])}):"]
     if report.get("note"):
