@@ -17,7 +17,7 @@ and writes nothing, unless ``--write`` is given too: then the table between ``<!
 date (a case gets one when its single evaluation is done); with ``--write`` their table goes between
 ``<!-- heldout-fresh-table:start -->`` and ``<!-- heldout-fresh-table:end -->``, the spent cases' table untouched.
 
-    python benchmarks/validation/update.py                      # rewrite the three files, print the per-case errors
+    python benchmarks/validation/update.py                      # rewrite the three files, print the errors and regimes
     python benchmarks/validation/update.py --check              # print only
     python benchmarks/validation/update.py --heldout [--write]  # the held-out set: print (and write its table)
     python benchmarks/validation/update.py --heldout --fresh [--write]  # only the cases without 'spent'
@@ -120,7 +120,7 @@ def main(argv: list[str]) -> int:
         return 2
     cases, bounds = load(TOML)
     results = [run_case(c) for c in cases]
-    s = _print(results)
+    s = _print(results, regimes=True)  # each regime's means too: the issue's bar is per regime
     print(f"bounds {bounds}")
     if "--check" not in argv:
         TOML.write_text(_toml(TOML.read_text(), results))
