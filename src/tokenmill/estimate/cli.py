@@ -45,7 +45,8 @@ def register(subparsers) -> None:
                    help="which GPU a fine-tune of this config needs: a line per GPU with the peak memory of a full "
                         "fine-tune, of LoRA (lora.*, else rank 16 on every projection) and of QLoRA, and whether "
                         "each fits; from the usual fine-tuning recipe (bf16 weights, activation checkpointing, "
-                        "the chunked loss) where you set none of those fields")
+                        "the chunked loss, a micro-batch of one sequence accumulated to the same global batch) "
+                        "where you set none of those fields")
     add_config_args(p)
     p.set_defaults(func=cmd_estimate)
 
