@@ -501,6 +501,15 @@ def part_gemm_efficiency(s: Session) -> None:
     s.keep(dst, "gemm_efficiency.json")
 
 
+def part_compiled_kernels(s: Session) -> None:
+    """GPT-2 124M's forward and backward kernels, eager and compiled (the rasbt ladder's flash-attention and compile
+    rungs), by kind beside the estimator's (benchmarks/validation/compiled_kernels.py); raw JSON."""
+    dst = s.work / "compiled_kernels.json"
+    cmd = [sys.executable, "benchmarks/validation/compiled_kernels.py", "--out", dst]
+    s.step("compiled kernels", cmd + (["--estimate-only", "--gpu", "a100-80gb", "--smoke"] if s.smoke else []), 150)
+    s.keep(dst, "compiled_kernels.json")
+
+
 def part_offload(s: Session) -> None:
     """Activation offloading measured against its estimate (benchmarks/validation/offload_overlap.py): GPT-2 124M,
     with and without checkpointing, offloading off and on: time, peak memory, bytes moved; raw JSON."""
@@ -609,6 +618,9 @@ PARTS = [
     Part("gemm-efficiency", "the estimator's outside figures on this GPU: torch.matmul by shape (bf16, TF32, fp32), "
          "bandwidth, fused attention, launch costs, NF4 dequantisation", "the roofline's constants measured, not "
          "borrowed", part_gemm_efficiency, est_s=START_S + 120 + PACK_S),
+    Part("compiled-kernels", "GPT-2 124M's forward + backward kernels, eager and compiled, by kind beside the "
+         "estimator's", "what compile's kernels cost, against the estimate that has them slower than eager",
+         part_compiled_kernels, est_s=START_S + 150 + PACK_S),
     ladder_part("best", "best ladder: baseline, cudnn-attention, compile", _600K, "best", 150,
                 these("baseline", "cudnn-attention", "compile")),
     ladder_part("best-2", "best ladder: vocab-pad-64, batch-32, batch-64 (on top of best)", _600K, "best", 150,

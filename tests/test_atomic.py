@@ -15,6 +15,9 @@ def test_write_text_and_json_replace_the_file_whole(tmp_path):
     atomic.write_json(path, {"tokens_per_sec": 1.5, "path": tmp_path}, default=str)
     assert json.loads(path.read_text()) == {"tokens_per_sec": 1.5, "path": str(tmp_path)}
     assert path.read_text().endswith("}\n") and sorted(os.listdir(tmp_path)) == ["summary.json"]
+    # an indent of the caller's replaces the default (the GPU scripts pass indent=1: a TypeError before)
+    atomic.write_json(path, {"a": [1]}, indent=1)
+    assert path.read_text() == '{\n "a": [\n  1\n ]\n}\n'
 
 
 @pytest.mark.parametrize("failure", [OSError(28, "No space left on device"), KeyboardInterrupt()])

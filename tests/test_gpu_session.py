@@ -111,6 +111,22 @@ def test_cuda_tier_runs_its_tests_in_order_of_value_and_reports_them(tmp_path):
     assert counts["not_run"] == [] and "stopped_by_the_clock_s" not in counts
 
 
+@pytest.mark.slow
+def test_compiled_kernels_part_returns_the_estimators_kernels_by_kind(tmp_path):
+    """On a CPU (SMOKE) the part runs the script's estimate-only side for an A100: both rasbt rungs, the eager one
+    without Inductor kernels and the compiled one with them, each sum the pieces' milliseconds."""
+    out = tmp_path / "out"
+    p = run_part("compiled-kernels", out, tmp_path / "work", COMMIT)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert {f.name for f in check_layout(out)} >= {"compiled-kernels.json", "compiled_kernels.json"}
+    doc = json.loads((out / "compiled_kernels.json").read_text())
+    eager, compiled = (doc["rungs"][r]["estimate"] for r in ("flash-attention", "compile"))
+    assert "triton" not in eager["ms"] and compiled["ms"]["triton"] > 0 and compiled["kernels"]["triton"] > 0
+    for est in (eager, compiled):
+        assert est["total_ms"] == pytest.approx(sum(est["by_piece_ms"].values()))
+        assert est["total_ms"] == pytest.approx(sum(est["ms"].values())) and est["ms"]["matmul"] > 0
+
+
 def test_the_tests_the_clock_stopped_are_named(tmp_path):
     (tmp_path / "junit.xml").write_text(
         '<testsuites><testsuite tests="2"><testcase classname="tests.test_gpu" name="test_a[x]"/>'

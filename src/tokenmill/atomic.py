@@ -52,8 +52,8 @@ def write_text(path: str | Path, text: str) -> None:
 
 def write_json(path: str | Path, doc: Any, **dumps: Any) -> None:
     """Write ``doc`` as indented JSON (and a final newline) to ``path`` atomically; ``dumps`` go to
-    ``json.dumps`` (e.g. ``default=str``)."""
-    write_text(path, json.dumps(doc, indent=2, **dumps) + "\n")
+    ``json.dumps`` (e.g. ``default=str``, or ``indent`` in place of the default 2)."""
+    write_text(path, json.dumps(doc, **({"indent": 2} | dumps)) + "\n")
 
 
 def fsync_dir(path: str | Path) -> None:
