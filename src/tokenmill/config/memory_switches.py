@@ -14,7 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FINETUNE_MICRO_BATCH", "FINETUNE_RECIPE", "MemorySwitch", "finetune_recipe", "flags", "getter", "memory_switches"]
+__all__ = ["FINETUNE_MICRO_BATCH", "FINETUNE_RECIPE", "MemorySwitch", "finetune_recipe", "flags", "getter",
+           "memory_switches"]
 
 Get = Callable[[str], Any]
 
