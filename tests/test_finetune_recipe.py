@@ -127,3 +127,18 @@ def test_advice_on_a_config_that_fits_says_so():
                     overrides_from_string=False)
     text = memory_advice(cfg, "h100-sxm")
     assert text.endswith("it fits as it is: no memory switch is needed") and "more GPUs" not in text
+
+
+def test_a_peak_within_the_expected_error_of_the_gpu_is_tight():
+    """A fine-tune whose estimated peak fits the GPU by less than the estimate's expected memory error is shown as
+    tight (Llama 3.1 8B's full fine-tune, 79.1 GB on an 80 GB H100, had said "fits"), with the error it is read
+    against; the error is the uncertainty table's for the column's regime."""
+    assert ft._cell(79.1 * 1024, 79.2 * 1024, 0.058).split()[-1] == "tight"
+    assert ft._cell(20.1 * 1024, 22.0 * 1024, 0.058).split()[-1] == "fits"
+    assert ft._cell(23.0 * 1024, 22.0 * 1024, 0.058).split()[-1] == "no"
+    from tokenmill.estimate.uncertainty import error_for
+
+    cfg = C.resolve("tiny-llama", overrides={"lora.rank": 8}, overrides_from_string=False)
+    errs = ft._memory_errors(cfg, cfg, 1)
+    assert errs["lora"] == error_for(cfg, 1)["memory"] and set(errs) == {"full", "lora", "qlora"}
+    assert all(0 < e < 0.5 for e in errs.values())

@@ -118,19 +118,23 @@ def format_finetune(cfg: C.Config, nproc: int = 1, chosen: Iterable[str] = ()) -
         "",
         f"  {'GPU':<12}{'memory':>10}   {'full fine-tune':<22}{'LoRA':<22}{'QLoRA':<22}",
     ]
+    err = _memory_errors(cfg, lora, nproc)
     for r in rows:
         lines.append(f"  {r.gpu:<12}{r.memory_mb / 1024:>7.1f} GB   "
-                     f"{_cell(r.full_mb, r.full_fits):<22}{_cell(r.lora_mb, r.lora_fits):<22}"
-                     f"{_cell(r.qlora_mb, r.qlora_fits):<22}")
+                     f"{_cell(r.full_mb, r.memory_mb, err['full']):<22}{_cell(r.lora_mb, r.memory_mb, err['lora']):<22}"
+                     f"{_cell(r.qlora_mb, r.memory_mb, err['qlora']):<22}")
     lines.append("")
-    for what, ok in (("a full fine-tune", lambda r: r.full_fits), ("LoRA", lambda r: r.lora_fits),
-                     ("QLoRA", lambda r: r.qlora_fits)):
-        fit = next((r for r in rows if ok(r)), None)
-        lines.append(f"{what}: " + (f"the smallest GPU that fits is {fit.gpu} ({fit.memory_mb / 1024:.0f} GB)" if fit
+    for what, key in (("a full fine-tune", "full"), ("LoRA", "lora"), ("QLoRA", "qlora")):
+        fit = next((r for r in rows if getattr(r, f"{key}_fits")), None)
+        tight = fit is not None and getattr(fit, f"{key}_mb") * (1 + err[key]) > fit.memory_mb
+        lines.append(f"{what}: " + (f"the smallest GPU that fits is {fit.gpu} ({fit.memory_mb / 1024:.0f} GB"
+                                    + (f"; tight: within the estimate's +-{100 * err[key]:.0f}% of its memory)"
+                                       if tight else ")") if fit
                                     else "no GPU of the table fits; lower train.batch_size (more train.grad_accum_steps), "
                                          "search the memory switches for one GPU (`tokenmill estimate --advice --gpu "
                                          "KEY`), or shard with --nproc N --parallel.dp_shard -1"))
-    lines.append("(peak reserved memory per GPU, estimated; `tokenmill estimate --gpu KEY` details one)")
+    lines.append("(peak reserved memory per GPU, estimated; `tokenmill estimate --gpu KEY` details one; tight: fits by "
+                 "the estimate, but within its expected error of the GPU's memory)")
     fit = next((r for r in rows if r.lora_fits), rows[-1])
     lines += finetune_chat_lines(lora, GPUS[fit.gpu], nproc)  # a chat folder: padded and packed, learned tokens/s
     return "\n".join(lines)
@@ -166,8 +170,20 @@ def _value(cfg: C.Config, key: str) -> object:
     return getattr(getattr(cfg, section), name)
 
 
-def _cell(mb: float, fits: bool) -> str:
-    return f"{mb / 1024:6.1f} GB  {'fits' if fits else 'no'}"
+def _cell(mb: float, memory_mb: float, err: float) -> str:
+    """A peak against the GPU's memory: fits, tight (fits, but within the estimate's expected error ``err``), no."""
+    verdict = "no" if mb > memory_mb else "tight" if mb * (1 + err) > memory_mb else "fits"
+    return f"{mb / 1024:6.1f} GB  {verdict}"
+
+
+def _memory_errors(cfg: C.Config, lora: C.Config, nproc: int) -> dict[str, float]:
+    """The estimate's expected memory error (:func:`~tokenmill.estimate.uncertainty.error_for`) of each column."""
+    from tokenmill.estimate.uncertainty import error_for
+
+    qlora = C.from_dict(lora.to_dict())
+    qlora.lora.quantize_base = "nf4"
+    return {"full": error_for(with_lora(cfg, 0), nproc)["memory"], "lora": error_for(lora, nproc)["memory"],
+            "qlora": error_for(qlora, nproc)["memory"]}
 
 
 def finetune_chat_lines(lora: C.Config, gpu: GPU, nproc: int = 1) -> list[str]:
