@@ -157,10 +157,10 @@ def test_folder_without_template_unsupported_family_and_missing_paths(world, mon
     # --run-dir, as train names a run's folder, is the same path; none or two different ones: one line
     code, out, err, _ = chat(monkeypatch, capsys, ["--run-dir", world["folder"]], ["Hi"])
     assert code == 0 and out == reference(world["model"], world["tok"], [{"role": "user", "content": "Hi"}]) + "\n"
-    code, _, err, _ = chat(monkeypatch, capsys, [], ["Hi"])
-    assert code == 1 and err.count("\n") == 1 and "give one run directory or model folder" in err
+    code, _, err, _ = chat(monkeypatch, capsys, [], ["Hi"])  # a usage error: exit 2, as argparse's
+    assert code == 2 and err.count("\n") == 1 and "give one run directory or model folder" in err
     code, _, err, _ = chat(monkeypatch, capsys, [world["folder"], "--run-dir", bare], ["Hi"])
-    assert code == 1 and "got " in err
+    assert code == 2 and "got " in err
 
 
 def _sequences(data: Path) -> list[list[int]]:

@@ -15,7 +15,8 @@
   tiny kernel replayed in a CUDA graph: ``HOST_OP_US`` + ``CUDA_LAUNCH_US`` on a GPU host, ``KERNEL_MIN_US``;
 - ``host_link``: pinned host <-> GPU copies of 256 MiB (GB/s), each direction alone, both at once (one copy engine
   per direction?), and a device-to-host copy on a side stream beside a matmul on the compute stream (does it
-  hide?): against ``roofline.host_link_bytes_s`` and activation offloading's overlap (``techniques.offload_stall_seconds``);
+  hide?): against ``roofline.host_link_bytes_s`` and activation offloading's overlap
+  (``techniques.offload_stall_seconds``);
 - ``nf4``: the NF4 dequantisation of a 4096 x 4096 weight (when torchao imports), tokenmill's
   (``model/nf4.py``) against ``roofline.nf4_dequant_costs``, and torchao's ``get_original_weight`` beside it.
 

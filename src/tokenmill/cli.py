@@ -19,6 +19,7 @@ from tokenmill import config as C
 from tokenmill.args import add_config_args, config_from_args, parse_config_args
 from tokenmill.config.options import number
 from tokenmill.errors import ConfigError, SampleError, TokenmillError, TrainingError, describe_os_error
+from tokenmill.paths import one_folder
 
 __all__ = ["add_config_args", "build_parser", "config_from_args", "main"]
 
@@ -99,12 +100,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
                           f"{args.max_new_tokens}, {args.temperature}, {args.top_k}, {args.context}).")
     if not 0.0 < args.top_p <= 1.0:
         raise SampleError(f"--top-p must be in (0, 1] (1 = no nucleus filtering), got {args.top_p}.")
-    given = [d for d in (args.path, args.run_dir) if d is not None]
-    if not given or (len(given) == 2 and given[0] != given[1]):
-        raise SampleError("chat: give one run directory or model folder: tokenmill chat PATH (or --run-dir PATH)"
-                          + (f"; got {given[0]} and {given[1]}." if len(given) == 2 else "."))
+    path = one_folder(args.path, args.run_dir, "chat: give one run directory or model folder: tokenmill chat PATH "
+                      "(or --run-dir PATH)")
     device = resolve_device(args.device, "--device")
-    cm = load_chat_model(given[0], args.chat_template, args.checkpoint, device, args.context)
+    cm = load_chat_model(path, args.chat_template, args.checkpoint, device, args.context)
     opts = ChatOptions(args.temperature, args.top_k or None, args.top_p if args.top_p < 1.0 else None,
                        args.max_new_tokens, args.seed)
     return chat_loop(cm, opts)

@@ -19,9 +19,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Optional
 
-from tokenmill.errors import PathError
+from tokenmill.errors import ConfigError, PathError
 
-__all__ = ["check_glob", "check_output", "check_text", "expand_path", "inside", "overlaps", "safe_name"]
+__all__ = ["check_glob", "check_output", "check_text", "expand_path", "inside", "one_folder", "overlaps",
+           "safe_name"]
 
 
 def _real(p: str | os.PathLike) -> Path:
@@ -120,3 +121,12 @@ def check_glob(pattern: str, flag: str = "--glob") -> str:
         raise PathError(f"{flag} {text!r} climbs out of the input folder ('..'): give a pattern inside it, or pass "
                         "the other folder as INPUT.")
     return text
+
+
+def one_folder(positional: Optional[str], flag: Optional[str], usage: str) -> str:
+    """The one folder a command reads, named by position or by ``--run-dir`` (as ``train`` names a run's folder);
+    none, or two different ones: a ConfigError that says ``usage``."""
+    given = [p for p in (positional, flag) if p is not None]
+    if not given or (len(given) == 2 and given[0] != given[1]):
+        raise ConfigError(usage + (f"; got {given[0]} and {given[1]}" if len(given) == 2 else ""))
+    return given[0]

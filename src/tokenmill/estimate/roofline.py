@@ -20,7 +20,8 @@ Every kernel the trace records (:class:`~tokenmill.estimate.trace.OpCost`) costs
   scatters, cat) at ``MEMORY_EFFICIENCY``;
 - ``KERNEL_MIN_US`` (a kernel never takes less).
 
-Each constant below names its source; ``docs/estimate.md`` lists those still awaiting a measurement. The host issues the step while the GPU runs it, so a step takes the longer of the GPU's time and the host's
+Each constant below names its source; ``docs/estimate.md`` lists those still awaiting a measurement. The host
+issues the step while the GPU runs it, so a step takes the longer of the GPU's time and the host's
 (:mod:`.host`: per dispatched eager op, per compiled kernel, per graph call, per optimizer call, with their
 measured sources): with small micro-batches the host sets the pace. A compiled piece's costs are Inductor's
 own fused kernels (:mod:`.inductor`), not the eager ops scaled by a factor.
@@ -148,7 +149,7 @@ CPU_FLOPS_PER_THREAD = 3e10  # not sourced: a rough CPU guide (fp32, one thread)
 # out) worth K_OVERHEAD steps of its K loop: depth K runs at K / (K + K_OVERHEAD) of a deep product's rate. OpenXLA's
 # measured H100 table (xla/service/gpu/model/matmul_interpolator_data.h, tensorflow 372d578b, sm_90), batch 4 of
 # 4096 x 4096 outputs at K = 256 ... 4096: 504 / 620 / 726 / 765 / 793 bf16 TFLOPS, which 0.834 x K / (K + 163) gives
-# within 2%; 242 ... 347 in fp32 (TF32: XLA's default), K = 256 against 4096 giving 122 (tests/test_estimate_physics.py).
+# within 2%; 242 ... 347 in fp32 (TF32: XLA's default), K = 256 against 4096 giving 122 (test_estimate_physics.py).
 # Plain fp32 on the CUDA cores (K steps 15x slower): none. The large-product shares are best shapes of depth 4096 or
 # more: kept from DEPTH_REF on. Measured on the H100 only; every GPU takes it until gemm_efficiency.py measures its own.
 K_OVERHEAD = {"bf16": 163, "fp16": 163, "tf32": 122}
@@ -176,8 +177,8 @@ def quantization(dims: tuple, sm: int, mode: Optional[str] = None, split_min: in
     (tile quantization: partial tiles at the edges compute padding) run in waves of one tile per SM (wave
     quantization: the last wave leaves SMs idle); a product with few output tiles and a long K is split along K
     so that more tiles run at once (split-K, ``CUBLASLT_ALGO_CONFIG_SPLITK_NUM``; at most 16 splits, each at
-    least ``split_min`` deep: :data:`SPLIT_K_MIN`). The best tile of :data:`TILES` and split, as cuBLAS's heuristics pick one
-    (NVIDIA Deep Learning Performance guide, "Matrix Multiplication Background": tile and wave quantization).
+    least ``split_min`` deep: :data:`SPLIT_K_MIN`). The best tile of :data:`TILES` and split, as cuBLAS's
+    heuristics pick one (NVIDIA Deep Learning Performance guide, "Matrix Multiplication Background").
     With a math ``mode``, each choice also keeps :func:`depth_share` of its K slice (a split shortens every tile's
     K loop): the product of the two, what the roofline prices."""
     batch, m, k, n = dims

@@ -21,7 +21,8 @@ norms and head stay in their dtype; a projection without an adapter becomes a :c
 roles) and the routed experts' stacks where they are adapted is stored as torchao's
 NF4 tensor (4-bit NormalFloat codes, one absmax scale per block of :data:`NF4_BLOCK` weights, the scales
 themselves quantised to int8 in groups of up to :data:`NF4_SCALE_GROUP`), dequantised to the input's dtype in
-the forward and again in the backward (only the 4-bit form is kept between them; ``model/nf4.py``). It keeps its dtype through the precision cast (the cast would dequantise it). A state dict
+the forward and again in the backward (only the 4-bit form is kept between them; ``model/nf4.py``). It keeps its
+dtype through the precision cast (the cast would dequantise it). A state dict
 holds it exactly, in plain tensors that need no torchao to read: ``weight`` (the codes, one uint8 per weight,
 so the weight keeps its shape) and ``weight_nf4_scales``, ``weight_nf4_factors``, ``weight_nf4_mean``; a
 resumed run gets the very same NF4 base. A floating-point ``weight`` loaded into it is quantised. Merging

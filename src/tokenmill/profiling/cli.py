@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from tokenmill.config.options import number
-from tokenmill.paths import check_text
+from tokenmill.paths import check_text, one_folder
 
 
 def register(subparsers) -> None:
@@ -81,12 +81,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from tokenmill.profiling.doctor import DoctorError, diagnose, format_verdict
     from tokenmill.profiling.trial import format_trials, run_trials
 
-    given = [d for d in (args.run_dir, args.run_dir_flag) if d is not None]
-    if not given or (len(given) == 2 and given[0] != given[1]):
-        print("tokenmill: error: doctor: give one run directory: tokenmill doctor RUN_DIR (or --run-dir RUN_DIR)"
-              + (f"; got {given[0]} and {given[1]}" if len(given) == 2 else ""), file=sys.stderr)
-        return 2
-    args.run_dir = given[0]
+    args.run_dir = one_folder(args.run_dir, args.run_dir_flag, "doctor: give one run directory: tokenmill doctor "
+                              "RUN_DIR (or --run-dir RUN_DIR)")
     try:
         verdict = diagnose(args.run_dir)
         verdict["memory_estimate"] = memory_estimate(args.run_dir, verdict)
