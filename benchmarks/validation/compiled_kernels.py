@@ -33,20 +33,14 @@ KINDS = ("matmul", "attention", "triton", "other")
 
 
 def rung_config(rung: str, smoke: bool = False):
-    """The rasbt ladder's config at ``rung`` (its base and every rung's switches up to it)."""
-    from tokenmill import config as C
+    """The rasbt ladder's config at ``rung``, as the ladder runs and estimates it (``bench.configs.rung_config``;
+    ``smoke``: the ladder's tiny shapes, for checking the script on a CPU)."""
+    from tokenmill.bench.configs import rung_config as ladder_rung_config
     from tokenmill.bench.load import load_ladder
 
     ladder = load_ladder("rasbt")
-    over = dict(ladder.base)
-    for r in ladder.rungs:
-        over.update(r.set)
-        if r.name == rung:
-            break
-    if smoke:  # a tiny model, for checking the script on a CPU
-        over |= {"model.n_layer": 2, "model.n_embd": 64, "model.n_head": 2, "model.block_size": 64,
-                 "train.batch_size": 2}
-    return C.resolve(ladder.base_preset, overrides=over, overrides_from_string=False)
+    index = next(i for i, r in enumerate(ladder.rungs) if r.name == rung)
+    return ladder_rung_config(ladder, index, smoke=smoke).config
 
 
 def _kind_of_cost(c) -> str:
