@@ -263,7 +263,9 @@ def test_cpu_estimate_agrees_with_measured_allocations(case, tmp_path):
 # change that moves the seeds' speed further shows here rather than going unnoticed, as the move from 14.8% did.
 # 29.9% -> 31.7%: UNALIGNED from its source (0.6 -> 0.714) speeds the rungs before the vocabulary's padding; the
 # README's own padding rung (+13.7%) says the A100's penalty is larger, but a seed is not a source to fit to.
-SEED_BOUNDS = {"rasbt": {"peak_reserved_mb": 0.15, "tokens_per_sec": 0.32},
+# 31.7% -> 36.0%: Inductor's reductions read from its source (the measured reduction share, persistent rows and the
+# online softmax read once, single-use expressions inlined up to 100 ops) speed the compiled rungs 8-11.
+SEED_BOUNDS = {"rasbt": {"peak_reserved_mb": 0.15, "tokens_per_sec": 0.37},
                "book-memory": {"peak_alloc_mb": 0.15, "time_for_samples_s": 0.20}}
 
 

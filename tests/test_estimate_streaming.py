@@ -83,29 +83,71 @@ def test_reduction_share_is_the_cited_dot_bandwidth(cfg):
     assert R._op_seconds(red, cfg, h100, 1) == pytest.approx(1e9 / (3350e9 * 3180 / 3350))
 
 
-def test_inductor_pointwise_kernel_streams_and_reduction_kernel_does_not(cfg):
-    """An RMS norm as Inductor plans it: the mean of squares is a fused reduction kernel (MEMORY_EFFICIENCY); the scale,
-    reading x, the mean and the weight once and writing once, a fused pointwise kernel (the streaming share)."""
+def _rms_kernels(width: int, cpu: bool = False) -> list[OpCost]:
     from torch.fx.experimental.proxy_tensor import make_fx
 
     def rms(x, w):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
 
-    gm = make_fx(rms, tracing_mode="fake")(torch.randn(64, 256), torch.randn(256))
-    kernels = [k.cost for k in plan_graph(gm, cpu=False).kernels]
+    gm = make_fx(rms, tracing_mode="fake")(torch.randn(64, width), torch.randn(width))
+    return [k.cost for k in plan_graph(gm, cpu=cpu).kernels]
+
+
+def test_inductor_pointwise_kernel_streams_and_reduction_kernel_has_its_measured_share(cfg):
+    """An RMS norm as Inductor plans it: the mean of squares is a fused reduction kernel (the streaming share x
+    INDUCTOR_REDUCTION_SHARE, Inductor's own reduction kernels against its GELU on one A100); the scale, reading the
+    mean and the weight and writing once, a fused pointwise kernel (the streaming share)."""
+    kernels = _rms_kernels(256)
     assert [c.name for c in kernels] == ["mean", "mul"]
-    reduction, pointwise = kernels
-    assert pointwise.bytes == (64 * 256 + 64 + 256 + 64 * 256) * 4  # x, the mean, w read; the output written
+    assert B.INDUCTOR_REDUCTION_SHARE == pytest.approx((930.15 + 913.15) / 2 / 1073.02)
     h100 = gpu_spec("h100-sxm")
     # at these sizes the kernel floor would hide the bandwidth: compare the shares on the byte counts themselves
     assert all(c.fused for c in kernels)
     big = [OpCost(c.name, bytes=c.bytes * 1e4, fused=True) for c in kernels]
     assert R._op_seconds(big[1], cfg, h100, 1) == pytest.approx(big[1].bytes / B.streaming_bandwidth(h100))
-    # a fused reduction kernel keeps the softmax-measured share; the same reduction as one eager ATen op reads once
-    assert R._op_seconds(big[0], cfg, h100, 1) == pytest.approx(big[0].bytes / B.memory_bandwidth(h100))
+    assert R._op_seconds(big[0], cfg, h100, 1) == pytest.approx(
+        big[0].bytes / (B.streaming_bandwidth(h100) * B.INDUCTOR_REDUCTION_SHARE))
+    # the same reduction as one eager ATen op: BabelStream's dot share
     eager = OpCost("mean", bytes=big[0].bytes)
     assert R._op_seconds(eager, cfg, h100, 1) == pytest.approx(eager.bytes / (h100.hbm_gbs * 1e9
                                                                             * B.REDUCE_MEMORY_EFFICIENCY["h100"]))
+
+
+def test_a_persistent_reduction_loads_its_rows_once():
+    """Inductor keeps a row of at most 1,024 elements reduced over its innermost dimension in registers (a persistent
+    reduction, choices.py), so the scale fused after it does not read x again; a longer row loops over memory
+    again, and a CPU graph's C++ kernels read it once per pass."""
+    x, stats, w = 64 * 256 * 4, 64 * 4, 256 * 4
+    mean, scale = _rms_kernels(256)
+    assert mean.bytes == x + stats
+    assert scale.bytes == stats + w + x  # the mean and the weight read, the output written: x held
+    for width, cpu in ((4096, False), (256, True)):
+        x, w = 64 * width * 4, width * 4
+        mean, scale = _rms_kernels(width, cpu)
+        assert scale.bytes == x + stats + w + x, (width, cpu)  # x read again, the output written
+
+
+def test_a_softmax_sum_reads_its_rows_with_the_max_on_a_gpu():
+    """On a GPU, Inductor's online softmax computes amax(x) and sum(exp(x - amax)) in one loop over x, however long
+    the row (post_grad.py prepare_softmax_online): the vocabulary's log-softmax reads the logits once for both
+    statistics and once more for its output; a CPU graph reads them once per pass; a row of 1,000 is persistent
+    and read once."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def plan(width, cpu):
+        gm = make_fx(lambda z: torch.log_softmax(z, -1), decomposition_table=select_decomp_table(),
+                     tracing_mode="fake")(torch.randn(8, width))
+        costs = [k.cost for k in plan_graph(gm, cpu=cpu).kernels]
+        assert [c.name for c in costs] == ["amax", "sum", "sub"]
+        return [c.bytes for c in costs]
+
+    stats = 8 * 4  # one fp32 statistic a row
+    for width, cpu, reads in ((50257, False, 2), (50257, True, 3), (1000, False, 1)):
+        x = 8 * width * 4
+        amax, total, out = plan(width, cpu)
+        assert amax == x + stats and x <= out <= 2 * x + 2 * stats  # the output written, x and the statistics read
+        assert (amax >= x) + (total >= x) + (out >= 2 * x) == reads, (width, cpu)
 
 
 def test_skinny_product_floor_streams(cfg):

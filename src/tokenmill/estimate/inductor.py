@@ -18,7 +18,7 @@ from the PyTorch source, with the thresholds read from ``torch._inductor.config`
   more than ``realize_reads_threshold`` buffers or has more than ``realize_opcount_threshold`` ops (on a
   CPU also when it uses exp/log/tanh/sigmoid), and any expression reading more than
   ``realize_acc_reads_threshold`` buffers is stored (``StorageBox.should_realize_on_reuse``,
-  ``has_exceeded_max_reads``);
+  ``has_exceeded_max_reads``), as is one of more than ``LARGE_INNER_FN`` ops (``has_large_inner_fn``);
 - views are free; everything else is inlined into the kernel that consumes it.
 
 A buffer is freed after the last kernel that reads it (Inductor's generated code drops each buffer after
@@ -35,7 +35,7 @@ as one launch (Inductor's vertical fusion).
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -50,6 +50,19 @@ _CONSTANTS = {"full", "zeros", "ones", "scalar_tensor", "iota", "arange", "full_
 _MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
 _VIEW_LISTS = {"split", "split_with_sizes", "unbind", "chunk", "tensor_split"}
 _HEAVY = {"exp", "log", "log10", "log1p", "log2", "sigmoid", "tanh"}
+# The longest row Inductor reduces in one persistent kernel when the reduction runs over the innermost dimensions
+# (torch/_inductor/choices.py, InductorChoices.should_use_persistent_reduction: {ReductionHint.INNER: 1024}; the
+# same in torch 2.11 and 2.13, estimate/torch_rules.py). A longer row, or another reduction shape, loops.
+PERSISTENT_INNER = 1024
+# A pointwise expression with a single user is stored rather than inlined only past this many ops
+# (torch/_inductor/graph.py GraphLowering.run_node: "Realize if a Pointwise has too much stuff to be inlined",
+# has_large_inner_fn(threshold=100), the larger of 100 and realize_opcount_threshold); the lower
+# realize_opcount_threshold applies to an expression used more than once (StorageBox.should_realize_on_reuse).
+LARGE_INNER_FN = 100
+# On a GPU (Triton), Inductor's post-grad pass turns amax(x) followed by sum(exp(x - amax)) over the same rows into
+# one reduction that reads x once (torch/_inductor/fx_passes/post_grad.py prepare_softmax_online, behind
+# config.online_softmax, on by default in torch 2.11 and 2.13).
+ONLINE_SOFTMAX = True
 
 
 def thresholds(cpu: bool) -> dict[str, int]:
@@ -218,7 +231,8 @@ class _Graph:
                 self.realise(n.name)
             elif users > 1 and (big or len(self.reads[n.name]) > self.th["reads"] or (self.cpu and self.heavy[n.name])):
                 self.realise(n.name)
-            elif k == "pointwise" and (len(self.reads[n.name]) > self.th["acc_reads"] or big):
+            elif k == "pointwise" and (len(self.reads[n.name]) > self.th["acc_reads"]
+                                       or self.ops[n.name] > max(LARGE_INNER_FN, self.th["opcount"])):
                 self.realise(n.name)
         out = next(n for n in self.nodes if n.op == "output")
         for a in out.all_input_nodes:
@@ -261,7 +275,8 @@ class _Graph:
         for p in plan.placeholders:  # a saved tensor backward never reads
             if p in self.freeable_inputs and p not in last and p not in keep:
                 ev.append(("f", p))
-        group_numel, group_outs = -1, set()
+        group_numel, group_outs, reduced = -1, set(), set()
+        held: dict[str, tuple[int, frozenset, bool]] = {}  # reductions' results holding rows: _held
         for i, r in enumerate(self.realised):
             made = self.outputs_of(r)
             dying = [b for b in sorted(reads[r]) if last.get(b) == i and b not in keep and self._freeable(b)]
@@ -285,14 +300,73 @@ class _Graph:
                 if o not in last and o not in keep:
                     ev.append(("f", o))
             cost, numel = self._cost(r, made, reads[r], pad[2] if pad else None)
-            joins = fused and numel == group_numel and bool(reads[r] & group_outs)
+            # vertical fusion: a kernel over the group's elements, or over a reduction's outputs (an epilogue such
+            # as a norm's rsqrt), that reads what the group wrote runs in the group's kernel
+            epilogue = fused and numel in reduced and numel != group_numel
+            joins = fused and (numel == group_numel or epilogue) and bool(reads[r] & group_outs)
+            if fused:
+                cost = self._held(r, made, reads[r], numel, cost, held)
             plan.kernels.append(Kernel(cost, 0 if joins else 1))
             if fused:
-                group_outs = (group_outs | set(made)) if joins else set(made)
-                group_numel = numel
+                if not joins:
+                    group_outs, group_numel, reduced = set(), numel, set()
+                group_outs |= set(made)
+                if self.kind[r] == "reduction":
+                    reduced |= {self._numel(o) for o in made}
             else:
-                group_numel, group_outs = -1, set()
+                group_numel, group_outs, reduced = -1, set(), set()
         return plan
+
+    def _held(self, r: str, made: list[str], reads: set[str], numel: int, cost: OpCost,
+              held: dict[str, tuple[int, frozenset, bool]]) -> OpCost:
+        """``cost`` less the buffers a reduction this kernel fuses with has already loaded. Inductor's scheduler
+        fuses a kernel over a reduction's rows (same element count) that reads its result into that reduction's
+        kernel, wherever the graph lists it. The buffers both read are loaded once when the reduction is
+        *persistent* (its rows held in registers: :meth:`_persistent`); and on a GPU the sum of
+        ``exp(x - amax(x))`` reads ``x`` in the same loop as its ``amax`` however long the row
+        (``config.online_softmax``: the post-grad pass ``prepare_softmax_online``, Triton only), though the
+        element-wise work after a looped row reads it again. ``held`` maps each such result (the reduction's, and an
+        epilogue's over it such as a norm's rsqrt) to (the rows' element count, the buffers loaded, persistent);
+        updated here."""
+        over = [held[b] for b in reads if b in held]
+        is_sum = _name(self.by_name[r]) == "sum"
+        if over and self.kind[r] != "reduction" and all(n != numel for n, _, _ in over):
+            for o in made:  # an epilogue over the reduction's results: it stands for them
+                held[o] = over[0]
+            return cost
+        loaded = set().union(*(got for n, got, kept in over if n == numel and (kept or is_sum))) & reads
+        persistent = self._persistent(r)
+        if persistent or (_name(self.by_name[r]) == "amax" and not self.cpu and ONLINE_SOFTMAX):
+            for o in made:
+                held[o] = (numel, frozenset(reads), persistent)
+        if loaded:
+            return replace(cost, bytes=cost.bytes - sum(self.size(b) for b in loaded))
+        return cost
+
+    def _numel(self, buf: str) -> int:
+        v = _val(self.by_name[buf])
+        return v.numel() if v is not None else -1
+
+    def _persistent(self, r: str) -> bool:
+        """Whether Inductor generates the reduction ``r`` of a GPU graph as a *persistent* reduction: over the innermost
+        dimensions of its input, at most ``PERSISTENT_INNER`` elements a row (``choices.py``
+        ``should_use_persistent_reduction``, ReductionHint.INNER). Such a kernel loads a whole row once and keeps
+        it in registers, so the element-wise work fused after it in the same kernel (a norm's normalisation, a
+        softmax's division) reads those inputs again from registers, not from memory; a longer row loops over
+        memory again (a second pass the plan's next kernel already counts)."""
+        n = self.by_name[r]
+        if self.cpu or self.kind[r] != "reduction" or _name(n) not in _REDUCTIONS or not n.args:
+            return False  # a CPU graph's C++ kernels loop over a row once per pass
+        x = _val(n.args[0]) if hasattr(n.args[0], "name") else None
+        dims = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+        if x is None or x.dim() == 0 or not isinstance(dims, (list, tuple)) or not dims:
+            return False
+        reduced = sorted(int(d) % x.dim() for d in dims)
+        inner = reduced == list(range(x.dim() - len(reduced), x.dim()))
+        rnumel = 1
+        for d in reduced:
+            rnumel *= int(x.shape[d])
+        return inner and rnumel <= PERSISTENT_INNER
 
     def _freeable(self, b: str) -> bool:
         return not self._is_input(b) or b in self.freeable_inputs

@@ -4,7 +4,8 @@ The estimator does not run PyTorch's GPU code; it imitates a few of its rules, e
 (and checked against real runs) for the versions below:
 
 - Inductor's fusion and padding rules (:mod:`.inductor`: which ops fuse into one kernel, ``pad_mm``'s padding
-  of misaligned matrix products; ``torch/_inductor/scheduler.py``, ``fx_passes/pad_mm.py``);
+  of misaligned matrix products, which reductions keep their rows in registers and the online softmax;
+  ``torch/_inductor/scheduler.py``, ``fx_passes/pad_mm.py``, ``choices.py``, ``fx_passes/post_grad.py``);
 - AOTAutograd's partition of a compiled forward and backward (:mod:`.compiled`: the min-cut
   rematerialisation, the zero gradient of an unused output; ``torch/_functorch/partitioners.py``);
 - the autocast op lists (:mod:`.device`: which ops run in the lower precision on CUDA;
@@ -29,6 +30,9 @@ RULES_TORCH: tuple[tuple[int, int], tuple[int, int]] = ((2, 11), (2, 13))
 REREAD = (
     "Inductor fusion and pad_mm padding (torch/_inductor/scheduler.py, torch/_inductor/fx_passes/pad_mm.py) "
     "-> estimate/inductor.py",
+    "Inductor's persistent reductions and online softmax (torch/_inductor/choices.py "
+    "should_use_persistent_reduction, torch/_inductor/fx_passes/post_grad.py prepare_softmax_online) "
+    "-> estimate/inductor.py PERSISTENT_INNER, ONLINE_SOFTMAX",
     "AOTAutograd's min-cut partition (torch/_functorch/partitioners.py) -> estimate/compiled.py",
     "how dynamo hands a selective checkpoint to AOTAutograd (torch/_higher_order_ops/wrap.py, "
     "torch/utils/checkpoint.py) -> estimate/compiled.py selective",
