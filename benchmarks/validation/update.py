@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 
 from tokenmill.estimate.uncertainty import regime_table
-from tokenmill.estimate.validation import fresh, load, markdown_table, run_case, summarize
+from tokenmill.estimate.validation import fresh, load, markdown_table, rounded, run_case, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
 TOML = ROOT / "benchmarks" / "validation" / "published.toml"
@@ -119,7 +119,7 @@ def main(argv: list[str]) -> int:
         print("--fresh selects held-out cases: use it with --heldout (nothing run, nothing written)")
         return 2
     cases, bounds = load(TOML)
-    results = [run_case(c) for c in cases]
+    results = [rounded(run_case(c)) for c in cases]  # the errors as the file records them, the means from those
     s = _print(results, regimes=True)  # each regime's means too: the bar is per regime
     print(f"bounds {bounds}")
     if "--check" not in argv:

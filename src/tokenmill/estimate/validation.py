@@ -120,6 +120,17 @@ def run_case(case: Case) -> dict[str, Any]:
     return out
 
 
+def rounded(result: dict[str, Any]) -> dict[str, Any]:
+    """A :func:`run_case` result with its errors as the file records them (4 decimals): the means, the regime table
+    and the doc's table are computed from these, so they can be checked against the file without estimating."""
+    return {**result, **{k: None if result[k] is None else round(result[k], 4) for k in ("memory_error", "speed_error")}}
+
+
+def recorded(case: Case) -> dict[str, Any]:
+    """A case's result as ``published.toml`` records it (its errors; its regime from its config): no estimate."""
+    return {"id": case.id, "regime": regime(case), "memory_error": case.memory_error, "speed_error": case.speed_error}
+
+
 def measured_mib(case: Case) -> float:
     """The source's memory figure made comparable: less what the source holds that tokenmill's config does not,
     plus what tokenmill's config keeps that the source's does not (both stated in the file, never fitted)."""
@@ -160,16 +171,25 @@ def flags_of(case: Case) -> str:
     return " ".join(words + ([] if case.returns_logits else ["--model.return_logits false"]))
 
 
+TABLE_HEAD = ["| case | config | tokenmill flags | memory MiB (measured / estimated) | error | tokens/s (measured / "
+              "estimated) | error |", "|---|---|---|---|---|---|---|"]
+
+
+def markdown_row(c: Case, r: dict[str, Any]) -> str:
+    """One case's row of the table of docs/estimate.md (``r``: its :func:`run_case` result)."""
+    mem = "" if c.memory_mib is None else f"{measured_mib(c):,.0f} / {r['est_memory_mib']:,.0f}"
+    tps = "" if c.tokens_per_sec is None else f"{c.tokens_per_sec:,.0f} / {r['est_tokens_per_sec']:,.0f}"
+    return (f"| [{c.id}]({c.source}) | {c.config} | `{flags_of(c)}` | {mem} | {_pct(r['memory_error'])} "
+            f"| {tps} | {_pct(r['speed_error'])} |")
+
+
+def summary_row(results: list[dict[str, Any]]) -> str:
+    """The table's last row: the mean absolute errors over ``results``."""
+    s = summarize(results)
+    return (f"| **mean absolute error** | | | {s['n_memory']} cases | **{100 * (s['memory'] or 0):.1f}%** "
+            f"| {s['n_speed']} cases | **{100 * (s['speed'] or 0):.1f}%** |")
+
+
 def markdown_table(cases: list[Case], results: list[dict[str, Any]]) -> str:
     """The table of docs/estimate.md: one row per case, then the mean absolute errors."""
-    rows = ["| case | config | tokenmill flags | memory MiB (measured / estimated) | error | tokens/s (measured / "
-            "estimated) | error |", "|---|---|---|---|---|---|---|"]
-    for c, r in zip(cases, results):
-        mem = "" if c.memory_mib is None else f"{measured_mib(c):,.0f} / {r['est_memory_mib']:,.0f}"
-        tps = "" if c.tokens_per_sec is None else f"{c.tokens_per_sec:,.0f} / {r['est_tokens_per_sec']:,.0f}"
-        rows.append(f"| [{c.id}]({c.source}) | {c.config} | `{flags_of(c)}` | {mem} | {_pct(r['memory_error'])} "
-                    f"| {tps} | {_pct(r['speed_error'])} |")
-    s = summarize(results)
-    rows.append(f"| **mean absolute error** | | | {s['n_memory']} cases | **{100 * (s['memory'] or 0):.1f}%** "
-                f"| {s['n_speed']} cases | **{100 * (s['speed'] or 0):.1f}%** |")
-    return "\n".join(rows)
+    return "\n".join(TABLE_HEAD + [markdown_row(c, r) for c, r in zip(cases, results)] + [summary_row(results)])
