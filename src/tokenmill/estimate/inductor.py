@@ -141,6 +141,7 @@ class _Graph:
         self.realised: list[str] = []  # in the order they run
         self.is_buf: set[str] = set()
         self.by_name = {n.name: n for n in self.nodes}
+        self.loaded: dict[str, set[str]] = {}  # the buffers each kernel reads from a reduction's registers: _held
 
     # classification -----------------------------------------------------------------------------
     def classify(self, n) -> str:
@@ -277,6 +278,7 @@ class _Graph:
                 ev.append(("f", p))
         group_numel, group_outs, reduced = -1, set(), set()
         held: dict[str, tuple[int, frozenset, bool]] = {}  # reductions' results holding rows: _held
+        gid, group_of, kernel_of = -1, [], []  # each realised node's fused kernel and its entry in plan.kernels
         for i, r in enumerate(self.realised):
             made = self.outputs_of(r)
             dying = [b for b in sorted(reads[r]) if last.get(b) == i and b not in keep and self._freeable(b)]
@@ -306,6 +308,9 @@ class _Graph:
             joins = fused and (numel == group_numel or epilogue) and bool(reads[r] & group_outs)
             if fused:
                 cost = self._held(r, made, reads[r], numel, cost, held)
+            gid += 0 if joins else 1
+            group_of.append(gid)
+            kernel_of.append(len(plan.kernels))
             plan.kernels.append(Kernel(cost, 0 if joins else 1))
             if fused:
                 if not joins:
@@ -315,7 +320,32 @@ class _Graph:
                     reduced |= {self._numel(o) for o in made}
             else:
                 group_numel, group_outs, reduced = -1, set(), set()
+        self._drop_local(plan, group_of, kernel_of, reads, keep)
         return plan
+
+    def _drop_local(self, plan: GraphPlan, group_of: list[int], kernel_of: list[int], reads: dict[str, set],
+                    keep: set[str]) -> None:
+        """Inductor never stores a buffer whose every reader is fused into the kernel that writes it
+        (``codegen/common.py`` ``remove_kernel_local_buffers``): on a GPU, a fused buffer read only within its own
+        group of fused kernels, in a group whose reductions are persistent (no second loop that would need it
+        again), costs neither its write nor its reads, and is never allocated."""
+        if self.cpu:
+            return
+        unsafe = {group_of[i] for i, r in enumerate(self.realised)
+                  if self.kind[r] == "reduction" and not self._persistent(r)}
+        local: set[str] = set()
+        for i, r in enumerate(self.realised):
+            if self.kind[r] == "extern" or group_of[i] in unsafe:
+                continue
+            for b in self.outputs_of(r):
+                readers = [j for j, q in enumerate(self.realised) if b in reads[q]]
+                if b in keep or not readers or any(group_of[j] != group_of[i] for j in readers):
+                    continue
+                local.add(b)
+                for j in [i] + [j for j in readers if b not in self.loaded.get(self.realised[j], ())]:
+                    k = plan.kernels[kernel_of[j]]
+                    k.cost = replace(k.cost, bytes=k.cost.bytes - self.size(b))
+        plan.events[:] = [e for e in plan.events if e[1] not in local]
 
     def _held(self, r: str, made: list[str], reads: set[str], numel: int, cost: OpCost,
               held: dict[str, tuple[int, frozenset, bool]]) -> OpCost:
@@ -335,6 +365,7 @@ class _Graph:
                 held[o] = over[0]
             return cost
         loaded = set().union(*(got for n, got, kept in over if n == numel and (kept or is_sum))) & reads
+        self.loaded[r] = loaded
         persistent = self._persistent(r)
         if persistent or (_name(self.by_name[r]) == "amax" and not self.cpu and ONLINE_SOFTMAX):
             for o in made:

@@ -33,6 +33,8 @@ REREAD = (
     "Inductor's persistent reductions and online softmax (torch/_inductor/choices.py "
     "should_use_persistent_reduction, torch/_inductor/fx_passes/post_grad.py prepare_softmax_online) "
     "-> estimate/inductor.py PERSISTENT_INNER, ONLINE_SOFTMAX",
+    "Inductor's removal of kernel-local buffers (torch/_inductor/codegen/common.py remove_kernel_local_buffers) "
+    "-> estimate/inductor.py _drop_local",
     "AOTAutograd's min-cut partition (torch/_functorch/partitioners.py) -> estimate/compiled.py",
     "how dynamo hands a selective checkpoint to AOTAutograd (torch/_higher_order_ops/wrap.py, "
     "torch/utils/checkpoint.py) -> estimate/compiled.py selective",
