@@ -126,7 +126,7 @@ def format_finetune(cfg: C.Config, nproc: int = 1, chosen: Iterable[str] = ()) -
     lines.append("")
     for what, key in (("a full fine-tune", "full"), ("LoRA", "lora"), ("QLoRA", "qlora")):
         fit = next((r for r in rows if getattr(r, f"{key}_fits")), None)
-        tight = fit is not None and getattr(fit, f"{key}_mb") * (1 + err[key]) > fit.memory_mb
+        tight = fit is not None and _verdict(getattr(fit, f"{key}_mb"), fit.memory_mb, err[key]) == "tight"
         lines.append(f"{what}: " + (f"the smallest GPU that fits is {fit.gpu} ({fit.memory_mb / 1024:.0f} GB"
                                     + (f"; tight: within the estimate's +-{100 * err[key]:.0f}% of its memory)"
                                        if tight else ")") if fit
@@ -170,10 +170,13 @@ def _value(cfg: C.Config, key: str) -> object:
     return getattr(getattr(cfg, section), name)
 
 
-def _cell(mb: float, memory_mb: float, err: float) -> str:
+def _verdict(mb: float, memory_mb: float, err: float) -> str:
     """A peak against the GPU's memory: fits, tight (fits, but within the estimate's expected error ``err``), no."""
-    verdict = "no" if mb > memory_mb else "tight" if mb * (1 + err) > memory_mb else "fits"
-    return f"{mb / 1024:6.1f} GB  {verdict}"
+    return "no" if mb > memory_mb else "tight" if mb * (1 + err) > memory_mb else "fits"
+
+
+def _cell(mb: float, memory_mb: float, err: float) -> str:
+    return f"{mb / 1024:6.1f} GB  {_verdict(mb, memory_mb, err)}"
 
 
 def _memory_errors(cfg: C.Config, lora: C.Config, nproc: int) -> dict[str, float]:

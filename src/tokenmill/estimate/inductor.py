@@ -333,12 +333,16 @@ class _Graph:
             return
         unsafe = {group_of[i] for i, r in enumerate(self.realised)
                   if self.kind[r] == "reduction" and not self._persistent(r)}
+        readers_of: dict[str, list[int]] = {}
+        for j, q in enumerate(self.realised):
+            for b in reads[q]:
+                readers_of.setdefault(b, []).append(j)
         local: set[str] = set()
         for i, r in enumerate(self.realised):
             if self.kind[r] == "extern" or group_of[i] in unsafe:
                 continue
             for b in self.outputs_of(r):
-                readers = [j for j, q in enumerate(self.realised) if b in reads[q]]
+                readers = readers_of.get(b, [])
                 if b in keep or not readers or any(group_of[j] != group_of[i] for j in readers):
                     continue
                 local.add(b)
