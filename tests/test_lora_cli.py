@@ -65,6 +65,12 @@ def test_lora_finetune_of_a_llama_folder_through_the_cli(tmp_path, capsys):
 
 
 LORA = {"lora.rank": 4, "lora.alpha": 8.0, "optim.lr": 1e-2, "checkpoint.every_steps": 6}
+# QLoRA on 2 FSDP shards: tiny-llama at width 256, where every NF4 weight splits into 2 (k and v (128, 256):
+# 2 double-quantisation groups; the 32-wide preset's are one group each, refused: tests/test_qlora.py)
+QLORA = {**LORA, "lora.quantize_base": "nf4", "model.n_embd": 256, "model.intermediate_size": 512,
+         "checkpoint.every_steps": 3}
+QLORA_FSDP = {**QLORA, "parallel.dp_shard": 2}
+LORA_FSDP3 = {**LORA, "parallel.dp_shard": 2, "checkpoint.every_steps": 3}
 
 
 def two_rank_jobs(tmp) -> list[dict]:
@@ -72,8 +78,16 @@ def two_rank_jobs(tmp) -> list[dict]:
     (conftest.two_rank_launch: one launch's imports for several files)."""
     from test_parallel import common
 
-    return [{"cfg": common(**LORA, **over), "run_dir": str(tmp / f"{name}-{preset}"), "preset": preset}
+    jobs = [{"cfg": common(**LORA, **over), "run_dir": str(tmp / f"{name}-{preset}"), "preset": preset}
             for preset in ("tiny", "tiny-llama") for name, over in (("ddp", {}), ("fsdp", {"parallel.dp_shard": 2}))]
+    # QLoRA under FSDP, and a plain LoRA FSDP run checkpointed at step 3 (LORA's runs checkpoint at step 6 only,
+    # their last): each then resumed under FSDP from its step-3 DCP checkpoint in a copy of its run directory
+    # (metrics after step 3 removed: the resumed run logs steps 4-6 afresh)
+    for name, over in (("qlora-fsdp", QLORA_FSDP), ("fsdp3", LORA_FSDP3)):
+        jobs.append({"cfg": common(**over), "run_dir": str(tmp / name), "preset": "tiny-llama"})
+        jobs.append({"cut": {"src": str(tmp / name), "step": 3, "trim_metrics": True}, "cfg": common(**over),
+                     "run_dir": str(tmp / f"{name}-resumed"), "preset": "tiny-llama", "resume": True})
+    return jobs
 
 
 def test_lora_under_ddp_and_fsdp_matches_one_process(two_rank_launch, tmp_path):
@@ -95,3 +109,70 @@ def test_lora_under_ddp_and_fsdp_matches_one_process(two_rank_launch, tmp_path):
         x = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             torch.testing.assert_close(merged.eval()(x)[0], ref_model.eval()(x)[0], atol=1e-4, rtol=0)
+
+
+def test_qlora_under_fsdp_matches_one_process_and_resumes(two_rank_launch, tmp_path):
+    """QLoRA (lora.quantize_base='nf4') under FSDP2 on 2 gloo processes, tiny-llama at width 256: the losses
+    are one process's at twice the micro-batch (within 1e-5 relative); resumed under FSDP from its step-3 DCP
+    checkpoint it logs the uninterrupted run's losses for steps 4-6 exactly; layout 'fsdp'.
+    Its final DCP checkpoint, read whole in one process, holds the NF4 base (codes, scales, factors, mean)
+    and the frozen embeddings, norms and head bit for bit as the one-process run's checkpoint, and its
+    adapters within 1e-4; the QLoRA model built from it has NF4Tensor projections; merged
+    (checkpoint.load_model), its logits are the one-process model's within 1e-4."""
+    from test_parallel import assert_same_losses, losses, single
+    from tokenmill.checkpoint import dcp, list_checkpoints
+    from tokenmill.model import GPT
+
+    runs = two_rank_launch / "lora"
+    run = runs / "qlora-fsdp"
+    ref = single(tmp_path, "ref", preset="tiny-llama", **QLORA)
+    assert_same_losses(losses(run), ref, what="qlora fsdp")
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["layout"], summary["world_size"]) == ("fsdp", 2)
+    assert [(s, p.name) for s, p in list_checkpoints(run)] == [(3, "step_00000003.dcp"), (6, "step_00000006.dcp")]
+
+    resumed = runs / "qlora-fsdp-resumed"
+    summary = json.loads((resumed / "summary.json").read_text())
+    assert (summary["layout"], summary["start_step"]) == ("fsdp", 3)
+    assert_same_losses(losses(resumed), losses(run), rel=0, what="qlora fsdp resumed at step 3")
+
+    merged, cfg, path = checkpoint.load_model(run)
+    assert path.name == "step_00000006.dcp" and cfg.lora.quantize_base == "nf4"
+    qlora = apply_lora(GPT(cfg.model, 64), cfg.lora, init=False)
+    got = dcp.load_model_weights(path, qlora)
+    qlora.load_state_dict(got)
+    assert type(qlora.blocks[0].attn.q_proj.weight).__name__ == "NF4Tensor"
+    assert type(qlora.blocks[1].mlp.c_proj.weight).__name__ == "NF4Tensor"
+    _, ref_state = checkpoint.read_latest(tmp_path / "ref")
+    want = ref_state["model"]
+    assert got.keys() == want.keys()
+    assert want["blocks.0.attn.q_proj.weight"].dtype == torch.uint8 and "blocks.0.attn.q_proj.weight_nf4_scales" in want
+    for k in want:
+        if ".lora_" in k:  # Adam at lr 1e-2 turns summation-order rounding into differences up to 2.5e-5
+            # (measured); an adapter weight not trained, or not loaded, is off by about lr
+            torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-4, msg=k)
+        else:  # frozen: the NF4 parts and the plain base weights
+            assert torch.equal(got[k], want[k]), k
+
+    ref_model, _, _ = checkpoint.load_model(tmp_path / "ref")
+    x = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(merged.eval()(x)[0], ref_model.eval()(x)[0], atol=1e-4, rtol=0)
+
+
+def test_lora_fsdp_checkpoint_resumes_under_fsdp(two_rank_launch):
+    """A plain LoRA run (no NF4) under FSDP2 on 2 gloo processes, tiny-llama, checkpointed at steps 3 and 6
+    (DCP; LoRA's no-decay parameter group is empty): its losses are exactly those of the same run
+    checkpointed at step 6 only (the step-3 save changes nothing), and resumed under FSDP from the step-3
+    checkpoint it logs the uninterrupted losses for steps 4-6 exactly."""
+    from test_parallel import assert_same_losses, losses
+    from tokenmill.checkpoint import list_checkpoints
+
+    runs = two_rank_launch / "lora"
+    run = runs / "fsdp3"
+    assert [(s, p.name) for s, p in list_checkpoints(run)] == [(3, "step_00000003.dcp"), (6, "step_00000006.dcp")]
+    assert_same_losses(losses(run), losses(runs / "fsdp-tiny-llama"), rel=0, what="lora fsdp, checkpoint at step 3")
+    resumed = runs / "fsdp3-resumed"
+    summary = json.loads((resumed / "summary.json").read_text())
+    assert (summary["layout"], summary["start_step"]) == ("fsdp", 3)
+    assert_same_losses(losses(resumed), losses(run), rel=0, what="lora fsdp resumed at step 3")

@@ -15,6 +15,7 @@ an allow-list of DCP's own metadata classes, and :class:`SafePlanner` reads non-
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import pickle
@@ -181,7 +182,8 @@ def save_dcp(final: Path, model, optimizer, world: World, extra: dict | None = N
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier(world)
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
+    with _without_empty_groups(optimizer):
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
     extra = stage(extra) if background and extra is not None else extra  # the live scheduler may change
 
     def commit() -> None:
@@ -206,13 +208,19 @@ def save_dcp(final: Path, model, optimizer, world: World, extra: dict | None = N
 
 def load_dcp(path: Path, model, optimizer) -> None:
     """Load DCP checkpoint ``path`` into ``model`` and ``optimizer`` (already parallelised; any layout)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     from tokenmill.errors import ParallelError
 
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         raise ParallelError(f"{path} is a sharded (DCP) checkpoint; resume it without parallel.zero1.")
+    with _without_empty_groups(optimizer):
+        _load_state(path, model, optimizer)
+
+
+def _load_state(path: Path, model, optimizer) -> None:
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
     absent, extra = _bias_switch(model_sd, path)
     state = {"model": {k: v for k, v in model_sd.items() if k not in absent} | extra, "optimizer": optim_sd}
@@ -224,6 +232,26 @@ def load_dcp(path: Path, model, optimizer) -> None:
     state["model"] |= {k: torch.zeros_like(model_sd[k]) for k in absent}
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                    options=_options())
+
+
+@contextlib.contextmanager
+def _without_empty_groups(optimizer):
+    """The optimizer without its parameter groups that hold no parameter (LoRA: no trainable norm or bias, so
+    the no-decay group is empty), put back afterwards at their places: torch's distributed state dict cannot
+    unflatten a group with no parameter, and such a group has no state to save (its learning rate is the
+    schedule's, set again on resume)."""
+    groups = optimizer.param_groups
+    empty = [(i, g) for i, g in enumerate(groups) if not g["params"]]
+    if not empty:
+        yield
+        return
+    groups[:] = [g for g in groups if g["params"]]
+    try:
+        yield
+    finally:
+        now = optimizer.param_groups  # a load made a new list of new group dicts
+        for i, g in empty:
+            now.insert(i, g)
 
 
 def _bias_switch(model_sd: dict, path: Path) -> tuple[set, dict]:

@@ -10,7 +10,7 @@ The resolved config is written as ``config.toml`` into the run directory and can
 with ``--config`` to reproduce the run.
 """
 
-from tokenmill.config.lora import LORA_ROLES, LoraConfig, lora_roles
+from tokenmill.config.lora import LORA_ROLES, LoraConfig, check_nf4_shards, lora_roles
 from tokenmill.config.resolve import (
     _closest,
     apply_overrides,
@@ -51,7 +51,7 @@ from tokenmill.errors import ConfigError
 
 __all__ = [
     "F", "CheckpointConfig", "CompileConfig", "Config", "ConfigError", "DataConfig", "LogConfig", "LORA_ROLES",
-    "LoraConfig", "MemoryConfig", "lora_roles",
+    "LoraConfig", "MemoryConfig", "check_nf4_shards", "lora_roles",
     "ModelConfig", "OptimConfig", "ParallelConfig", "TrainConfig", "_closest", "apply_overrides", "check_lora_targets", "concrete", "describe_range",
     "field_ranges", "field_specs", "flatten", "from_dict", "load_preset", "load_toml", "preset_names",
     "reference_markdown", "resolve", "save", "sections", "shape_fields", "suggest", "closest_key", "ALIASES", "to_toml", "tomllib", "validate",

@@ -117,7 +117,7 @@ def _optimizer_alternatives(get: Get) -> list[MemorySwitch]:
     if free and not model_parallel:
         out.append(MemorySwitch({"memory.optimizer_8bit": True}, "8-bit AdamW state, about a quarter of fp32 state "
                                 "(needs torchao)", frozenset({OPTIMIZER})))
-    if get("lora.rank") and get("lora.quantize_base") == "none" and get("parallel.dp_shard") == 1:
+    if get("lora.rank") and get("lora.quantize_base") == "none":
         out.append(MemorySwitch({"lora.quantize_base": "nf4"}, "QLoRA: the frozen blocks' projection weights as NF4, "
                                 "about a quarter of bf16 (needs torchao; the base is rounded to 4 bits)",
                                 frozenset({WEIGHTS})))

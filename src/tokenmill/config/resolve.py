@@ -21,7 +21,7 @@ else:  # pragma: no cover
 
 from tokenmill import atomic
 from tokenmill.config.inert import warn_inert
-from tokenmill.config.lora import LORA_ROLES, check_expert_targets
+from tokenmill.config.lora import LORA_ROLES, check_expert_targets, check_nf4_shards
 from tokenmill.config.model import check_moe
 from tokenmill.config.schema import Config, describe_range, field_ranges, field_specs, sections
 from tokenmill.config.size import check_size
@@ -242,9 +242,12 @@ def validate(cfg: Config) -> Config:
 
 def check_lora_targets(cfg: Config) -> None:
     """``lora.targets`` names only projections the model has: no 'gate' in a GELU MLP, no 'experts' in a dense
-    model, no MLP role in a model whose every layer is sparse without shared experts; QLoRA not on experts."""
+    model, no MLP role in a model whose every layer is sparse without shared experts; QLoRA not on experts;
+    QLoRA under FSDP only where every NF4 weight splits evenly over the shards."""
     names = [t.strip() for t in cfg.lora.targets.split(",")]
     check_expert_targets(cfg.lora, cfg.model)  # config/lora.py: the roles of a mixture of experts
+    if cfg.lora.rank and cfg.lora.quantize_base == "nf4":
+        check_nf4_shards(cfg.model, cfg.parallel.dp_shard)
     if "gate" in names and cfg.model.mlp != "swiglu":
         raise ConfigError("lora.targets names 'gate', but a GELU MLP (model.mlp='gelu') has no gate projection; "
                           "its projections are up (c_fc) and down (c_proj).")
@@ -267,10 +270,6 @@ def _validate_lora(cfg: Config) -> None:
     if lo.quantize_base != "none" and not lo.rank:
         raise ConfigError(f"lora.quantize_base={lo.quantize_base!r} quantises the frozen base under LoRA adapters: it "
                           "needs --lora.rank > 0 (e.g. --lora.rank 16).")
-    if lo.quantize_base != "none" and cfg.parallel.dp_shard != 1:
-        raise ConfigError(f"lora.quantize_base={lo.quantize_base!r} works with one process and DDP, not with FSDP "
-                          "(parallel.dp_shard): sharding and gathering NF4 weights is not supported here. Use "
-                          "--parallel.dp_shard 1 (the 4-bit base is small enough to replicate).")
     if lo.rank and getattr(cfg.train, "fp8", "off") != "off":
         raise ConfigError("lora.rank > 0 does not combine with train.fp8: the FP8 conversion would replace the adapted "
                           "projections (and their adapters) by float8 Linears. Use one of them (--train.fp8 off).")

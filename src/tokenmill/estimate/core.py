@@ -98,6 +98,8 @@ def resolve_layout(cfg: C.Config, nproc: int) -> Layout:
     if nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {nproc}.")
     rep, shard = resolve_degrees(cfg.parallel, nproc)
+    if cfg.lora.rank and cfg.lora.quantize_base == "nf4":  # parallel.dp_shard -1 resolved: every NF4 weight splits
+        C.check_nf4_shards(cfg.model, shard)
     return Layout(nproc, rep, shard, cfg.parallel.tp, cfg.parallel.pp)
 
 
@@ -163,16 +165,16 @@ def estimate(cfg: C.Config, gpu: str | GPU = "h100-sxm", nproc: int = 1) -> Esti
 
 
 def _nf4_base(est: Estimate, cfg: C.Config, vocab: int) -> None:
-    """QLoRA (``lora.quantize_base = 'nf4'``): the trace holds every block projection's weight at its width
-    (``model/lora.py nf4_weights``); they are stored as NF4 (half a byte a weight and its scales), dequantised one at a time in the forward."""
+    """QLoRA (``lora.quantize_base = 'nf4'``): the step's timeline holds every block projection's weight as stored
+    (NF4: half a byte a weight and its scales; :class:`.timeline.Param`, sharded and gathered so under FSDP);
+    each is dequantised one at a time in the forward and backward, the largest's copy beside its codes added
+    here (``model/lora.py nf4_weights``)."""
     if not (cfg.lora.rank and cfg.lora.quantize_base == "nf4"):
         return
-    full, nf4, transient = nf4_base_bytes(cfg, vocab, cfg.lora.rank)
-    saved = (full - nf4 - transient) / MB
-    est.peak_alloc_mb -= saved
-    est.peak_reserved_mb -= saved
-    est.breakdown_mb["parameters"] = est.breakdown_mb.get("parameters", 0.0) - (full - nf4) / MB
-    est.breakdown_mb["temporaries"] = est.breakdown_mb.get("temporaries", 0.0) + transient / MB
+    transient = nf4_base_bytes(cfg, vocab, cfg.lora.rank)[2] / MB
+    est.peak_alloc_mb += transient
+    est.peak_reserved_mb += transient
+    est.breakdown_mb["temporaries"] = est.breakdown_mb.get("temporaries", 0.0) + transient
     if est.capacity_mb:
         est.fits = est.peak_reserved_mb <= est.capacity_mb
 

@@ -11,12 +11,14 @@ bf16 weights, activation checkpointing, the chunked loss; and a micro-batch of o
 global batch; :func:`with_recipe`), except where the user chose the field (on the command line or in a ``--config``
 file): the report names what it set.
 
-QLoRA's term (:func:`qlora_mb`): the LoRA estimate less what the NF4 base saves. Every block projection's
-weight (adapted or not, as QLoRA quantises every Linear of the blocks) takes :func:`~tokenmill.model.lora.nf4_bytes` (half a byte per weight, an int8 scale per 64 and an
-fp32 factor per group of up to 256 scales: 4.13 bits per weight) instead of its dtype's width, plus one
-transient: the largest projection's weight dequantised in its dtype beside its int32 codes (model/nf4.py
-dequantises one projection at a time, in the forward and again in the backward). Embeddings, norms
-and the head keep their width; activations, gradients and optimizer state are LoRA's.
+QLoRA's column is the estimate of the LoRA config with ``lora.quantize_base = 'nf4'`` (:func:`with_qlora`):
+every block projection's weight (adapted or not, as QLoRA quantises every Linear of the blocks) held in the
+step's timeline as torchao stores it (:func:`~tokenmill.model.nf4.nf4_parts`: half a byte per weight, an int8
+scale per 64 and an fp32 factor per group of up to 256 scales, 4.13 bits per weight), sharded so under FSDP,
+plus one transient: the largest projection's weight dequantised beside its int32 codes (model/nf4.py
+dequantises one projection at a time, in the forward and again in the backward). Not the LoRA estimate less
+the NF4 saving: near a GPU's capacity the caching allocator of a run with the full-width base is not the one
+of the QLoRA run.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from tokenmill import config as C
 from tokenmill.estimate.core import MB, estimate, vocab_size_of
 from tokenmill.estimate.gpus import GPU, GPUS
 from tokenmill.estimate.sft import chat_shares
-from tokenmill.estimate.techniques import docmask_flex, nf4_base_bytes
+from tokenmill.estimate.techniques import docmask_flex
 
 GB = 1024 * MB
 DEFAULT_RANK = 16
@@ -76,22 +78,22 @@ def with_recipe(cfg: C.Config, chosen: Iterable[str] = ()) -> tuple[C.Config, li
     return C.validate(out), [flags(s) for s in taken]
 
 
-def qlora_mb(cfg: C.Config, lora_peak_mb: float) -> float:
-    """A QLoRA fine-tune's peak reserved memory (MiB), from the LoRA estimate of the same config: the
-    block projections' weights as NF4 (module doc)."""
-    full, nf4, transient = nf4_base_bytes(cfg, vocab_size_of(cfg), cfg.lora.rank or DEFAULT_RANK)
-    return lora_peak_mb - (full - nf4 - transient) / MB
+def with_qlora(lora: C.Config) -> C.Config:
+    """The LoRA config ``lora`` over an NF4 base (``lora.quantize_base = 'nf4'``), validated."""
+    out = C.from_dict(lora.to_dict())
+    out.lora.quantize_base = "nf4"
+    return C.validate(out)
 
 
 def finetune_rows(cfg: C.Config, nproc: int = 1) -> tuple[list[FinetuneRow], C.Config]:
     """The rows of every GPU of the table, smallest memory first, and the LoRA config they used."""
     full = with_lora(cfg, 0)
     lora = with_lora(cfg, cfg.lora.rank or DEFAULT_RANK)
+    qlora = with_qlora(lora)
     rows = []
     for gpu in sorted((g for g in GPUS.values() if g.key != "cpu"), key=lambda g: g.memory_mb):
-        a, b = estimate(full, gpu, nproc), estimate(lora, gpu, nproc)
-        rows.append(FinetuneRow(gpu.key, gpu.memory_mb, a.peak_reserved_mb, b.peak_reserved_mb,
-                                qlora_mb(lora, b.peak_reserved_mb)))
+        a, b, c = (estimate(x, gpu, nproc) for x in (full, lora, qlora))
+        rows.append(FinetuneRow(gpu.key, gpu.memory_mb, a.peak_reserved_mb, b.peak_reserved_mb, c.peak_reserved_mb))
     return rows, lora
 
 
@@ -183,10 +185,8 @@ def _memory_errors(cfg: C.Config, lora: C.Config, nproc: int) -> dict[str, float
     """The estimate's expected memory error (:func:`~tokenmill.estimate.uncertainty.error_for`) of each column."""
     from tokenmill.estimate.uncertainty import error_for
 
-    qlora = C.from_dict(lora.to_dict())
-    qlora.lora.quantize_base = "nf4"
     return {"full": error_for(with_lora(cfg, 0), nproc)["memory"], "lora": error_for(lora, nproc)["memory"],
-            "qlora": error_for(qlora, nproc)["memory"]}
+            "qlora": error_for(with_qlora(lora), nproc)["memory"]}
 
 
 def finetune_chat_lines(lora: C.Config, gpu: GPU, nproc: int = 1) -> list[str]:

@@ -14,6 +14,8 @@
   shards then view, so the gradients live in that stream's pool: freed by ``zero_grad``, their blocks serve no
   request of the compute stream (:mod:`.allocator`). Not modelled: FSDP keeps the input until the next group's
   reduce-scatter (``comm_ctx.reduce_scatter_state(s)``); here it is freed at once;
+- an NF4 weight (QLoRA: torchao's ``fsdp_pre_all_gather``) is gathered as stored, its codes, scales and factors
+  (:func:`gathered_bytes`: about a quarter of its bf16 bytes), never cast by the mixed precision policy;
 - the reduce-scatter pads each parameter's dim 0 to a multiple of the ranks (``_get_dim0_padded_size``; the
   all-gather too, not counted here: :class:`.moe._EPStep` gathers groups of different ranks in one call).
 """
@@ -49,6 +51,12 @@ def gathered_size(cfg: C.Config, p: Param) -> int:
     return _size(torch.bfloat16 if cfg.parallel.fsdp_mixed_precision == "bf16" else p.dtype)
 
 
+def gathered_bytes(cfg: C.Config, p: Param) -> int:
+    """Bytes of ``p`` in FSDP2's all-gather and in its unsharded copy: an NF4 weight (QLoRA) as stored, its codes
+    and scales (torchao's ``fsdp_pre_all_gather`` gathers them, never cast), else :func:`gathered_size` a value."""
+    return p.nbytes if p.nf4 else p.numel * gathered_size(cfg, p)
+
+
 class FsdpComm:
     """The all-gathers and reduce-scatters of :class:`.step.Step` (its ``tl``, ``cfg``, ``shard``, ``grads``,
     ``by_name``, ``sharded``, ``sharded_ids``)."""
@@ -60,9 +68,9 @@ class FsdpComm:
     def _unshard(self, params: list[Param]) -> list[int]:
         """All-gather (module doc): returns the unsharded parameters' storage."""
         tl = self.tl
-        size = {p.name: gathered_size(self.cfg, p) for p in params}
-        total = sum(p.numel * size[p.name] for p in params)  # unpadded: a subclass may mix groups (moe.py)
-        cast = sum(p.numel * size[p.name] for p in params if size[p.name] != _size(p.dtype))
+        total = sum(gathered_bytes(self.cfg, p) for p in params)  # unpadded: a subclass may mix groups (moe.py)
+        cast = sum(p.numel * gathered_size(self.cfg, p) for p in params
+                   if not p.nf4 and gathered_size(self.cfg, p) != _size(p.dtype))
         inp = tl.alloc(cast * self.shard, "communication buffers", stream=AG_STREAM) if cast else None
         buf = tl.alloc(total, "communication buffers", stream=AG_STREAM)
         tl.release(inp)  # copied into the output buffer

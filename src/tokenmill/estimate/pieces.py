@@ -49,8 +49,18 @@ class PieceTrace:
     buffer_bytes: int = 0
     host_sizes: list[int] = field(default_factory=list)  # memory.offload_activations: what one forward moves, in order
     nf4_sizes: list[tuple[int, int]] = field(default_factory=list)  # QLoRA: (elements, bytes each) per NF4 weight
+    param_nf4: set[str] = field(default_factory=set)  # QLoRA: the parameters stored as NF4 (traced at their width)
 
     @property
     def host_bytes(self) -> int:
         """Bytes of the saved tensors moved to the host by memory.offload_activations, per forward."""
         return sum(self.host_sizes)
+
+
+def nf4_names(params: dict, module) -> set[str]:
+    """The keys of ``params`` (a traced piece's parameters by name) that ``module`` holds as NF4 (QLoRA:
+    ``model/lora.py`` :func:`~tokenmill.model.lora.nf4_params`)."""
+    from tokenmill.model.lora import nf4_params
+
+    ids = {id(t) for t in nf4_params(module)}
+    return {n for n, p in params.items() if id(p) in ids}

@@ -51,7 +51,7 @@ from tokenmill.estimate.bandwidth import (
     memory_bandwidth,
     streaming_bandwidth,
 )
-from tokenmill.estimate.fsdp import gathered_size
+from tokenmill.estimate.fsdp import gathered_bytes
 from tokenmill.estimate.gpus import GPU
 from tokenmill.estimate.host import (
     COMPILED_KERNEL_US,
@@ -462,9 +462,9 @@ def _comm_seconds(cfg: C.Config, lay: Layout, gpu: GPU, plan: Plan, pieces: Piec
         bw = group_bandwidth(gpu, n, lay.tp)
         groups = len(plan.stage_blocks) + 1  # a group per block, and the root's (embeddings, norm, head)
         grad_numel = sum(p.numel for p in plan.params if p.trainable)
-        mixed = cfg.parallel.fsdp_mixed_precision == "bf16"  # reduced in fp32 (gathered: fsdp.gathered_size)
+        mixed = cfg.parallel.fsdp_mixed_precision == "bf16"  # reduced in fp32 (gathered: fsdp.gathered_bytes)
         gathers = 2 if cfg.parallel.fsdp_reshard_after_forward else 1
-        gathered = sum(p.numel * gathered_size(cfg, p) for p in plan.params)
+        gathered = sum(gathered_bytes(cfg, p) for p in plan.params)
         ag = gathers * accum * gathered * (n - 1) / n / bw
         rs = syncs * (4 * grad_numel if mixed else grad_bytes) * (n - 1) / n / bw
         edge = accum * gathered * (n - 1) / n / bw / groups + rs / groups  # the first gather, the last reduction

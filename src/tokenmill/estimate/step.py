@@ -37,6 +37,7 @@ from tokenmill.estimate.fsdp import FsdpComm
 from tokenmill.estimate.techniques import docmask_bytes, muon_hidden, muon_temp_bytes, state_buffers
 from tokenmill.estimate.timeline import Layout, Param, Timeline, _Inst, _size, play_backward, play_forward
 from tokenmill.estimate.trace import Pieces, PieceTrace
+from tokenmill.model.nf4 import nf4_parts
 from tokenmill.model.offload import IN_FLIGHT
 
 CUBLAS_WORKSPACE = 8 * 1024 * 1024 + 128 * 1024  # cuBLAS's default before Hopper (4096 KiB x 2 + 16 KiB x 8)
@@ -145,7 +146,7 @@ def rank_params(pieces: Pieces, blocks: list[int], has_embed: bool, has_head: bo
         for n, shape in tr.param_shape.items():
             name = _rename(n, block) if block is not None else n
             out.setdefault(name, Param(name, shape, tr.param_dtype[n], piece, block,
-                                       tr.param_trainable.get(n, True)))
+                                       tr.param_trainable.get(n, True), n in tr.param_nf4))
 
     if has_embed:
         add(pieces.embed, "embed")
@@ -186,7 +187,12 @@ class Step(FsdpComm):
         tl, cfg, plan = self.tl, self.cfg, self.plan
         offload = self.fsdp and cfg.parallel.fsdp_cpu_offload
         for p in plan.params:
-            if not offload:
+            if offload:
+                continue
+            if p.nf4:  # each of its tensors, split evenly by FSDP (config/lora.py) but the mean and the table
+                for i, n in enumerate(nf4_parts(p.numel)):
+                    tl.alloc(math.ceil(n * self.shard) if i < 3 else n, "parameters")
+            else:  # FSDP's shard: dim 0 split
                 tl.alloc(math.ceil(p.shape[0] * self.shard) * (p.numel // max(1, p.shape[0])) * _size(p.dtype)
                          if p.shape else p.nbytes, "parameters")
         for nbytes in self.pieces.buffers:  # the model's own buffers (RoPE's cos/sin tables), on every rank and stage

@@ -60,6 +60,7 @@ class Param:
     piece: str  # 'embed' | 'block' | 'head'
     block: Optional[int] = None
     trainable: bool = True  # False: frozen (LoRA's base): no gradient, no optimizer state
+    nf4: bool = False  # stored as NF4 (QLoRA's frozen base): ``shape`` and ``dtype`` are what it dequantises to
 
     @property
     def numel(self) -> int:
@@ -67,6 +68,11 @@ class Param:
 
     @property
     def nbytes(self) -> int:
+        """Bytes as stored: an NF4 weight's codes and scales (``model/nf4.py`` nf4_bytes), else its dtype's."""
+        if self.nf4:
+            from tokenmill.model.nf4 import nf4_bytes
+
+            return nf4_bytes(self.numel)
         return self.numel * _size(self.dtype)
 
 

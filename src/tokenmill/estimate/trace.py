@@ -22,7 +22,7 @@ from torch import nn
 
 from tokenmill import config as C
 from tokenmill.estimate.device import DeviceModel
-from tokenmill.estimate.pieces import PieceTrace, Round  # noqa: F401
+from tokenmill.estimate.pieces import PieceTrace, Round, nf4_names  # noqa: F401
 from tokenmill.estimate.recorder import Recorder
 from tokenmill.model.lora import nf4_weights
 
@@ -115,6 +115,7 @@ def trace_block(model: nn.Module, block: nn.Module, shape: tuple, act_dtype: tor
             trace.rounds.append(rnd)
             rec.events, rec.costs, rec.n_ops = [], [], 0
     trace.nf4_sizes = nf4_weights(block)
+    trace.param_nf4 = nf4_names(params, block)
     return _finish(trace, params)
 
 

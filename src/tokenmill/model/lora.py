@@ -66,7 +66,7 @@ from tokenmill.model.nf4 import (
     torchao_quietly,
 )
 
-__all__ = ["NF4_BLOCK", "NF4_SCALE_GROUP", "LoRAExperts", "LoRALinear", "apply_lora", "merge_lora", "nf4_bytes",
+__all__ = ["NF4_BLOCK", "NF4_SCALE_GROUP", "LoRAExperts", "LoRALinear", "apply_lora", "merge_lora", "nf4_bytes", "nf4_params",
            "nf4_groups", "nf4_weights", "to_nf4", "torchao_quietly"]
 
 
@@ -286,17 +286,22 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, init: bool = True) -> nn.Modul
     return model
 
 
-def nf4_weights(module: nn.Module) -> list[tuple[int, int]]:
-    """(elements, bytes per element of the dtype it dequantises to) of every weight ``module`` holds as NF4
-    (QLoRA): each quantised projection's weight and each quantised experts' stack, in module order. On
-    ``meta`` (the estimator) the weights that would be quantised, at their dtype."""
+def nf4_params(module: nn.Module) -> list[torch.Tensor]:
+    """Every weight ``module`` holds as NF4 (QLoRA): each quantised projection's weight and each quantised
+    experts' stack, in module order. On ``meta`` (the estimator) the weights that would be quantised."""
     out = []
     for m in module.modules():
         if isinstance(m, LoRALinear) and m.quantize == "nf4":
-            out.append((m.weight.numel(), m.weight.dtype.itemsize))
+            out.append(m.weight)
         elif isinstance(m, LoRAExperts) and m.quantize == "nf4":
-            out += [(getattr(m, n).numel(), getattr(m, n).dtype.itemsize) for n in m.NAMES]
+            out += [getattr(m, n) for n in m.NAMES]
     return out
+
+
+def nf4_weights(module: nn.Module) -> list[tuple[int, int]]:
+    """(elements, bytes per element of the dtype it dequantises to) of every weight ``module`` holds as NF4
+    (:func:`nf4_params`), in module order; on ``meta`` at the dtype they would dequantise to."""
+    return [(w.numel(), w.dtype.itemsize) for w in nf4_params(module)]
 
 
 def _on_meta(module: nn.Module) -> bool:

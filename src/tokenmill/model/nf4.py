@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import warnings
 
 import torch
@@ -17,16 +16,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
+from tokenmill.config.lora import NF4_BLOCK, NF4_SCALE_GROUP, nf4_groups
 from tokenmill.errors import ConfigError
 from tokenmill.model.recompute import quiet_context_fn_note, recompute_all_but_products
 
 __all__ = ["NF4_BLOCK", "NF4_SCALE_GROUP", "NF4Base", "is_nf4", "nf4_bytes", "nf4_dequantize", "nf4_groups",
-           "nf4_linear", "nf4_product", "to_nf4", "torchao_quietly"]
+           "nf4_linear", "nf4_parts", "nf4_product", "to_nf4", "torchao_quietly"]
 
 quiet_context_fn_note()  # nf4_product's checkpoint under torch.compile
 
-NF4_BLOCK = 64  # weights per absmax scale (QLoRA's block, torchao's default)
-NF4_SCALE_GROUP = 256  # scales per double-quantisation group, at most (torchao's default)
 _NF4_KEYS = ("_nf4_scales", "_nf4_factors", "_nf4_mean")  # after a weight's name; the name alone: the codes
 
 
@@ -70,18 +68,17 @@ def _torchao_to_nf4():
     return convert
 
 
-def nf4_groups(numel: int) -> tuple[int, int]:
-    """(blocks of :data:`NF4_BLOCK` weights, scales per double-quantisation group) of a weight of ``numel``
-    elements: the group is the largest divisor of the block count up to :data:`NF4_SCALE_GROUP` that is a
-    power of two (torchao needs the groups to tile the scales)."""
-    return numel // NF4_BLOCK, math.gcd(numel // NF4_BLOCK, NF4_SCALE_GROUP)
+def nf4_parts(numel: int) -> tuple[int, ...]:
+    """Bytes of each tensor an NF4 weight of ``numel`` elements is stored in (torchao's NF4 tensor holds them
+    apart): the codes (half a byte a weight), an int8 scale per block, an fp32 factor per scale group, the
+    mean and the 16-entry code table (fp32)."""
+    blocks, group = nf4_groups(numel)
+    return numel // 2, blocks, 4 * (blocks // group), 4, 16 * 4
 
 
 def nf4_bytes(numel: int) -> int:
-    """Bytes of an NF4 weight of ``numel`` elements as stored: half a byte per weight, an int8 scale per
-    block, an fp32 factor per scale group (plus the mean and the 16-entry code table, in fp32)."""
-    blocks, group = nf4_groups(numel)
-    return numel // 2 + blocks + 4 * (blocks // group) + 4 + 16 * 4
+    """Bytes of an NF4 weight of ``numel`` elements as stored (:func:`nf4_parts`, together)."""
+    return sum(nf4_parts(numel))
 
 
 def to_nf4(w: torch.Tensor) -> torch.Tensor:
@@ -92,6 +89,27 @@ def to_nf4(w: torch.Tensor) -> torch.Tensor:
                           f"projection has {w.numel()} (not a multiple of {NF4_BLOCK}); use --lora.quantize_base none "
                           "(plain LoRA over the unquantised base).")
     return _torchao_to_nf4()(w.detach().contiguous(), NF4_BLOCK, nf4_groups(w.numel())[1])
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP's sharded parameter) itself, not a view (what the load copies into), or
+    ``t``."""
+    return getattr(t, "_local_tensor", t)
+
+
+def _sharded_entries(w: torch.Tensor, like) -> dict[str, torch.Tensor]:
+    """The state-dict entries of the NF4 shard ``w`` of the sharded parameter ``like`` (a DTensor split by rows):
+    codes, scales and factors as DTensors of ``like``'s mesh and placements (each rank's rows), the mean (one
+    value for the whole weight, the same on every rank) as it is."""
+    from torch.distributed.tensor import DTensor
+
+    rows = like.shape[0] // w.shape[0]  # the shards
+    parts = {"": _nf4_codes(w).detach(), _NF4_KEYS[0]: w.quantized_scalers.detach(),
+             _NF4_KEYS[1]: w.quantization_factor.detach()}
+    out = {k: DTensor.from_local(t, like.device_mesh, like.placements, run_check=False,
+                                 shape=(t.shape[0] * rows, *t.shape[1:]), stride=t.stride())
+           for k, t in parts.items()}
+    return out | {_NF4_KEYS[2]: w.scaler_mean.detach()}
 
 
 def _nf4_codes(w: torch.Tensor) -> torch.Tensor:
@@ -140,7 +158,32 @@ class NF4Base(nn.Module):
                                   for n, w in hidden.items()})
         return self
 
+    def __getattr__(self, name: str):
+        """``<weight>_nf4_scales`` / ``_factors`` / ``_mean``: the state-dict entries of an NF4 weight's scales
+        (its local shard's under FSDP), as attributes: torch's distributed state dict (FSDP checkpoints) looks
+        every key up on its module."""
+        for key, attr in zip(_NF4_KEYS, ("quantized_scalers", "quantization_factor", "scaler_mean")):
+            w = self.__dict__["_parameters"].get(name[: -len(key)]) if name.endswith(key) else None
+            if w is not None and is_nf4(_local(w)):
+                return getattr(_local(w), attr)
+        return super().__getattr__(name)
+
+    def _sharded_nf4_names(self) -> list[str]:
+        """The NF4 weights FSDP has sharded: DTensors whose local shard is an NF4 tensor (``fully_shard`` splits
+        codes, scales and factors by rows: torchao's ``fsdp_pre_all_gather`` gathers them back in 4 bits)."""
+        return [n for n, p in self._parameters.items() if p is not None and is_nf4(_local(p)) and p is not _local(p)]
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
+        sharded = self._sharded_nf4_names()
+        if sharded:  # FSDP: the same keys, as DTensors of the same layout (DCP saves each rank's rows)
+            order, hidden = list(self._parameters), {n: self._parameters.pop(n) for n in sharded}
+            try:
+                self._save_to_state_dict(destination, prefix, keep_vars)
+            finally:
+                self._restore(order, hidden)
+            for n, p in hidden.items():
+                destination.update({prefix + n + k: v for k, v in _sharded_entries(_local(p), p).items()})
+            return
         super()._save_to_state_dict(destination, prefix, keep_vars)
         for n in self._nf4_names():  # plain tensors, exact: see the module doc
             w = self._parameters[n]
@@ -150,13 +193,13 @@ class NF4Base(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        names = self._nf4_names()
+        names = self._nf4_names() + self._sharded_nf4_names()
         if not names:
             return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                                  unexpected_keys, error_msgs)
         saved = {n: {k: state_dict.pop(prefix + n + k) for k in ("", *_NF4_KEYS) if prefix + n + k in state_dict}
                  for n in names}
-        order, hidden = self._hide()
+        order, hidden = list(self._parameters), {n: self._parameters.pop(n) for n in names}
         try:
             super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                           unexpected_keys, error_msgs)
@@ -171,6 +214,8 @@ class NF4Base(nn.Module):
         if "" not in saved:
             missing_keys.append(key)
             return
+        if w is not _local(w):  # sharded by FSDP: the saved parts are DTensors of the same layout (DCP's read)
+            w, shape, saved = _local(w), tuple(_local(w).shape), {k: _local(t) for k, t in saved.items()}
         got = saved[""]
         if tuple(got.shape) != shape:
             error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(got.shape)}, the model "

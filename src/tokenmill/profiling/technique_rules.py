@@ -121,15 +121,10 @@ def qlora_finetune(run: Run) -> Optional[Finding]:
         return None
     fill = _tight(run)
     lora = _estimate(run, {}) if fill is not None else None
-    if lora is None:
+    qlora = _estimate(run, {"lora.quantize_base": "nf4"}) if lora is not None else None
+    if qlora is None:
         return None
-    from tokenmill.errors import TokenmillError
-    from tokenmill.estimate.finetune import qlora_mb
-
-    try:
-        q = qlora_mb(_config(run, {}), lora.peak_reserved_mb)
-    except (TokenmillError, ValueError, KeyError, TypeError, RuntimeError):  # as _estimate: no finding
-        return None
+    q = qlora.peak_reserved_mb
     cap = run.memory.device_total_mb or 0.0
     if q > FITS * cap:
         return None

@@ -176,6 +176,8 @@ def seed_dropout(seed: int, dp_rank: int, start_step: int = 0) -> None:
 
 def parallelize(model: nn.Module, cfg: C.Config, world: World) -> nn.Module:
     """Apply the switches in the order of the module docstring; returns the model to train."""
+    if cfg.lora.rank and cfg.lora.quantize_base == "nf4":  # parallel.dp_shard -1 resolved: every NF4 weight splits
+        C.check_nf4_shards(cfg.model, world.dp_shard)
     apply_lora(model, cfg.lora)
     apply_pipeline_split(model, world)
     apply_precision(model, cfg.train)
