@@ -91,3 +91,38 @@ def test_fsdp_bf16_parameters_are_not_copied_by_autocast():
                     seen.append(mode._cast(lin.weight, torch.bfloat16, True))
         assert (seen[0] is gathered and seen[1] is gathered) == same
         assert all(s.grad_fn is not None for s in seen)  # the gradient flows back to the parameter
+
+
+def test_fsdp_gathers_and_shards_nf4_weights_as_stored():
+    """QLoRA under FSDP (``lora.quantize_base = 'nf4'``, ``parallel.dp_shard`` 2): each block projection's weight is
+    a Param marked NF4 (estimate/trace.py, from model/lora.py nf4_params), its shard allocated as torchao's tensors
+    (codes, scales, factors halved; mean and code table whole: model/nf4.py nf4_parts), and each all-gather moves a
+    block's NF4 bytes as stored (no cast input: the mixed precision does not cast them) beside its norms' and
+    adapters' bf16 bytes. Sizes computed here from the block's shapes."""
+    from tokenmill.model.nf4 import nf4_parts
+
+    ranks = 2
+    cfg = C.resolve("tiny-llama", overrides={
+        "data.source": "synthetic", "model.vocab_size": 512, "model.n_embd": 256, "model.intermediate_size": 512,
+        "train.batch_size": 2, "train.precision": "bf16", "lora.rank": 8, "lora.quantize_base": "nf4",
+        "parallel.dp_shard": ranks}, overrides_from_string=False)
+    cfg = C.concrete(cfg, "cuda", True)
+    plan, pieces = _plan(cfg, resolve_layout(cfg, ranks), 512, True, 0)
+    nf4 = [p for p in plan.params if p.nf4]
+    # q, k, v, o, gate, up, down of both blocks; frozen, and nothing else is NF4
+    assert sorted(p.shape for p in nf4 if p.block == 0) == sorted([(256, 256), (128, 256), (128, 256), (256, 256),
+                                                                  (512, 256), (512, 256), (256, 512)])
+    assert len(nf4) == 14 and not any(p.trainable for p in nf4) and all(p.piece == "block" for p in nf4)
+    assert all(p.nbytes == sum(nf4_parts(p.numel)) for p in nf4)
+    tl = Step(pieces, plan).run(steps=1)
+    setup = [e[2] for e in tl.ev if e[0] == "a" and e[3] == "parameters" and e[4] == 0][:len(plan.params) * 5]
+    for p in nf4[:3]:  # each shard's tensors, in order, among the first allocations
+        parts = [n // ranks for n in nf4_parts(p.numel)[:3]] + list(nf4_parts(p.numel)[3:])
+        assert any(setup[i:i + 5] == parts for i in range(len(setup))), p.name
+    block = [p for p in plan.params if p.block == 0]
+    gathered = sum(p.nbytes for p in block)  # NF4 as stored, the rest (norms, adapters: bf16) at their width
+    assert gathered == sum(sum(nf4_parts(p.numel)) for p in block if p.nf4) + sum(
+        math.prod(p.shape) * 2 for p in block if not p.nf4)
+    on_ag = [e[2] for e in tl.ev if e[0] == "a" and e[4] == AG_STREAM]
+    assert on_ag.count(gathered) >= 2  # block 0 gathered in forward and again in backward, one buffer each
+    assert all(p.dtype == torch.bfloat16 for p in block)  # pure bf16: no cast input for any gather
