@@ -402,11 +402,14 @@ def test_plain_estimate_counts_the_base_as_nf4():
     """``tokenmill estimate`` of a QLoRA config (not only ``--finetune``): the step's timeline holds the adapted
     weights as NF4, each as torchao's tensors (codes, scales, factors, mean, table: ``nf4_parts``) counted by
     hand (every projection of the 32 blocks), in the caching allocator's blocks (512-byte multiples; a cached
-    block up to 511 bytes larger may serve a request: within 1 MiB over the 1,120 tensors), one dequantised
-    weight as a temporary; the rest of the estimate is the LoRA one, and the NF4 blocks (never freed) add no
-    allocator slack beyond the LoRA run's."""
+    block up to 511 bytes larger may serve a request: within 1 MiB over the 1,120 tensors). Each product's
+    dequantisation is in the block's trace where it runs (its int32 index, 2 bytes a weight, then the bf16
+    values: estimate/device.py _NF4Product), so at this config's peak (the loss's backward) none is alive;
+    the rest of the estimate is the LoRA one, and the NF4 blocks (never freed) add no allocator slack beyond
+    the LoRA run's."""
     from tokenmill.estimate import estimate
     from tokenmill.estimate.allocator import round_size
+    from tokenmill.estimate.core import _plan, resolve_layout
     from tokenmill.model.nf4 import nf4_parts
 
     over = {"model.block_size": 1024, "train.batch_size": 4, "lora.rank": 16, "lora.targets": "all",
@@ -420,8 +423,17 @@ def test_plain_estimate_counts_the_base_as_nf4():
     mib = 2**20
     assert qlora.breakdown_mb["parameters"] == pytest.approx(lora.breakdown_mb["parameters"] - (2 * n - nf4) / mib,
                                                              abs=1.0)
-    saved = 2 * n - nf4 - (2 + 2) * 14336 * 4096
-    assert qlora.peak_alloc_mb == pytest.approx(lora.peak_alloc_mb - saved / mib, abs=1.0)
+    assert qlora.peak_alloc_mb == pytest.approx(lora.peak_alloc_mb - (2 * n - nf4) / mib, abs=1.0)
+    counts = {}
+    for q in ("none", "nf4"):  # the block's storages of each size, with and without the NF4 base
+        cfg = C.concrete(C.resolve("llama3.1-8b", overrides={**over, "lora.quantize_base": q},
+                                   overrides_from_string=False), "cuda", True)
+        (block,) = _plan(cfg, resolve_layout(cfg, 1), cfg.model.vocab_size, True, 0)[1].blocks.values()
+        counts[q] = [list(block.sizes.values()).count(2 * k) for k in (14336 * 4096, 6144 * 4096, 4096 * 4096)]
+        assert block.nf4_traced and len(block.rounds) == 1  # (vacuously without NF4 weights)
+    # each NF4 product: its index and its values (2 bytes a weight each) in the forward, the checkpointed
+    # recompute and the backward: gate, up, down (3); the fused q/k/v (6144 rows); o
+    assert [a - b for a, b in zip(counts["nf4"], counts["none"])] == [3 * 2 * 3, 2 * 3, 2 * 3]
     assert qlora.peak_alloc_mb <= qlora.peak_reserved_mb <= qlora.peak_alloc_mb + lora.allocator_slack_mb + 1
     assert qlora.fits == (qlora.peak_reserved_mb <= qlora.capacity_mb) and any("QLoRA" in n for n in qlora.notes)
 

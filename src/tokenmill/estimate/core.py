@@ -156,7 +156,7 @@ def estimate(cfg: C.Config, gpu: str | GPU = "h100-sxm", nproc: int = 1) -> Esti
         at_peak=mem.at_peak, notes=notes,
         precision=cfg.train.precision + (" + tf32" if cfg.train.tf32 else ""),
     )
-    _nf4_base(est, cfg, vocab)
+    _nf4_base(est, cfg, vocab, pieces)
     apply_moe(est, cfg, lay, spec, plan, pieces, mem)  # experts sharded by parallel.ep, grouped matmuls, all-to-all
     add_learned_rate(est, cfg)
     if cuda:
@@ -164,12 +164,16 @@ def estimate(cfg: C.Config, gpu: str | GPU = "h100-sxm", nproc: int = 1) -> Esti
     return est
 
 
-def _nf4_base(est: Estimate, cfg: C.Config, vocab: int) -> None:
+def _nf4_base(est: Estimate, cfg: C.Config, vocab: int, pieces: Pieces) -> None:
     """QLoRA (``lora.quantize_base = 'nf4'``): the step's timeline holds every block projection's weight as stored
     (NF4: half a byte a weight and its scales; :class:`.timeline.Param`, sharded and gathered so under FSDP);
-    each is dequantised one at a time in the forward and backward, the largest's copy beside its codes added
-    here (``model/lora.py nf4_weights``)."""
+    each is dequantised one at a time in the forward and backward. An eager trace in pure precision holds each
+    dequantisation where its product runs (``device._NF4Product``); otherwise (compiled, autocast, the routed
+    experts' stacks) the largest weight's copy beside its codes is added here to the peak
+    (``model/lora.py nf4_weights``)."""
     if not (cfg.lora.rank and cfg.lora.quantize_base == "nf4"):
+        return
+    if all(t.nf4_traced for t in pieces.blocks.values() if t.nf4_sizes):
         return
     transient = nf4_base_bytes(cfg, vocab, cfg.lora.rank)[2] / MB
     est.peak_alloc_mb += transient

@@ -139,6 +139,8 @@ class DeviceModel(TorchFunctionMode):
         # (estimate/fsdp.py), stand in for them (gather_params)
         self._gathered: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
         self.gathered_ids: set[int] = set()
+        self._nf4: dict[int, torch.Tensor] = {}  # QLoRA: the weights the traced piece holds as NF4 (nf4_weights)
+        self.nf4_seen: set[int] = set()  # those whose products ran through the NF4 product's memory (_NF4Product)
         if autocast is not None:
             self.lower, self.fp32 = ((frozenset(_CUDA_LOWER), frozenset(_CUDA_FP32)) if self.cuda
                                      else cpu_autocast_policy(autocast))
@@ -206,6 +208,21 @@ class DeviceModel(TorchFunctionMode):
                 self._gathered[id(p)] = (weakref.ref(p), t)
                 self.gathered_ids.add(t.untyped_storage()._cdata)
 
+    def nf4_weights(self, weights: list[torch.Tensor]) -> None:
+        """QLoRA: ``weights`` (meta, at their width) are NF4 in the model (``model/lora.py nf4_params``): each
+        product with one allocates what ``model/nf4.py`` ``_NF4Linear`` does around it (:class:`_NF4Product`)."""
+        self._nf4 = {id(w): w for w in weights}
+        self.nf4_seen = set()
+
+    def _nf4_linear(self, args, kwargs) -> Optional[torch.Tensor]:
+        """``F.linear`` with an NF4 weight under pure precision (the weight in the input's dtype): through
+        :class:`_NF4Product`; None for any other product (autocast: the post-hoc transient, estimate/core.py)."""
+        x, w = args[0], (args[1] if len(args) > 1 else kwargs.get("weight"))
+        if w is None or self._nf4.get(id(w)) is not w or self._active or x.dtype != w.dtype:
+            return None
+        self.nf4_seen.add(id(w))
+        return _NF4Product.apply(x, w, args[2] if len(args) > 2 else kwargs.get("bias"))
+
     def _cast(self, a: Any, dtype: torch.dtype, cache: bool) -> Any:
         if not isinstance(a, torch.Tensor) or not a.is_floating_point() or a.dtype == dtype:
             return a
@@ -233,6 +250,10 @@ class DeviceModel(TorchFunctionMode):
                 self._in_backward = False
         if self.cuda and name == "dropout" and func is F.dropout:
             return self._dropout(*args, **kwargs)
+        if name == "linear" and self._nf4:
+            y = self._nf4_linear(args, kwargs)
+            if y is not None:
+                return y
         if name == "scaled_dot_product_attention" and not self.sdpa_math:
             if self._active and "scaled_dot_product_attention" in self.lower:
                 args = tuple(self._cast(a, self.autocast, False) for a in args)
@@ -259,3 +280,38 @@ class DeviceModel(TorchFunctionMode):
         # memory of the CUDA flash / memory-efficient kernels: the output and a (B, H, T) fp32
         # log-sum-exp are kept for backward (plus, with dropout, the RNG seed and offset)
         return _ATEN._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)[0]
+
+
+def _nf4_dequantized(w: torch.Tensor) -> list[torch.Tensor]:
+    """What ``model/nf4.py`` ``nf4_dequantize`` allocates for ``w``: the int32 index of each byte's pair (2 bytes a
+    weight), freed once the table lookup made the values (a weight each, in ``w``'s dtype), which the product
+    reads. Returns the values' stand-in (the caller frees it after the product)."""
+    codes = torch.empty(2 * w.numel(), dtype=torch.uint8, device="meta")
+    values = torch.empty(w.numel() * w.element_size(), dtype=torch.uint8, device="meta")
+    del codes
+    return [values]
+
+
+class _NF4Product(torch.autograd.Function):
+    """The memory of ``model/nf4.py`` ``_NF4Linear`` in a meta trace: the forward dequantises the weight (its
+    transient around the product) and saves only the weight (here the meta parameter, no new storage); the
+    backward dequantises again for the input's gradient. The products are the same as a plain linear's; the
+    dequantisation's time is the roofline's (``nf4_dequant_costs``, from the piece's ``nf4_sizes``)."""
+
+    @staticmethod
+    def forward(ctx, x, w, bias):
+        ctx.save_for_backward(w)
+        ctx.bias_grad = bias is not None and bias.requires_grad
+        held = _nf4_dequantized(w)
+        y = F.linear(x, w, bias)
+        del held
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        (w,) = ctx.saved_tensors
+        held = _nf4_dequantized(w)
+        gx = gy @ w
+        del held
+        gb = gy.reshape(-1, gy.shape[-1]).sum(0) if ctx.bias_grad else None
+        return gx, None, gb

@@ -50,6 +50,7 @@ class PieceTrace:
     host_sizes: list[int] = field(default_factory=list)  # memory.offload_activations: what one forward moves, in order
     nf4_sizes: list[tuple[int, int]] = field(default_factory=list)  # QLoRA: (elements, bytes each) per NF4 weight
     param_nf4: set[str] = field(default_factory=set)  # QLoRA: the parameters stored as NF4 (traced at their width)
+    nf4_traced: bool = False  # every NF4 product's dequantisation is in the trace (eager, pure precision)
 
     @property
     def host_bytes(self) -> int:

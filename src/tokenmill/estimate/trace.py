@@ -24,7 +24,7 @@ from tokenmill import config as C
 from tokenmill.estimate.device import DeviceModel
 from tokenmill.estimate.pieces import PieceTrace, Round, nf4_names  # noqa: F401
 from tokenmill.estimate.recorder import Recorder
-from tokenmill.model.lora import nf4_weights
+from tokenmill.model.lora import nf4_params, nf4_weights
 
 
 class _Source(torch.autograd.Function):
@@ -90,6 +90,7 @@ def trace_block(model: nn.Module, block: nn.Module, shape: tuple, act_dtype: tor
     trace.buffer_bytes = sum(b.numel() * b.element_size() for b in block.buffers())
     inner = getattr(block, "_checkpoint_wrapped_module", block)
     rope = (model.rope_cos, model.rope_sin) if model.cfg.pos_emb == "rope" else None
+    devmode.nf4_weights(nf4_params(block))  # QLoRA: each NF4 product's dequantisation in the timeline
     with devmode.autocast_forward(inner), devmode, rec:  # the recomputation runs under autocast too
         for _ in range(rounds):
             box.clear()
@@ -116,6 +117,8 @@ def trace_block(model: nn.Module, block: nn.Module, shape: tuple, act_dtype: tor
             rec.events, rec.costs, rec.n_ops = [], [], 0
     trace.nf4_sizes = nf4_weights(block)
     trace.param_nf4 = nf4_names(params, block)
+    trace.nf4_traced = {id(w) for w in nf4_params(block)} <= devmode.nf4_seen
+    devmode.nf4_weights([])
     return _finish(trace, params)
 
 
