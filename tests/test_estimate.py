@@ -337,6 +337,24 @@ def test_memory_advice_names_a_switch_that_fits():
     assert estimate(fixed, "a100-40gb").peak_reserved_mb / 1024 == pytest.approx(after, abs=0.1)
 
 
+def test_memory_advice_shards_over_the_jobs_own_gpus():
+    """A job of 2 processes whose config fits no GPU of 11.7 GB with the single-GPU switches: the advice shards over
+    the two it has (FSDP, parallel.dp_shard -1) before it suggests more GPUs, and the figure it prints is the
+    estimate of the config with its flags on 2 processes."""
+    cfg = C.resolve("gpt2-xl", overrides={"data.source": "synthetic", "train.batch_size": 1, "model.block_size": 256,
+                                          "memory.activation_checkpointing": 1, "model.loss_impl": "chunked"},
+                    overrides_from_string=False)
+    text = memory_advice(cfg, "l4", 2, capacity_mb=12000)
+    m = re.match(r"this needs about ([\d.]+) GB per GPU .*; with (--\S+ \S+.*?) it needs about ([\d.]+) GB", text)
+    assert m and "--parallel.dp_shard -1" in m.group(2) and "more GPUs" not in text, text
+    switches = m.group(2).split()
+    overrides = {k[2:]: v for k, v in zip(switches[::2], switches[1::2])}
+    fixed = C.validate(C.apply_overrides(C.from_dict(cfg.to_dict()), overrides, from_string=True))
+    est = estimate(fixed, "l4", 2)
+    assert est.layout == "FSDP x2" and est.peak_reserved_mb / 1024 == pytest.approx(float(m.group(3)), abs=0.1)
+    assert float(m.group(3)) < 12000 / 1024 < float(m.group(1))
+
+
 def test_docs_gpu_table_is_the_code_table():
     from pathlib import Path
 

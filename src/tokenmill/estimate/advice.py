@@ -8,8 +8,9 @@ a config needs, and which switches bring it under the GPU's memory.
 The search (:func:`search`) reads the one list of switches (:mod:`tokenmill.config.memory_switches`) in two
 tiers: first those with the same numerics and no optional package (activation checkpointing, the chunked loss,
 a smaller micro-batch with more accumulation, SDPA, LoRA for a full fine-tune, CPU offload), then, only when
-those do not fit, the single-GPU switches that change the numerics or need torchao (pure bf16 weights, 8-bit
-AdamW, an NF4 base, the step in backward). Only when neither fits does the sentence suggest more GPUs.
+those do not fit, the switches that change the numerics or need torchao (pure bf16 weights, 8-bit AdamW, an NF4
+base, the step in backward) and, for a job of several processes, sharding over them (ZeRO-1, FSDP). Only when
+neither fits does the sentence suggest more GPUs.
 """
 
 from __future__ import annotations
@@ -27,14 +28,15 @@ GB = 1024 * MB
 ROUNDS = 10  # greedy rounds at most (a micro-batch of 16 halves four times)
 
 
-def candidate_switches(cfg: C.Config, numerics: bool = False) -> list[tuple[str, dict]]:
+def candidate_switches(cfg: C.Config, numerics: bool = False, nproc: int = 1) -> list[tuple[str, dict]]:
     """Memory-saving switches that ``cfg`` does not use yet, from the one list
     (:mod:`tokenmill.config.memory_switches`): (command-line text, overrides). Without ``numerics``, those with
-    the same numerics and no optional package; with it, every single-GPU switch of the list."""
+    the same numerics and no optional package; with it, every switch of the list that works on ``nproc``
+    processes (sharding over them too: the job has those GPUs already)."""
     from tokenmill.config.memory_switches import flags, getter, memory_switches
 
     found = memory_switches(getter(cfg), searched_only=not numerics)
-    return [(flags(s), dict(s.overrides)) for s in found if not s.several_gpus]
+    return [(flags(s), dict(s.overrides)) for s in found if not s.several_gpus or nproc > 1]
 
 
 def _with(cfg: C.Config, overrides: dict) -> Optional[C.Config]:
@@ -68,7 +70,7 @@ def _greedy(s: Search, spec: GPU, nproc: int, cap: float, numerics: bool) -> Non
         if cap and s.best <= cap and s.chosen:  # a config that fits already: the one switch that saves the most
             return
         trials = []
-        for _text, ov in candidate_switches(s.cfg, numerics):
+        for _text, ov in candidate_switches(s.cfg, numerics, nproc):
             c = _with(s.cfg, ov)
             if c is None:
                 continue
