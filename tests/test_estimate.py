@@ -355,6 +355,31 @@ def test_memory_advice_shards_over_the_jobs_own_gpus():
     assert float(m.group(3)) < 12000 / 1024 < float(m.group(1))
 
 
+def test_fsdp_cpu_offload_is_a_memory_switch_under_fsdp_only():
+    """The one list offers parallel.fsdp_cpu_offload where FSDP shards (it needs it), not under DDP/ZeRO-1 nor once
+    on; the advice on 2 processes of a 3 GB GPU chooses FSDP, then its CPU offload, and prints the estimate of
+    the config with both."""
+    from tokenmill.config.memory_switches import getter, memory_switches
+
+    def offered(**over):
+        cfg = C.resolve("gpt2-xl", overrides={"data.source": "synthetic", **over}, overrides_from_string=False)
+        return [s.overrides for s in memory_switches(getter(cfg)) if "parallel.fsdp_cpu_offload" in s.overrides]
+
+    assert offered(**{"parallel.dp_shard": 2}) == [{"parallel.fsdp_cpu_offload": True}]
+    assert offered() == offered(**{"parallel.zero1": True}) == []
+    assert offered(**{"parallel.dp_shard": 2, "parallel.fsdp_cpu_offload": True}) == []
+    cfg = C.resolve("gpt2-xl", overrides={"data.source": "synthetic", "train.batch_size": 1, "model.block_size": 256,
+                                          "memory.activation_checkpointing": 1, "model.loss_impl": "chunked",
+                                          "train.precision": "bf16"}, overrides_from_string=False)
+    text = memory_advice(cfg, "l4", 2, capacity_mb=3000)
+    m = re.match(r"this needs about [\d.]+ GB per GPU .*; with (--\S+ \S+.*?) it needs about ([\d.]+) GB$", text)
+    assert m and "--parallel.dp_shard -1" in m.group(1) and "--parallel.fsdp_cpu_offload true" in m.group(1), text
+    switches = m.group(1).split()
+    overrides = {k[2:]: v for k, v in zip(switches[::2], switches[1::2])}
+    fixed = C.validate(C.apply_overrides(C.from_dict(cfg.to_dict()), overrides, from_string=True))
+    assert estimate(fixed, "l4", 2).peak_reserved_mb / 1024 == pytest.approx(float(m.group(2)), abs=0.1)
+
+
 def test_docs_gpu_table_is_the_code_table():
     from pathlib import Path
 

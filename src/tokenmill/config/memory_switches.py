@@ -133,6 +133,11 @@ def _optimizer_alternatives(get: Get) -> list[MemorySwitch]:
         also = {"parallel.dp_replicate": 1} if get("parallel.dp_replicate") == -1 else {}
         out.append(MemorySwitch({"parallel.dp_shard": -1, **also}, "with several GPUs: FSDP shards parameters, "
                                 "gradients and state", frozenset({OPTIMIZER, GRADIENTS, WEIGHTS}), several_gpus=True))
+    if get("parallel.dp_shard") != 1 and not get("parallel.fsdp_cpu_offload") and not model_parallel:
+        out.append(MemorySwitch({"parallel.fsdp_cpu_offload": True}, "FSDP keeps the parameter and gradient shards "
+                                "and the optimizer step in CPU memory, each group copied in as it runs (slower: "
+                                "the copies cross PCIe every step)", frozenset({OPTIMIZER, GRADIENTS, WEIGHTS}),
+                                several_gpus=True))
     return out
 
 
