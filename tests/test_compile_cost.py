@@ -109,3 +109,22 @@ def test_run_peaks_keep_the_warm_up_peak(monkeypatch):
     out = m.summary({"peak_alloc_mb": 700.0, "peak_reserved_mb": 1200.0})  # steady, since the reset
     assert out["peak_alloc_mb_run"] == 900.0 and out["peak_reserved_mb_run"] == 1200.0
     assert out["compile_s"] == 2.5
+
+
+def test_warm_up_time_leaves_out_the_checkpoints_within_it(monkeypatch):
+    """A checkpoint saved during the warm-up steps counts once in the summary: in ``checkpoint_s``, not in
+    ``warmup_s`` too (the doctor adds them up against ``wall_s``). A fake clock: 1 s of steps, 3 s of saving."""
+    from tokenmill.train import metrics as M
+
+    now = [100.0]
+    monkeypatch.setattr(M.time, "perf_counter", lambda: now[0])
+    m = StepMetrics(torch.device("cpu"), 256, 2, 0, 1.0, None)
+    now[0] += 0.5  # step 1
+    with m.outside("checkpoint"):
+        now[0] += 3.0
+    now[0] += 0.5  # step 2: the first timed step starts here
+    m.restart_window(2)
+    now[0] += 1.0
+    s = m.summary()
+    assert s["warmup_s"] == pytest.approx(1.0) and s["checkpoint_s"] == pytest.approx(3.0)
+    assert s["wall_s"] == pytest.approx(5.0) and s["warmup_s"] + s["checkpoint_s"] <= s["wall_s"]

@@ -272,8 +272,9 @@ class StepMetrics:
 
     def restart_window(self, completed_steps: int) -> None:
         """Call after a device synchronisation with no untimed work pending."""
-        if completed_steps == self.timing_from and self.warmup_s is None:
-            self.warmup_s = time.perf_counter() - self.started
+        if completed_steps == self.timing_from and self.warmup_s is None:  # less the evaluations, checkpoints and
+            # logging within it, which the summary counts apart (eval_s, checkpoint_s, log_s): each second once
+            self.warmup_s = time.perf_counter() - self.started - sum(self.outside_s.values())
         self.meter.mark(completed_steps)
         self.timer.reset()
 
@@ -330,7 +331,8 @@ class StepMetrics:
 
     def summary(self, memory: Optional[dict[str, float]] = None) -> dict[str, Any]:
         """Steady-state throughput and MFU, and where the rest of the wall time went: ``wall_s`` (since
-        set-up), ``warmup_s`` (until the first timed step), ``compile_s`` (torch.compile's own time, see
+        set-up), ``warmup_s`` (until the first timed step, less the evaluation, checkpoint and logging time
+        within it), ``compile_s`` (torch.compile's own time, see
         :func:`compile_seconds`; None when the model is not compiled), ``eval_s``/``evals``,
         ``checkpoint_s``/``checkpoints``, ``log_s``/``logs``; and ``peak_alloc_mb_run`` /
         ``peak_reserved_mb_run``: the whole run's peaks, warm-up and compilation included, from
