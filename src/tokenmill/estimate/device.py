@@ -282,14 +282,14 @@ class DeviceModel(TorchFunctionMode):
         return _ATEN._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)[0]
 
 
-def _nf4_dequantized(w: torch.Tensor) -> list[torch.Tensor]:
+def _nf4_dequantized(w: torch.Tensor) -> torch.Tensor:
     """What ``model/nf4.py`` ``nf4_dequantize`` allocates for ``w``: the int32 index of each byte's pair (2 bytes a
     weight), freed once the table lookup made the values (a weight each, in ``w``'s dtype), which the product
     reads. Returns the values' stand-in (the caller frees it after the product)."""
     codes = torch.empty(2 * w.numel(), dtype=torch.uint8, device="meta")
     values = torch.empty(w.numel() * w.element_size(), dtype=torch.uint8, device="meta")
     del codes
-    return [values]
+    return values
 
 
 class _NF4Product(torch.autograd.Function):
