@@ -43,7 +43,7 @@ from tokenmill.errors import GraphCaptured
 from tokenmill.estimate.device import DeviceModel
 from tokenmill.estimate.inductor import GraphPlan, plan_graph
 from tokenmill.estimate.pieces import PieceTrace, Round, nf4_names  # noqa: F401
-from tokenmill.model.lora import nf4_weights
+from tokenmill.model.lora import nf4_params, nf4_weights
 
 
 class _Call(nn.Module):
@@ -450,7 +450,7 @@ def compiled_block(model: nn.Module, block: nn.Module, shape: tuple, act_dtype: 
     trace.buffer_bytes = sum(b.numel() * b.element_size() for b in block.buffers())
     trace.nf4_sizes = nf4_weights(block)
     prefix = {m: n for n, m in model.named_modules()}[block] + "."
-    trace.param_nf4 = {prefix + n for n in nf4_names(params, block)}
+    trace.param_nf4 = {prefix + n for n in nf4_names(params, nf4_params(block))}
     return _finish(trace, params, prefix)
 
 

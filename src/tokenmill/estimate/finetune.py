@@ -15,8 +15,7 @@ QLoRA's column is the estimate of the LoRA config with ``lora.quantize_base = 'n
 every block projection's weight (adapted or not, as QLoRA quantises every Linear of the blocks) held in the
 step's timeline as torchao stores it (:func:`~tokenmill.model.nf4.nf4_parts`: half a byte per weight, an int8
 scale per 64 and an fp32 factor per group of up to 256 scales, 4.13 bits per weight), sharded so under FSDP,
-plus one transient: the largest projection's weight dequantised beside its int32 codes (model/nf4.py
-dequantises one projection at a time, in the forward and again in the backward). Not the LoRA estimate less
+and each projection's dequantisation where it runs (estimate/core.py ``_nf4_base``). Not the LoRA estimate less
 the NF4 saving: near a GPU's capacity the caching allocator of a run with the full-width base is not the one
 of the QLoRA run.
 """

@@ -58,10 +58,8 @@ class PieceTrace:
         return sum(self.host_sizes)
 
 
-def nf4_names(params: dict, module) -> set[str]:
-    """The keys of ``params`` (a traced piece's parameters by name) that ``module`` holds as NF4 (QLoRA:
-    ``model/lora.py`` :func:`~tokenmill.model.lora.nf4_params`)."""
-    from tokenmill.model.lora import nf4_params
-
-    ids = {id(t) for t in nf4_params(module)}
+def nf4_names(params: dict, nf4: list) -> set[str]:
+    """The keys of ``params`` (a traced piece's parameters by name) that are among ``nf4``, the weights its module
+    holds as NF4 (QLoRA: ``model/lora.py`` :func:`~tokenmill.model.lora.nf4_params`)."""
+    ids = {id(t) for t in nf4}
     return {n for n, p in params.items() if id(p) in ids}

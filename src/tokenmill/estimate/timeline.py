@@ -20,6 +20,7 @@ import torch
 from tokenmill import config as C
 from tokenmill.estimate.allocator import CachingAllocator
 from tokenmill.estimate.trace import PieceTrace
+from tokenmill.model.nf4 import nf4_bytes
 
 CATEGORIES = ("parameters", "gradients", "optimizer state", "activations", "logits and loss", "temporaries",
               "communication buffers", "batch")
@@ -70,8 +71,6 @@ class Param:
     def nbytes(self) -> int:
         """Bytes as stored: an NF4 weight's codes and scales (``model/nf4.py`` nf4_bytes), else its dtype's."""
         if self.nf4:
-            from tokenmill.model.nf4 import nf4_bytes
-
             return nf4_bytes(self.numel)
         return self.numel * _size(self.dtype)
 

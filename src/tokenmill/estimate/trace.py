@@ -90,7 +90,8 @@ def trace_block(model: nn.Module, block: nn.Module, shape: tuple, act_dtype: tor
     trace.buffer_bytes = sum(b.numel() * b.element_size() for b in block.buffers())
     inner = getattr(block, "_checkpoint_wrapped_module", block)
     rope = (model.rope_cos, model.rope_sin) if model.cfg.pos_emb == "rope" else None
-    devmode.nf4_weights(nf4_params(block))  # QLoRA: each NF4 product's dequantisation in the timeline
+    nf4 = nf4_params(block)
+    devmode.nf4_weights(nf4)  # QLoRA: each NF4 product's dequantisation in the timeline
     with devmode.autocast_forward(inner), devmode, rec:  # the recomputation runs under autocast too
         for _ in range(rounds):
             box.clear()
@@ -116,8 +117,8 @@ def trace_block(model: nn.Module, block: nn.Module, shape: tuple, act_dtype: tor
             trace.rounds.append(rnd)
             rec.events, rec.costs, rec.n_ops = [], [], 0
     trace.nf4_sizes = nf4_weights(block)
-    trace.param_nf4 = nf4_names(params, block)
-    trace.nf4_traced = {id(w) for w in nf4_params(block)} <= devmode.nf4_seen
+    trace.param_nf4 = nf4_names(params, nf4)
+    trace.nf4_traced = {id(w) for w in nf4} <= devmode.nf4_seen
     devmode.nf4_weights([])
     return _finish(trace, params)
 

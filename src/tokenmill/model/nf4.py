@@ -161,7 +161,10 @@ class NF4Base(nn.Module):
     def __getattr__(self, name: str):
         """``<weight>_nf4_scales`` / ``_factors`` / ``_mean``: the state-dict entries of an NF4 weight's scales
         (its local shard's under FSDP), as attributes: torch's distributed state dict (FSDP checkpoints) looks
-        every key up on its module."""
+        every key up on its module. Every parameter access of the module comes here (``nn.Module`` keeps them
+        in ``_parameters``): one substring test for those."""
+        if "_nf4_" not in name:
+            return super().__getattr__(name)
         for key, attr in zip(_NF4_KEYS, ("quantized_scalers", "quantization_factor", "scaler_mean")):
             w = self.__dict__["_parameters"].get(name[: -len(key)]) if name.endswith(key) else None
             if w is not None and is_nf4(_local(w)):
