@@ -217,6 +217,6 @@ def test_hf_loss_holds_the_bytes_its_cases_state():
     assert abs(per_logit["hf-4.38"] - per_logit["tokenmill"] - 4.0) < 0.25, per_logit
     published, _ = load(FILE)
     stated = {c.id: c.other_mib for c in published if c.id.startswith("answerai-")}
-    tokens = {c.id: c.flags["train.batch_size"] * c.flags.get("model.block_size", 2048) for c in published
-              if c.id.startswith("answerai-")}
-    assert stated and all(stated[k] == 4 * tokens[k] * 32000 / 2**20 for k in stated), stated
+    logits = {c.id: c.flags["train.batch_size"] * c.flags.get("model.block_size", 2048) * c.flags["model.vocab_size"]
+              for c in published if c.id.startswith("answerai-")}
+    assert stated and all(stated[k] == 4 * logits[k] / 2**20 for k in stated), stated
