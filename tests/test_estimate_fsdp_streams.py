@@ -126,3 +126,37 @@ def test_fsdp_gathers_and_shards_nf4_weights_as_stored():
     on_ag = [e[2] for e in tl.ev if e[0] == "a" and e[4] == AG_STREAM]
     assert on_ag.count(gathered) >= 2  # block 0 gathered in forward and again in backward, one buffer each
     assert all(p.dtype == torch.bfloat16 for p in block)  # pure bf16: no cast input for any gather
+
+
+def _gradients_alive_at(tl, mark: str) -> int:
+    """Bytes of the timeline's 'gradients' allocations still alive when ``mark`` is reached."""
+    alive: dict[int, int] = {}
+    for e in tl.ev:
+        if e[0] == "a" and e[3] == "gradients":
+            alive[e[1]] = e[2]
+        elif e[0] == "f":
+            alive.pop(e[1], None)
+        elif e[0] == "m" and e[1] == mark:
+            return sum(alive.values())
+    raise AssertionError(f"no mark {mark!r}")
+
+
+def test_fsdp_cpu_offload_keeps_no_gradient_shard_on_the_device():
+    """FSDP2's CPU offload copies each reduce-scattered gradient shard to the host and drops its device output at
+    once (torch's foreach_reduce, offload_to_cpu); without offload the shards live on the device until zero_grad.
+    The 70B torchtune full fine-tune with CPU offload was estimated with 18.8 GB of them held (+94%)."""
+    ranks = 4
+    base = {"data.source": "synthetic", "model.vocab_size": 512, "model.n_layer": 2, "model.n_embd": 64,
+            "model.n_head": 4, "model.block_size": 32, "train.batch_size": 2, "train.precision": "bf16",
+            "parallel.dp_shard": ranks}
+    alive, outputs = {}, {}
+    for offload in (False, True):
+        cfg = C.resolve(None, overrides={**base, "parallel.fsdp_cpu_offload": offload}, overrides_from_string=False)
+        cfg = C.concrete(cfg, "cuda", True)
+        plan, pieces = _plan(cfg, resolve_layout(cfg, ranks), 512, True, 0)
+        tl = Step(pieces, plan).run(steps=1)
+        alive[offload] = _gradients_alive_at(tl, "optimizer step")
+        outputs[offload] = [e[2] for e in tl.ev if e[0] == "a" and e[4] == RS_STREAM]
+    sharded = sum(_padded(p.shape, ranks) for p in plan.params) * 2 // ranks  # bf16 gradient shards, every group
+    assert outputs[True] == outputs[False] and sum(outputs[False]) == sharded  # the same reduce-scatters
+    assert alive[False] == sharded and alive[True] == 0

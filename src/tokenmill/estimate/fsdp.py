@@ -12,7 +12,10 @@
   the unsharded gradients into an input on the current stream (fp32 with the bf16 mixed precision policy's fp32
   reduction) and writes into an output made on the reduce-scatter stream (:data:`RS_STREAM`) that the gradient
   shards then view, so the gradients live in that stream's pool: freed by ``zero_grad``, their blocks serve no
-  request of the compute stream (:mod:`.allocator`). Not modelled: FSDP keeps the input until the next group's
+  request of the compute stream (:mod:`.allocator`). Under CPU offload (``parallel.fsdp_cpu_offload``) each
+  gradient shard is copied to the host as the reduce-scatter ends and its device output dropped at once
+  (``foreach_reduce``: ``offload_to_cpu``; the reduce-scatter stream's later work runs after the copy), so no
+  gradient shard stays on the device. Not modelled: FSDP keeps the input until the next group's
   reduce-scatter (``comm_ctx.reduce_scatter_state(s)``); here it is freed at once;
 - an NF4 weight (QLoRA: torchao's ``fsdp_pre_all_gather``) is gathered as stored, its codes, scales and factors
   (:func:`gathered_bytes`: about a quarter of its bf16 bytes), never cast by the mixed precision policy;
@@ -96,6 +99,9 @@ class FsdpComm:
             tl.release(self.grads.pop(n))
         new = tl.alloc(total * self.shard, "gradients", stream=RS_STREAM)
         tl.release(buf)
+        if self.cfg.parallel.fsdp_cpu_offload:  # copied to the host gradient and freed at once (module doc)
+            tl.release(new)
+            return
         if all(n in self.sharded for n in present):  # added into the sharded gradients, then freed
             tl.release(new)
             return
