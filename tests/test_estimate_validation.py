@@ -216,7 +216,24 @@ def test_hf_loss_holds_the_bytes_its_cases_state():
     assert 11.5 < per_logit["tokenmill"] < 13.0, per_logit
     assert abs(per_logit["hf-4.38"] - per_logit["tokenmill"] - 4.0) < 0.25, per_logit
     published, _ = load(FILE)
-    stated = {c.id: c.other_mib for c in published if c.id.startswith("answerai-")}
+    answerai = [c for c in published if c.id.startswith("answerai-")]
+    stated = {c.id: c.other_mib - _quant_state_mib(c) for c in answerai}
     logits = {c.id: c.flags["train.batch_size"] * c.flags.get("model.block_size", 2048) * c.flags["model.vocab_size"]
-              for c in published if c.id.startswith("answerai-")}
-    assert stated and all(stated[k] == 4 * logits[k] / 2**20 for k in stated), stated
+              for c in answerai}
+    assert stated and all(abs(stated[k] - 4 * logits[k] / 2**20) < 0.06 for k in stated), stated
+    assert sum(_quant_state_mib(c) > 0 for c in answerai) == 9
+
+
+def _quant_state_mib(case) -> float:
+    """What the Answer.AI QLoRA cases under FSDP state beside the loss (published.toml, their sections):
+    bitsandbytes' quant_state (the uint8 absmax of each block of 64 weights and an fp32 factor per 256 of them) is
+    made on every rank's GPU and is no FSDP parameter, so the source holds all of it where tokenmill holds its shard
+    of the NF4 scales (half over two ranks) or, under CPU offload, none. Computed here from the model's shapes."""
+    f = case.flags
+    if f.get("lora.quantize_base") != "nf4" or f.get("parallel.dp_shard", 1) == 1:
+        return 0.0
+    C, L = f.get("model.n_embd", 4096), f.get("model.n_layer", 32)
+    kv = f["model.n_kv_head"] * C // f.get("model.n_head", 32)
+    n = L * (2 * C * C + 2 * C * kv + 3 * C * f["model.intermediate_size"])  # q, o; k, v; gate, up, down
+    scales = n / 64 + n / 64 / 256 * 4
+    return round(scales * (1.0 if f.get("parallel.fsdp_cpu_offload") else 0.5) / 2**20, 1)
