@@ -236,4 +236,23 @@ def _quant_state_mib(case) -> float:
     kv = f["model.n_kv_head"] * C // f.get("model.n_head", 32)
     n = L * (2 * C * C + 2 * C * kv + 3 * C * f["model.intermediate_size"])  # q, o; k, v; gate, up, down
     scales = n / 64 + n / 64 / 256 * 4
-    return round(scales * (1.0 if f.get("parallel.fsdp_cpu_offload") else 0.5) / 2**20, 1)
+    held = 0.0 if f.get("parallel.fsdp_cpu_offload") else 1 / f["parallel.dp_shard"]  # tokenmill's share on the GPU
+    return round(scales * (1.0 - held) / 2**20, 1)
+
+
+def test_litgpt_qlora_cases_state_what_bnb_peak_measured():
+    """Lit-GPT's bitsandbytes QLoRA cases (published.toml, their section; benchmarks/validation/bnb_peak.py): the
+    source holds the input of every quantised Linear beyond tokenmill (per block the q/k/v input, the attention
+    output's reassembled copy, the MLP norm's output and silu(fc_1) x fc_2; the final norm's output) and, at its
+    peak in the head's backward, the NF4 head and a second dequantised copy of it beside tokenmill's bf16 head."""
+    from tokenmill.model.nf4 import nf4_bytes
+    published, _ = load(FILE)
+    cases = [c for c in published if c.id.startswith("litgpt-") and c.flags.get("lora.quantize_base") == "nf4"]
+    assert len(cases) == 2
+    for c in cases:
+        f = c.flags
+        L, C, T, V = f.get("model.n_layer", 32), f.get("model.n_embd", 4096), f["model.block_size"], f["model.vocab_size"]
+        mlp = f["model.intermediate_size"]
+        saved = (L * (3 * T * C + T * mlp) + T * C) * 2
+        head = nf4_bytes(V * C) + 2 * V * C
+        assert abs(c.other_mib - (saved + head) / 2**20) < 0.06, (c.id, c.other_mib, (saved + head) / 2**20)
