@@ -9,6 +9,7 @@ import hashlib
 import importlib.util
 import io
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -229,12 +230,13 @@ def _quant_state_mib(case) -> float:
     bitsandbytes' quant_state (the uint8 absmax of each block of 64 weights and an fp32 factor per 256 of them) is
     made on every rank's GPU and is no FSDP parameter, so the source holds all of it where tokenmill holds its shard
     of the NF4 scales (half over two ranks) or, under CPU offload, none. Computed here from the model's shapes."""
+    from tokenmill.config.matrices import block_matrices
+
     f = case.flags
     if f.get("lora.quantize_base") != "nf4" or f.get("parallel.dp_shard", 1) == 1:
         return 0.0
-    C, L = f.get("model.n_embd", 4096), f.get("model.n_layer", 32)
-    kv = f["model.n_kv_head"] * C // f.get("model.n_head", 32)
-    n = L * (2 * C * C + 2 * C * kv + 3 * C * f["model.intermediate_size"])  # q, o; k, v; gate, up, down
+    model = config_of(case).model  # the block's matrices as the project describes them (config/matrices.py)
+    n = model.n_layer * sum(math.prod(m.shape) for m in block_matrices(model))
     scales = n / 64 + n / 64 / 256 * 4
     held = 0.0 if f.get("parallel.fsdp_cpu_offload") else 1 / f["parallel.dp_shard"]  # tokenmill's share on the GPU
     return round(scales * (1.0 - held) / 2**20, 1)

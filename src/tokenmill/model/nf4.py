@@ -135,9 +135,10 @@ class NF4Base(nn.Module):
     def _nf4_shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._parameters[name].shape)
 
-    def _hide(self) -> tuple[list[str], dict[str, nn.Parameter]]:
-        """Take the NF4 weights out of ``_parameters`` (put back by :meth:`_restore`, in their order)."""
-        names = self._nf4_names()
+    def _hide(self, names: list[str] | None = None) -> tuple[list[str], dict[str, nn.Parameter]]:
+        """Take the NF4 weights (or ``names``) out of ``_parameters`` (put back by :meth:`_restore`, in their
+        order)."""
+        names = self._nf4_names() if names is None else names
         return list(self._parameters), {n: self._parameters.pop(n) for n in names}
 
     def _restore(self, order: list[str], hidden: dict[str, nn.Parameter]) -> None:
@@ -179,7 +180,7 @@ class NF4Base(nn.Module):
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         sharded = self._sharded_nf4_names()
         if sharded:  # FSDP: the same keys, as DTensors of the same layout (DCP saves each rank's rows)
-            order, hidden = list(self._parameters), {n: self._parameters.pop(n) for n in sharded}
+            order, hidden = self._hide(sharded)
             try:
                 self._save_to_state_dict(destination, prefix, keep_vars)
             finally:
@@ -202,7 +203,7 @@ class NF4Base(nn.Module):
                                                  unexpected_keys, error_msgs)
         saved = {n: {k: state_dict.pop(prefix + n + k) for k in ("", *_NF4_KEYS) if prefix + n + k in state_dict}
                  for n in names}
-        order, hidden = list(self._parameters), {n: self._parameters.pop(n) for n in names}
+        order, hidden = self._hide(names)
         try:
             super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                           unexpected_keys, error_msgs)
