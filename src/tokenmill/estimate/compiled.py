@@ -448,9 +448,10 @@ def compiled_block(model: nn.Module, block: nn.Module, shape: tuple, act_dtype: 
     trace = build_piece("block", g, devmode, rounds, x_nbytes=x_nbytes,
                         checkpointed=inner is not block and sac is None)
     trace.buffer_bytes = sum(b.numel() * b.element_size() for b in block.buffers())
-    trace.nf4_sizes = nf4_weights(block)
+    nf4 = nf4_params(block)  # QLoRA's NF4 weights, walked once
+    trace.nf4_sizes = nf4_weights(block, nf4)
     prefix = {m: n for n, m in model.named_modules()}[block] + "."
-    trace.param_nf4 = {prefix + n for n in nf4_names(params, nf4_params(block))}
+    trace.param_nf4 = {prefix + n for n in nf4_names(params, nf4)}
     return _finish(trace, params, prefix)
 
 

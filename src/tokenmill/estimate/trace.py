@@ -116,7 +116,7 @@ def trace_block(model: nn.Module, block: nn.Module, shape: tuple, act_dtype: tor
             rnd.x, rnd.y, rnd.gy, rnd.gx = bx, by, box.get("gy"), box.get("gx")
             trace.rounds.append(rnd)
             rec.events, rec.costs, rec.n_ops = [], [], 0
-    trace.nf4_sizes = nf4_weights(block)
+    trace.nf4_sizes = nf4_weights(block, nf4)
     trace.param_nf4 = nf4_names(params, nf4)
     trace.nf4_traced = {id(w) for w in nf4} <= devmode.nf4_seen
     devmode.nf4_weights([])

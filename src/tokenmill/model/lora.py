@@ -298,10 +298,11 @@ def nf4_params(module: nn.Module) -> list[torch.Tensor]:
     return out
 
 
-def nf4_weights(module: nn.Module) -> list[tuple[int, int]]:
+def nf4_weights(module: nn.Module, weights: list[torch.Tensor] | None = None) -> list[tuple[int, int]]:
     """(elements, bytes per element of the dtype it dequantises to) of every weight ``module`` holds as NF4
-    (:func:`nf4_params`), in module order; on ``meta`` at the dtype they would dequantise to."""
-    return [(w.numel(), w.dtype.itemsize) for w in nf4_params(module)]
+    (:func:`nf4_params`, or ``weights`` when the caller has them already), in module order; on ``meta`` at the
+    dtype they would dequantise to."""
+    return [(w.numel(), w.dtype.itemsize) for w in (nf4_params(module) if weights is None else weights)]
 
 
 def _on_meta(module: nn.Module) -> bool:
