@@ -141,6 +141,31 @@ def _gradients_alive_at(tl, mark: str) -> int:
     raise AssertionError(f"no mark {mark!r}")
 
 
+def test_untied_embeddings_and_head_are_fsdp_units_of_their_own():
+    """With an untied head (model/gpt.py edge_units_apart, as the trainer's apply_fsdp shards it) the embeddings
+    are gathered for their forward and again for their backward, the final norm and head at the end of forward
+    and freed after their backward, each unit reduce-scattered on its own; the root holds nothing more."""
+    ranks = 4
+    cfg = C.resolve(None, overrides={
+        "data.source": "synthetic", "model.vocab_size": 512, "model.n_layer": 2, "model.n_embd": 64,
+        "model.n_head": 4, "model.block_size": 32, "train.batch_size": 2, "train.precision": "bf16-autocast",
+        "model.tie_embeddings": False, "parallel.dp_shard": ranks, "parallel.fsdp_mixed_precision": "bf16"},
+        overrides_from_string=False)
+    cfg = C.concrete(cfg, "cuda", True)
+    plan, pieces = _plan(cfg, resolve_layout(cfg, ranks), 512, True, 0)
+    tl = Step(pieces, plan).run(steps=1)
+    on = {s: [e[2] for e in tl.ev if e[0] == "a" and e[4] == s] for s in (RS_STREAM, AG_STREAM)}
+    units = {"b0": [p for p in plan.params if p.block == 0], "b1": [p for p in plan.params if p.block == 1],
+             "embed": [p for p in plan.params if p.piece == "embed"],
+             "head": [p for p in plan.params if p.piece == "head"]}
+    assert sum(map(len, units.values())) == len(plan.params) and units["head"]  # no parameter left to the root
+    bf16 = {k: sum(math.prod(p.shape) for p in g) * 2 for k, g in units.items()}
+    fp32 = {k: sum(_padded(p.shape, ranks) for p in g) * 4 for k, g in units.items()}
+    order = ["embed", "b0", "b1", "head", "b1", "b0", "embed"]
+    assert on[AG_STREAM] == [n for k in order for n in (int(bf16[k] / ranks), bf16[k])]
+    assert on[RS_STREAM] == [fp32[k] // ranks for k in ("head", "b1", "b0", "embed")]
+
+
 def test_fsdp_cpu_offload_keeps_no_gradient_shard_on_the_device():
     """FSDP2's CPU offload copies each reduce-scattered gradient shard to the host and drops its device output at
     once (torch's foreach_reduce, offload_to_cpu); without offload the shards live on the device until zero_grad.

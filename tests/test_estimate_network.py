@@ -52,3 +52,32 @@ def test_a_node_the_gpu_table_lacks_must_be_described():
 def test_hostile_node_values_are_one_line_errors(flag, value, says):
     r = run_cli("estimate", "--preset", "gpt2-124m", "--data.source", "synthetic", flag, value)
     assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr
+
+
+def test_nccl_channels_follow_nccls_search_rule():
+    """estimate/bandwidth.py nccl_channels against what NCCL logs: 24 channels on an HGX A100 (nccl-tests issue
+    #100), 16 on an H800's 8 NVLinks (NVIDIA/nccl issue #892); the H100 SXM by the same rule, 24; a PCIe part few."""
+    import dataclasses
+
+    from tokenmill.estimate.bandwidth import nccl_channels
+
+    h100 = gpu_spec("h100-sxm")
+    assert nccl_channels(gpu_spec("a100-80gb")) == 24 and nccl_channels(h100) == 24
+    assert nccl_channels(dataclasses.replace(h100, link_gbs=8 * 25)) == 16  # the H800: 8 NVLink-4 links
+    assert nccl_channels(gpu_spec("rtx-4090")) == 4 and nccl_channels(gpu_spec("cpu")) == 0
+
+
+def test_overlapped_collectives_take_nccls_sms_within_a_node_only():
+    """The compute loses channels / SMs of the GPU over the collectives it overlaps (roofline._contention_seconds):
+    24 / 108 of the overlapped milliseconds on A100s in one node; across nodes nothing is counted."""
+    def timing(nproc: int) -> dict:
+        r = run_cli("estimate", "--preset", "gpt2-124m", "--data.source", "synthetic", "--train.batch_size", "1",
+                    "--model.block_size", "256", "--gpu", "a100-80gb", "--nproc", str(nproc), "--parallel.dp_shard",
+                    str(nproc), "--parallel.dp_replicate", "1", "--json")
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)["time_breakdown_ms"]
+
+    one, two = timing(8), timing(16)
+    overlapped = one["collectives_ms"] - one["collectives_exposed_ms"]
+    assert overlapped > 0 and one["collectives_sm_share_ms"] == pytest.approx(overlapped * 24 / 108, rel=1e-6)
+    assert two["collectives_sm_share_ms"] == 0.0

@@ -433,3 +433,50 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # every run's files are written and closed: skip the interpreter's teardown (~1 s of CPU a rank)
+
+
+@pytest.mark.parametrize("preset, tied", [("tiny-llama", False), (None, True)])
+def test_fsdp_shards_untied_embeddings_and_head_as_units_of_their_own(preset, tied):
+    """apply_fsdp (the trainer's) over torch's fake process group, rank 0 of 4: an untied embedding is a unit freed
+    after its forward, the final norm with the head one kept for its backward, the root holding nothing; tied,
+    they stay with the root (one parameter, one unit). The estimator reads the same rule (edge_units_apart)."""
+    import sys
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tokenmill import config as C
+    from tokenmill.model.build import build_gpt
+    from tokenmill.model.gpt import edge_units_apart
+    from tokenmill.parallel.data_parallel import apply_fsdp
+    from tokenmill.parallel.world import World
+
+    cfg = C.resolve(preset, overrides={"parallel.dp_shard": 4, "model.vocab_size": 64}, overrides_from_string=False)
+    assert cfg.model.tie_embeddings == tied and edge_units_apart(cfg.model) == (not tied)
+    hook = sys.excepthook
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (1, 1, 4, 1), mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+        model = build_gpt(cfg.model, 64, "cpu")
+        apply_fsdp(model, World(0, 0, 4, 1, 4, torch.device("cpu"), mesh, False, fsdp=True), cfg.parallel)
+
+        def group(module):
+            g = module._get_fsdp_state()._fsdp_param_group
+            return None if g is None else ({p._module_info.param_name for p in g.fsdp_params},
+                                           g.post_forward_mesh_info is not None)
+
+        root = group(model)
+        if tied:
+            assert root is not None and "weight" in root[0] and root[1] is False  # wte (= lm_head), ln_f: the root
+            assert not hasattr(model.wte, "_get_fsdp_state")
+        else:
+            assert root is None  # nothing left to the root
+            assert group(model.wte) == ({"weight"}, True)  # freed after its forward
+            assert group(model.lm_head) == ({"weight"}, False)  # ln_f and lm_head: kept for their backward
+            names = {n for n, _ in model.named_parameters() if not n.startswith("blocks.")}
+            assert names == {"wte.weight", "ln_f.weight", "lm_head.weight"}
+    finally:
+        dist.destroy_process_group()
+        sys.excepthook = hook

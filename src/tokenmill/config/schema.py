@@ -239,7 +239,10 @@ class ParallelConfig:
         "-1 = the rest of the world size.",
         ge=-1,
     )
-    dp_shard: int = F(1, "FSDP2 (fully_shard) sharding degree; 1 = no sharding. -1 = the rest of the world size.", ge=-1)
+    dp_shard: int = F(1, "FSDP2 (fully_shard) sharding degree; 1 = no sharding. -1 = the rest of the world size. "
+                      "Each block is a unit, and untied embeddings and the final norm with the head are units of their "
+                      "own (gathered only around their forward and backward, as torchtitan does); tied ones stay with "
+                      "the root.", ge=-1)
     tp: int = F(
         1,
         "Tensor-parallel degree: each block's q/k/v and MLP-up projections are split by columns, the output "

@@ -171,3 +171,36 @@ def link_bandwidth(gpu: GPU) -> float:
     """Bytes a second NCCL's collectives move per GPU and direction (their bus bandwidth): the datasheet link
     bandwidth x ``LINK_EFFICIENCY`` of its PCIe link, else of its NVLink by architecture (the CPU's: the A100's)."""
     return gpu.link_gbs * 1e9 * LINK_EFFICIENCY["pcie" if gpu.link.startswith("PCIe") else arch(gpu.cc)]
+
+
+# NCCL's ring-search bandwidths per channel (NVIDIA/nccl src/graph/search.cc, speedArrayIntra / sm90SpeedArrayIntra)
+_NCCL_SPEEDS = (40.0, 30.0, 20.0, 18.0, 15.0, 12.0, 10.0, 9.0, 7.0, 6.0, 5.0, 4.0, 3.0)
+_NCCL_SPEEDS_SM90 = (60.0, 50.0, 40.0, 30.0, 24.0, 20.0, 15.0, 12.0, 11.0, 6.0, 3.0)
+_NCCL_SEARCH_CHANNELS, _NCCL_MAX_CHANNELS = 16, 32  # MAXCHANNELS / 2 for the search; MAXCHANNELS
+
+
+def nccl_channels(gpu: GPU) -> int:
+    """The channels NCCL runs a collective on within a node, each one thread block that holds an SM for as long as
+    the collective runs (NCCL's CTAs never share an SM with compute kernels: S. Jeaugey, NVIDIA/nccl issue #689).
+    NCCL's rule (src/graph/search.cc at 5067397c): the ring search takes, from the highest speed down, the speed at
+    which as many channels as fit in the GPU's link bandwidth (NCCL's own, :data:`LINK_EFFICIENCY`) carry the most
+    (``ncclTopoCompute``; done once they carry it all), then doubles them unless the speed is under 25 GB/s or, on
+    compute capability 9.x, under 50 GB/s with more than 4 channels (``ncclTopoDupChannels``); ``ncclTopoPostset``
+    doubles them again. HGX A100: 6 channels at 40 of 240 GB/s, 24 in all, as NCCL logs there (nccl-tests issue #100:
+    'Channel 23/24'); an H800's 8 NVLinks (164.8 GB/s): 4 at 40, 16 in all, as its log says (NVIDIA/nccl issue #892:
+    '16 coll channels'); the H100 SXM: 6 at 60 of 370.8, 24. A CPU: none."""
+    if gpu.key == "cpu":
+        return 0
+    total = link_bandwidth(gpu) / 1e9
+    sm90 = gpu.cc[0] >= 9
+    best_n, best_speed = 0, 0.0
+    for speed in (_NCCL_SPEEDS_SM90 if sm90 else _NCCL_SPEEDS):
+        n = min(_NCCL_SEARCH_CHANNELS, int(total // speed + 1e-9))
+        if n and n * speed > best_n * best_speed:
+            best_n, best_speed = n, speed
+        if best_n * best_speed >= total - 1e-9:
+            break
+    n = best_n
+    if best_speed >= 25.0 and not (sm90 and best_speed < 50.0 and n > 4):
+        n = min(2 * n, _NCCL_SEARCH_CHANNELS)
+    return min(2 * n, _NCCL_MAX_CHANNELS)

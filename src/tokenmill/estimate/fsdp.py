@@ -69,7 +69,9 @@ class FsdpComm:
         return max(1, round(1.0 / self.shard))
 
     def _unshard(self, params: list[Param]) -> list[int]:
-        """All-gather (module doc): returns the unsharded parameters' storage."""
+        """All-gather (module doc): returns the unsharded parameters' storage (none for a unit without any)."""
+        if not params:
+            return []
         tl = self.tl
         total = sum(gathered_bytes(self.cfg, p) for p in params)  # unpadded: a subclass may mix groups (moe.py)
         cast = sum(p.numel * gathered_size(self.cfg, p) for p in params

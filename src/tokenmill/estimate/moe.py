@@ -338,6 +338,8 @@ def apply_moe(est, cfg: C.Config, lay, spec: GPU, plan, pieces=None, base=None) 
 
 
 def _apply_time(est, cfg: C.Config, lay, spec: GPU, t: dict[str, Any]) -> None:
+    from tokenmill.estimate.roofline import _contention_seconds
+
     tb = est.time_breakdown_ms
     mm = t["grouped_matmul_ms"] - t["grouped_matmul_traced_ms"]
     tb["matmul_ms"] = tb.get("matmul_ms", 0.0) + mm
@@ -346,9 +348,13 @@ def _apply_time(est, cfg: C.Config, lay, spec: GPU, t: dict[str, Any]) -> None:
     exposed_delta = max(-exposed, comm)
     tb["collectives_ms"] = tb.get("collectives_ms", 0.0) + comm
     tb["collectives_exposed_ms"] = exposed + exposed_delta
+    # the SMs NCCL holds over the collectives the compute overlaps, re-counted for the experts' own
+    share = tb.get("collectives_sm_share_ms", 0.0)
+    tb["collectives_sm_share_ms"] = 1000 * _contention_seconds(
+        spec, lay, (tb["collectives_ms"] - tb["collectives_exposed_ms"]) / 1000)
     tb["all_to_all_ms"] = t["all_to_all_ms"]
     old = est.step_ms
-    est.step_ms = old + mm + exposed_delta + t["all_to_all_ms"]
+    est.step_ms = old + mm + exposed_delta + tb["collectives_sm_share_ms"] - share + t["all_to_all_ms"]
     scale = old / est.step_ms
     est.tokens_per_sec *= scale
     if est.mfu:

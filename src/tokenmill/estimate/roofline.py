@@ -49,6 +49,7 @@ from tokenmill.estimate.bandwidth import (
     kernel_bandwidth,
     link_bandwidth,
     memory_bandwidth,
+    nccl_channels,
     streaming_bandwidth,
 )
 from tokenmill.estimate.fsdp import gathered_bytes
@@ -76,6 +77,7 @@ from tokenmill.estimate.techniques import (
 )
 from tokenmill.estimate.timeline import Layout
 from tokenmill.estimate.trace import Pieces
+from tokenmill.model.gpt import edge_units_apart
 
 # Every constant names its source: a published measurement, a count read from the code that runs, or one still
 # to be measured (benchmarks/validation/gemm_efficiency.py, a part of benchmarks/session.py; docs/estimate.md lists
@@ -359,6 +361,7 @@ def step_time(cfg: C.Config, lay: Layout, gpu: GPU, stages: list[tuple[Plan, Pie
         shard = lay.dp_shard if lay.dp_shard > 1 else (lay.dp_replicate if cfg.parallel.zero1 else 1)
         opt_s, opt_kernels = _optimizer_seconds(cfg, plan, gpu, param_bytes / shard)
         comm_exposed, comm_s = _comm_seconds(cfg, lay, gpu, plan, pieces, gpu_s, part["backward"] * n_mb)
+        contention = _contention_seconds(gpu, lay, comm_s - comm_exposed)
         bubble = gpu_s * (lay.pp - 1) / n_mb if lay.pp > 1 else 0.0
         # the host issues the step's work while the GPU runs it (estimate/host.py's two clocks): micro-batches,
         # then the optimizer step
@@ -367,14 +370,15 @@ def step_time(cfg: C.Config, lay: Layout, gpu: GPU, stages: list[tuple[Plan, Pie
             host_t, gpu_t = overlap(part["segments"] * (A * n_mb) + [(opt_host, opt_s)])
             gpu_t += offload_s
             launch_s = per_step["host"] + opt_host
-            total = max(host_t, gpu_t) + comm_exposed + bubble
+            total = max(host_t, gpu_t) + comm_exposed + contention + bubble
         else:
             launch_s = 0.0
             total = gpu_s + opt_s + comm_exposed + bubble
         if total > worst.get("total", -1):
             worst = {"total": total, "matmul": per_step["matmul"], "memory": per_step["memory"], "offload": offload_s,
                      "launch": launch_s, "optimizer": opt_s, "comm": comm_s, "comm_exposed": comm_exposed,
-                     "bubble": bubble, "flops": per_step["flops"]}
+                     "contention": contention if gpu.key != "cpu" else 0.0, "bubble": bubble,
+                     "flops": per_step["flops"]}
     data_s = 0.0
     if cfg.data.cpu_work_ms > 0:  # data.cpu_work_ms per sample, in the main process or spread over workers
         per_step_samples = t.batch_size * A
@@ -392,6 +396,7 @@ def step_time(cfg: C.Config, lay: Layout, gpu: GPU, stages: list[tuple[Plan, Pie
         "launch_ms": 1000 * worst["launch"], "optimizer_ms": 1000 * worst["optimizer"],
         "activation_offload_ms": 1000 * worst["offload"],
         "collectives_ms": 1000 * worst["comm"], "collectives_exposed_ms": 1000 * worst["comm_exposed"],
+        "collectives_sm_share_ms": 1000 * worst["contention"],
         "pipeline_bubble_ms": 1000 * worst["bubble"], "data_ms": 1000 * data_s, "mfu": mfu,
     }
 
@@ -437,6 +442,17 @@ def _adamw_seconds(cfg: C.Config, gpu: GPU, param_bytes: float, n_tensors: int) 
     return s, kernels  # the GPU's time; the host's is estimate/host.py's optimizer_host_seconds
 
 
+def _contention_seconds(gpu: GPU, lay: Layout, overlapped_s: float) -> float:
+    """What the compute loses while collectives run beside it: NCCL holds one SM per channel
+    (:func:`~.bandwidth.nccl_channels`) for as long as a collective runs, so over the overlapped seconds the
+    compute has ``channels / SMs`` fewer of the GPU's SMs (24 of 108 on an A100, 24 of 132 on an H100). Within
+    one node only: across nodes NCCL's channels follow its network rings (fewer; not modelled, none counted). The
+    memory bandwidth NCCL's copies take beside it is not counted either."""
+    if overlapped_s <= 0 or not gpu.sm or (gpu.node_gpus and lay.nproc > gpu.node_gpus):
+        return 0.0
+    return overlapped_s * nccl_channels(gpu) / gpu.sm
+
+
 def _comm_seconds(cfg: C.Config, lay: Layout, gpu: GPU, plan: Plan, pieces: Pieces, compute_s: float,
                   backward_s: float) -> tuple[float, float]:
     """(exposed seconds, total seconds) of the collectives of one step. What overlaps follows from the order the
@@ -460,7 +476,8 @@ def _comm_seconds(cfg: C.Config, lay: Layout, gpu: GPU, plan: Plan, pieces: Piec
     if lay.dp_shard > 1:
         n = lay.dp_shard
         bw = group_bandwidth(gpu, n, lay.tp)
-        groups = len(plan.stage_blocks) + 1  # a group per block, and the root's (embeddings, norm, head)
+        # a group per block, then the embeddings' and the head's (model/gpt.py edge_units), or the root's with them
+        groups = len(plan.stage_blocks) + (2 if edge_units_apart(cfg.model) else 1)
         grad_numel = sum(p.numel for p in plan.params if p.trainable)
         mixed = cfg.parallel.fsdp_mixed_precision == "bf16"  # reduced in fp32 (gathered: fsdp.gathered_bytes)
         gathers = 2 if cfg.parallel.fsdp_reshard_after_forward else 1

@@ -7,7 +7,9 @@
   forward (the trainer drops the logits at once: backward does not need them); backward in reverse (the
   first micro-batch creates the gradients, later ones add into them); FSDP gathers each block's
   parameters before its forward and backward (the next block's prefetched in backward), frees them
-  after, and reduce-scatters its gradients (after the last micro-batch, or every one with
+  after (so too an untied embedding's, and the final norm and head's from the end of forward to their
+  backward: :func:`~tokenmill.model.gpt.edge_units_apart`; the root's, tied, all step), and reduce-scatters
+  its gradients (after the last micro-batch, or every one with
   ``parallel.sync_every_microbatch``), its buffers and gradient shards on FSDP's own streams (:mod:`.fsdp`);
   the pipeline runs its micro-batches in the schedule's order;
 - the optimizer step: its state is created on the first step (two moments per parameter, in the
@@ -37,6 +39,7 @@ from tokenmill.estimate.fsdp import FsdpComm
 from tokenmill.estimate.techniques import docmask_bytes, muon_hidden, muon_temp_bytes, state_buffers
 from tokenmill.estimate.timeline import Layout, Param, Timeline, _Inst, _size, play_backward, play_forward
 from tokenmill.estimate.trace import Pieces, PieceTrace
+from tokenmill.model.gpt import edge_units_apart
 from tokenmill.model.nf4 import nf4_parts
 from tokenmill.model.offload import IN_FLIGHT
 
@@ -165,6 +168,8 @@ class Step(FsdpComm):
         self.tl = Timeline()
         lay = plan.layout
         self.fsdp = lay.dp_shard > 1
+        # the pieces FSDP shards as units of their own, apart from the root (the trainer's rule: model/gpt.py)
+        self.apart = {"embed", "head"} if self.fsdp and edge_units_apart(self.cfg.model) else set()
         self.shard = 1.0 / lay.dp_shard if self.fsdp else 1.0
         self.ddp = lay.dp_replicate > 1 and not self.fsdp and lay.tp == 1 and lay.pp == 1
         self.zero1 = self.cfg.parallel.zero1 and self.ddp
@@ -278,12 +283,16 @@ class Step(FsdpComm):
         tl.mark("step end")
 
     def _micro_forward(self, r: int) -> tuple:
-        """One micro-batch's forward: (embedding, head, [(block, instance, gathered params)], gathered root
-        params, the document mask) for :meth:`_micro_backward`."""
+        """One micro-batch's forward: (embedding, head, [(block, instance, gathered params)], (the gathered root
+        params, the edge units' still gathered), the document mask) for :meth:`_micro_backward`."""
         tl, cfg, pieces, plan = self.tl, self.cfg, self.pieces, self.plan
-        root = self._unshard([p for p in plan.params if p.piece != "block"]) if self.fsdp else []
+        root = self._unshard(self._root_params()) if self.fsdp else []
+        edges = {"embed": self._unshard(self._piece_params("embed"))} if "embed" in self.apart else {}
         emb = _Inst(pieces.embed, r)
         play_forward(tl, emb)
+        if edges and cfg.parallel.fsdp_reshard_after_forward:  # the embeddings' unit: freed after its forward
+            for g in edges.pop("embed"):
+                tl.release(g)
         dm = docmask_bytes(cfg, pieces.batch, pieces.seq, plan.cuda)  # data.document_mask's mask (techniques.py)
         docmask = tl.alloc(dm, "activations") if dm else None  # kept until the first block's backward
         x, insts = emb.y, []
@@ -298,19 +307,23 @@ class Step(FsdpComm):
                 held = []
             insts.append((i, inst, held))
             x = inst.y
+        if "head" in self.apart:  # the final norm and the head's unit, kept for their backward
+            edges["head"] = self._unshard(self._piece_params("head"))
         head = _Inst(pieces.head, r, x=x)
         play_forward(tl, head)
         tl.release(head.y)  # the trainer keeps only the loss
         kept = offload_kept_bytes(plan, pieces)  # memory.offload_activations: still going down, kept till backward
         self.kept = tl.alloc(kept, "activations") if kept else None
-        return emb, head, insts, root, docmask
+        return emb, head, insts, (root, edges), docmask
 
-    def _micro_backward(self, emb: _Inst, head: _Inst, insts: list, root: list[int], docmask: Optional[int],
-                        sync: bool) -> None:
-        """One micro-batch's backward, blocks in reverse; under FSDP each block's parameters are gathered
-        again (the next one's prefetched) and its gradients reduce-scattered."""
+    def _micro_backward(self, emb: _Inst, head: _Inst, insts: list, gathered: tuple[list[int], dict],
+                        docmask: Optional[int], sync: bool) -> None:
+        """One micro-batch's backward, blocks in reverse; under FSDP each unit's parameters are gathered
+        again (the next block's prefetched) and its gradients reduce-scattered."""
         tl, cfg, plan = self.tl, self.cfg, self.plan
+        root, edges = gathered
         play_backward(tl, head, self._on_grad_renamed(None))
+        self._edge_done(edges, "head", sync)
         tl.release(self.kept)
         gy = head.gx
         prefetched: dict[int, list[int]] = {}
@@ -329,13 +342,31 @@ class Step(FsdpComm):
                     tl.release(g)
                 self._reduce_scatter([p.name for p in self._block_params(i)], sync)
         tl.release(docmask)
+        if "embed" in self.apart and "embed" not in edges:  # gathered again for its backward
+            edges["embed"] = self._unshard(self._piece_params("embed"))
         emb.gy = gy
         play_backward(tl, emb, self._on_grad_renamed(None))
         tl.release(gy)
+        self._edge_done(edges, "embed", sync)
         if self.fsdp:
             for g in root:
                 tl.release(g)
-            self._reduce_scatter([p.name for p in plan.params if p.piece != "block"], sync)
+            self._reduce_scatter([p.name for p in self._root_params()], sync)
+
+    def _root_params(self) -> list[Param]:
+        """The root unit's parameters: all but the blocks' and the edge units' (:attr:`apart`)."""
+        return [p for p in self.plan.params if p.piece != "block" and p.piece not in self.apart]
+
+    def _piece_params(self, piece: str) -> list[Param]:
+        return [p for p in self.plan.params if p.piece == piece]
+
+    def _edge_done(self, edges: dict, piece: str, sync: bool) -> None:
+        """An edge unit's post-backward: its unsharded parameters freed, its gradients reduce-scattered."""
+        if piece not in self.apart:
+            return
+        for g in edges.pop(piece, []):
+            self.tl.release(g)
+        self._reduce_scatter([p.name for p in self._piece_params(piece)], sync)
 
     def _activation_host_bytes(self) -> int:
         return offloaded_bytes(self.plan, self.pieces)

@@ -5,8 +5,10 @@ The model's own loss, used by :class:`~tokenmill.model.gpt.GPT` when ``model.los
 once the gradient of the summed loss with respect to the logits (``softmax - one_hot``), which it
 turns into the chunk's gradient for the hidden states and adds into the head-weight gradient; then
 the chunk's logits are freed. Backward only scales those two saved gradients by ``grad_out``.
-So the peak extra memory is one chunk of logits plus a hidden-state-sized and a weight-sized
-gradient, instead of the full fp32 logits and their gradient.
+So the peak extra memory is one chunk of logits plus a hidden-state-sized and a weight-sized (fp32)
+gradient, instead of the full fp32 logits and their gradient: the head weight is cast to the hidden states' dtype
+once for the loop (autocast's fp32 weight), each chunk's weight gradient is added in slices of vocabulary rows (no
+weight-sized product), and backward scales the fp32 sum straight into the weight's dtype.
 
 The math is the same as ``F.cross_entropy(h @ W[:vocab].T, targets, reduction=...)``: a target equal to
 ``ignore_index`` (-100, ``data.loss_mask``'s tokens not learned) adds nothing to the loss and gets no
@@ -38,7 +40,7 @@ def _chunk_loop(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vo
     """The summed loss (fp32) over all chunks, targets ``ignore_index`` skipped, and when asked the
     gradients of that sum for ``h`` (in its dtype) and for ``weight`` (fp32, its whole shape: padded rows
     stay 0)."""
-    w = weight[:vocab_size]
+    w = weight[:vocab_size].to(h.dtype)  # one copy for the whole loop when the weight is wider (autocast's fp32)
     grad_h = torch.empty_like(h) if need_h else None
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
     total = torch.zeros((), dtype=torch.float32, device=h.device)
@@ -56,10 +58,20 @@ def _chunk_loop(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vo
         g[torch.arange(g.size(0), device=g.device), tc] -= keep.to(g.dtype)
         g = g.to(h.dtype)
         if grad_h is not None:
-            grad_h[s : s + chunk_size] = g @ w.to(h.dtype)
+            grad_h[s : s + chunk_size] = g @ w
         if grad_w is not None:
-            grad_w[:vocab_size] += (g.t() @ hc).float()
+            _add_weight_grad(grad_w, g, hc, chunk_size)
     return total, grad_h, grad_w
+
+
+def _add_weight_grad(grad_w: torch.Tensor, g: torch.Tensor, hc: torch.Tensor, chunk_size: int) -> None:
+    """``grad_w[:V] += g.T @ hc`` (fp32 += the product in ``hc``'s dtype), over slices of vocabulary rows each
+    no larger than the chunk's fp32 logits: no weight-sized product, nor its fp32 copy, exists at once."""
+    vocab = g.size(1)
+    rows = max(1, chunk_size * vocab * 4 // (hc.size(1) * hc.element_size()))
+    for v in range(0, vocab, rows):
+        end = min(v + rows, vocab)  # the padded rows past the vocabulary stay 0
+        grad_w[v:end].add_(g[:, v:end].t() @ hc)
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -83,7 +95,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 def _scaled(grad_h, grad_w, grad_out, w_dtype: torch.dtype):
     """The saved gradients of the summed loss, times ``grad_out``."""
     gh = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
-    gw = (grad_w * grad_out).to(w_dtype) if grad_w is not None else None
+    gw = None
+    if grad_w is not None:  # scaled straight into the weight's dtype: no second fp32 copy of the weight's size
+        gw = torch.mul(grad_w, grad_out, out=torch.empty(grad_w.shape, dtype=w_dtype, device=grad_w.device))
     return gh, gw
 
 

@@ -4,8 +4,9 @@ Order (torchtitan style), applied by :func:`apply_data_parallel` after the model
 (pipeline split -> precision -> tensor parallel -> activation checkpointing -> compile) and before the
 optimizer is built:
 
-- ``dp_shard > 1``: :func:`apply_fsdp` -- ``fully_shard`` on every block, then on the root (embeddings,
-  final norm and head); a 2-D mesh ``(dp_replicate, dp_shard)`` gives HSDP.
+- ``dp_shard > 1``: :func:`apply_fsdp` -- ``fully_shard`` on every block, on the untied embeddings and on the
+  final norm with the head (the model's ``edge_units``), then on the root (what is left: a tied embedding and
+  head); a 2-D mesh ``(dp_replicate, dp_shard)`` gives HSDP.
 - ``dp_replicate > 1`` only: :func:`apply_ddp` (with tensor or pipeline parallelism use FSDP/HSDP).
 """
 
@@ -47,7 +48,8 @@ def fsdp_kwargs(world: World, cfg: ParallelConfig) -> dict:
 
 
 def apply_fsdp(model: nn.Module, world: World, cfg: ParallelConfig) -> nn.Module:
-    """``fully_shard`` each transformer block, then the root (in place; returns ``model``).
+    """``fully_shard`` each transformer block, the model's edge units (untied embeddings; the final norm with
+    the head: ``GPT.edge_units``), then the root (in place; returns ``model``).
 
     ``fsdp_reshard_after_forward``: True = ZeRO-3; False = ZeRO-2-like. The root is never resharded after
     forward (its parameters are needed again at once by backward), as torchtitan does.
@@ -57,6 +59,8 @@ def apply_fsdp(model: nn.Module, world: World, cfg: ParallelConfig) -> nn.Module
     kw = fsdp_kwargs(world, cfg)
     for _, block in model.present_blocks():
         fully_shard(block, reshard_after_forward=cfg.fsdp_reshard_after_forward, **kw)
+    for modules, may_free in model.edge_units():  # the embeddings; the final norm with the head
+        fully_shard(modules, reshard_after_forward=may_free and cfg.fsdp_reshard_after_forward, **kw)
     fully_shard(model, reshard_after_forward=False, **kw)
     return model
 
