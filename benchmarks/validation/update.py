@@ -102,7 +102,8 @@ def heldout(argv: list[str]) -> int:
     docs/estimate.md (the fresh cases' table between its own markers)."""
     cases = heldout_cases(argv)
     if not cases:
-        print("no held-out case without 'spent': nothing to evaluate")
+        print("no held-out case without 'spent': nothing to evaluate" if "--fresh" in argv
+              else "no held-out case in the file (the next collection goes there): nothing to evaluate")
         return 0
     results = [run_case(c) for c in cases]
     _print(results, regimes=True)

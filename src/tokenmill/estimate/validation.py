@@ -14,6 +14,7 @@ recomputes all of it, so the file, the doc and the printed ranges cannot drift a
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -135,6 +136,35 @@ def measured_mib(case: Case) -> float:
     """The source's memory figure made comparable: less what the source holds that tokenmill's config does not,
     plus what tokenmill's config keeps that the source's does not (both stated in the file, never fitted)."""
     return case.memory_mib - case.other_mib + case.extra_mib
+
+
+def floor_mib(case: Case) -> Optional[float]:
+    """A lower bound on the source's own peak memory, from the shapes alone (never the estimator): the bytes it
+    cannot avoid holding at once, for a case whose measurement is to be checked before it is taken. Its device's
+    share of the weights (2 bytes a value in bf16 or fp16, 4 in fp32; a QLoRA block projection 0.5: NF4's codes;
+    over the FSDP shards) and, with every layer checkpointed, each layer's input (batch x tokens x width, 2 bytes:
+    the narrowest a source keeps). None where the source may hold less on the device than that (FSDP CPU offload,
+    activation offloading, tensor or pipeline parallelism, checkpointing of some layers only) or measured none."""
+    if case.memory_mib is None:
+        return None
+    cfg = config_of(case)
+    m, par, mem = cfg.model, cfg.parallel, cfg.memory
+    if par.fsdp_cpu_offload or mem.offload_activations or par.tp > 1 or par.pp > 1:
+        return None
+    if mem.activation_checkpointing not in (0, 1):
+        return None
+    from tokenmill.config.matrices import model_matrices
+
+    width = 4 if cfg.train.precision == "fp32" else 2
+    blocks = sum(math.prod(x.shape) for layer in model_matrices(m) for x in layer)
+    edges = m.vocab_size * m.n_embd * (1 if m.tie_embeddings else 2)
+    nf4 = cfg.lora.rank > 0 and cfg.lora.quantize_base == "nf4"
+    weights = blocks * (0.5 if nf4 else width) + edges * width
+    shards = par.dp_shard if par.dp_shard > 1 else 1
+    held = weights / shards
+    if mem.activation_checkpointing == 1:
+        held += m.n_layer * cfg.train.batch_size * m.block_size * m.n_embd * 2
+    return held / 2**20
 
 
 def _mean_abs(values: list[Optional[float]]) -> Optional[float]:
