@@ -10,10 +10,10 @@ import importlib.util
 import io
 import json
 import math
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from tokenmill import config as C
 from tokenmill.cli import main
@@ -297,7 +297,7 @@ def test_every_measured_figure_holds_what_its_settings_cannot_avoid():
     text = FILE.read_text()
     row = text[text.index('# id = "torchtune-8xa100-llama2-70b-lora-b4-s4096"'):].split("\n\n")[0]
     fields = dict(line[2:].split(" = ", 1) for line in row.splitlines() if " = " in line and not line.startswith("# flags"))
-    flags = tomllib.loads("flags = " + next(l[2:].split(" = ", 1)[1] for l in row.splitlines() if l.startswith("# flags")))
+    flags = tomllib.loads("flags = " + next(x[2:].split(" = ", 1)[1] for x in row.splitlines() if x.startswith("# flags")))
     rejected = Case(id="rejected", family="llama", source="", config="", gpu="a100-80gb", preset="llama3.1-8b",
                     flags=flags["flags"], nproc=8, memory_mib=float(fields["memory_mib"]))
     assert floor_mib(rejected) / rejected.memory_mib > 1.4  # 36,925 MiB needed, 25,177 published

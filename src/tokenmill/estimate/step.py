@@ -320,7 +320,7 @@ class Step(FsdpComm):
                         docmask: Optional[int], sync: bool) -> None:
         """One micro-batch's backward, blocks in reverse; under FSDP each unit's parameters are gathered
         again (the next block's prefetched) and its gradients reduce-scattered."""
-        tl, cfg, plan = self.tl, self.cfg, self.plan
+        tl, cfg = self.tl, self.cfg
         root, edges = gathered
         play_backward(tl, head, self._on_grad_renamed(None))
         self._edge_done(edges, "head", sync)
