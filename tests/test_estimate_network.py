@@ -68,7 +68,7 @@ def test_nccl_channels_follow_nccls_search_rule():
 
 
 def test_overlapped_collectives_take_nccls_sms_within_a_node_only():
-    """The compute loses channels / SMs of the GPU over the collectives it overlaps (roofline._contention_seconds):
+    """The compute loses channels / SMs of the GPU over the collectives it overlaps (collectives.contention_seconds):
     24 / 108 of the overlapped milliseconds on A100s in one node; across nodes nothing is counted."""
     def timing(nproc: int) -> dict:
         r = run_cli("estimate", "--preset", "gpt2-124m", "--data.source", "synthetic", "--train.batch_size", "1",

@@ -9,7 +9,7 @@ import torch
 from tokenmill import config as C
 from tokenmill.errors import SampleError
 from tokenmill.model import GPT
-from tokenmill.model.gpt import sample_next_token
+from tokenmill.model.sampling import sample_next_token
 
 V, BS = 61, 24
 

@@ -338,7 +338,7 @@ def apply_moe(est, cfg: C.Config, lay, spec: GPU, plan, pieces=None, base=None) 
 
 
 def _apply_time(est, cfg: C.Config, lay, spec: GPU, t: dict[str, Any]) -> None:
-    from tokenmill.estimate.roofline import _contention_seconds
+    from tokenmill.estimate.collectives import contention_seconds
 
     tb = est.time_breakdown_ms
     mm = t["grouped_matmul_ms"] - t["grouped_matmul_traced_ms"]
@@ -350,7 +350,7 @@ def _apply_time(est, cfg: C.Config, lay, spec: GPU, t: dict[str, Any]) -> None:
     tb["collectives_exposed_ms"] = exposed + exposed_delta
     # the SMs NCCL holds over the collectives the compute overlaps, re-counted for the experts' own
     share = tb.get("collectives_sm_share_ms", 0.0)
-    tb["collectives_sm_share_ms"] = 1000 * _contention_seconds(
+    tb["collectives_sm_share_ms"] = 1000 * contention_seconds(
         spec, lay, (tb["collectives_ms"] - tb["collectives_exposed_ms"]) / 1000)
     tb["all_to_all_ms"] = t["all_to_all_ms"]
     old = est.step_ms

@@ -43,8 +43,8 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from tokenmill.errors import ConfigError
 from tokenmill.model import GPT
-from tokenmill.model.gpt import sample_next_token
 from tokenmill.model.layers import KVCache
+from tokenmill.model.sampling import sample_next_token
 
 __all__ = ["TokenmillLM"]
 

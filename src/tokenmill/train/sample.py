@@ -48,7 +48,8 @@ def stream_tokens(model: GPT, ids: list[int], max_new_tokens: int, temperature: 
     one at a time as each is drawn, for a caller that shows them as they come and stops early (at an end-of-turn
     id, on a signal: just stop iterating). The same forward, cache and draws as ``generate``, so the same ids for
     the same ``generator``; it ends when the sequence fills ``block_size`` (no sliding window: a chat stops there)."""
-    from tokenmill.model.gpt import KVCache, sample_next_token
+    from tokenmill.model.gpt import KVCache
+    from tokenmill.model.sampling import sample_next_token
 
     bs = model.cfg.block_size
     idx = torch.tensor([ids], dtype=torch.long, device=device)
