@@ -49,6 +49,7 @@ from typing import Any, Optional
 
 from tokenmill import config as C
 from tokenmill.errors import ParallelError
+from tokenmill.estimate.collectives import contention_seconds
 from tokenmill.estimate.gpus import GPU
 from tokenmill.estimate.recorder import OpCost
 from tokenmill.estimate.step import Step
@@ -338,8 +339,6 @@ def apply_moe(est, cfg: C.Config, lay, spec: GPU, plan, pieces=None, base=None) 
 
 
 def _apply_time(est, cfg: C.Config, lay, spec: GPU, t: dict[str, Any]) -> None:
-    from tokenmill.estimate.collectives import contention_seconds
-
     tb = est.time_breakdown_ms
     mm = t["grouped_matmul_ms"] - t["grouped_matmul_traced_ms"]
     tb["matmul_ms"] = tb.get("matmul_ms", 0.0) + mm

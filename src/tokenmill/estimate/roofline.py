@@ -358,7 +358,7 @@ def step_time(cfg: C.Config, lay: Layout, gpu: GPU, stages: list[tuple[Plan, Pie
         shard = lay.dp_shard if lay.dp_shard > 1 else (lay.dp_replicate if cfg.parallel.zero1 else 1)
         opt_s, opt_kernels = _optimizer_seconds(cfg, plan, gpu, param_bytes / shard)
         comm_exposed, comm_s = comm_seconds(cfg, lay, gpu, plan, pieces, gpu_s, part["backward"] * n_mb)
-        contention = contention_seconds(gpu, lay, comm_s - comm_exposed)
+        contention = contention_seconds(gpu, lay, comm_s - comm_exposed)  # none on the CPU (no SMs)
         bubble = gpu_s * (lay.pp - 1) / n_mb if lay.pp > 1 else 0.0
         # the host issues the step's work while the GPU runs it (estimate/host.py's two clocks): micro-batches,
         # then the optimizer step
@@ -374,8 +374,7 @@ def step_time(cfg: C.Config, lay: Layout, gpu: GPU, stages: list[tuple[Plan, Pie
         if total > worst.get("total", -1):
             worst = {"total": total, "matmul": per_step["matmul"], "memory": per_step["memory"], "offload": offload_s,
                      "launch": launch_s, "optimizer": opt_s, "comm": comm_s, "comm_exposed": comm_exposed,
-                     "contention": contention if gpu.key != "cpu" else 0.0, "bubble": bubble,
-                     "flops": per_step["flops"]}
+                     "contention": contention, "bubble": bubble, "flops": per_step["flops"]}
     data_s = 0.0
     if cfg.data.cpu_work_ms > 0:  # data.cpu_work_ms per sample, in the main process or spread over workers
         per_step_samples = t.batch_size * A
