@@ -79,6 +79,29 @@ def test_fused_attention_share_is_the_published_throughput():
     assert A.grid_fill(16 * 32, 1024, 132) == pytest.approx(4096 / (32 * 132))
 
 
+def test_flash_attention_1_is_its_published_throughput_only_inside_its_block():
+    """A validation case whose source ran FlashAttention 1 is priced at the same figures' FlashAttention bars; the
+    estimate of a tokenmill run (outside the block) keeps FlashAttention-2's, and an unknown version is refused."""
+    h100 = gpu_spec("h100-sxm").cc
+    with A.flash_generation(1):
+        for (arch, d), row in A.FA1_CAUSAL_TFLOPS.items():
+            cc = gpu_spec(A.BENCH_GPUS[arch]).cc
+            for t, tflops in zip(A.SEQLENS, row):
+                assert A.fa2_share(cc, t, d) * A.BENCH_PEAK_TFLOPS[arch] == pytest.approx(tflops)
+    assert A.fa2_share(h100, 2048, 128) * 989.4 == pytest.approx(265)
+    with pytest.raises(ValueError, match="FlashAttention version must be one of"):
+        with A.flash_generation(3):
+            pass
+    # what the harness runs: a case with flash_attention = 1 is slower than its twin without
+    from tokenmill.estimate.validation import Case, run_case
+    flags = {"model.n_layer": 2, "model.block_size": 2048, "train.batch_size": 8, "train.precision": "bf16"}
+    twin = [Case(id=f"fa{v}", family="gpt2", source="x", config="x", gpu="h100-sxm", preset="gpt2-124m",
+                 flags=flags, tokens_per_sec=1.0, flash_attention=v) for v in (1, 2)]
+    fa1, fa2 = (run_case(c)["est_tokens_per_sec"] for c in twin)
+    assert fa1 < 0.97 * fa2
+    assert A.fa2_share(h100, 2048, 128) * 989.4 == pytest.approx(265)
+
+
 def test_the_roofline_prices_fused_attention_by_its_shape():
     """A traced bf16 attention on the H100 runs at FlashAttention-2's share x its grid fill; fp32 inputs (the
     memory-efficient kernel) and a GPU before Ampere keep the hand value."""

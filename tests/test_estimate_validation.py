@@ -213,6 +213,15 @@ def test_spent_is_checked_where_read(tmp_path, value, word):
         load(f)
 
 
+@pytest.mark.parametrize("value, word", [('"1"', "must be an integer"), ("3", "must be an integer >= 1 and <= 2, got 3")])
+def test_flash_attention_is_checked_where_read(tmp_path, value, word):
+    f = tmp_path / "cases.toml"
+    f.write_text(f'[[case]]\nid = "x"\nfamily = "llama"\nsource = "s"\nconfig = "c"\ngpu = "a100-80gb"\n'
+                 f'flash_attention = {value}\n')
+    with pytest.raises(DataError, match=word):
+        load(f)
+
+
 def test_hf_loss_holds_the_bytes_its_cases_state():
     """loss_bytes.py's count behind the Answer.AI cases' other_mib: Hugging Face 4.38's loss keeps the fp32 logits
     (4 bytes a logit) beside what tokenmill's head_loss holds at its peak (about 12: the fp32 log-softmax, its

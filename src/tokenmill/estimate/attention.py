@@ -25,11 +25,17 @@ FlexAttention (``data.document_mask`` or packed chat windows with ``model.docume
 the 128 x 128 tiles of the causal triangle that hold a query and a key of one document (``create_block_mask``'s
 block size; :func:`flex_tile_share` counts them from the windows' documents), at its published speed relative to
 FlashAttention-2 (:data:`FLEX_VS_FA2`).
+
+A published measurement whose software ran FlashAttention 1 (PyTorch 2.0 / 2.1's SDPA, flash-attn 1.x) is
+estimated inside :func:`flash_generation` (1): the same figures' FlashAttention bars (:data:`FA1_CAUSAL_TFLOPS`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from typing import Iterator
 
 BENCH_COMMIT = "60499abcfda1fabd48e1b97341f4f888c66991a3"
 _ASSETS = "https://github.com/Dao-AILab/flash-attention/blob/4f285b354796fb17df8636485b9a04df3ebbb7dc/assets/"
@@ -43,6 +49,17 @@ FA2_CAUSAL_TFLOPS: dict[tuple[str, int], tuple[int, ...]] = {
     ("h100", 64): (141, 192, 232, 257, 273, 284),
     ("h100", 128): (163, 221, 265, 294, 308, 328),
 }
+# the same figures' "FlashAttention" bars: FlashAttention 1, the kernel of PyTorch 2.0 and 2.1's SDPA flash backend
+# (2.2 moved it to FlashAttention-2) and of the flash-attn 1.x package; tokenmill never runs it (its torch is newer),
+# a published measurement may have: :func:`flash_generation`. Causal, forward + backward, at SEQLENS.
+FA1_CAUSAL_TFLOPS: dict[tuple[str, int], tuple[int, ...]] = {
+    ("a100", 64): (58, 70, 77, 87, 92, 97),
+    ("a100", 128): (55, 62, 69, 76, 80, 83),
+    ("h100", 64): (104, 123, 136, 138, 149, 156),
+    ("h100", 128): (98, 109, 108, 126, 135, 137),
+}
+_FLASH_TABLES = {1: FA1_CAUSAL_TFLOPS, 2: FA2_CAUSAL_TFLOPS}
+_GENERATION: contextvars.ContextVar[int] = contextvars.ContextVar("flash_generation", default=2)
 # the same figures' "Pytorch" bars: the benchmark's standard attention (a baddbmm of the scores, the causal mask
 # added, softmax, a bmm with the values; forward + backward, FLOPs counted as above), at SEQLENS[:5] (16k: out of
 # memory), by (architecture, causal, head size): what MEMORY_EFFICIENCY is read from (estimate/bandwidth.py)
@@ -70,11 +87,27 @@ def _along_seq(row: tuple[int, ...], seq: int) -> float:
     return row[i] + w * (row[i + 1] - row[i])
 
 
+@contextlib.contextmanager
+def flash_generation(version: int) -> Iterator[None]:
+    """Within the block, fused attention runs at FlashAttention ``version``'s published throughput (1 or 2; 2
+    outside any block, what tokenmill's SDPA runs): for a published measurement whose software ran FlashAttention
+    1 (``flash_attention = 1`` in a validation case, :func:`tokenmill.estimate.validation.run_case`)."""
+    if version not in _FLASH_TABLES:
+        raise ValueError(f"FlashAttention version must be one of {sorted(_FLASH_TABLES)}, got {version!r}")
+    token = _GENERATION.set(version)
+    try:
+        yield
+    finally:
+        _GENERATION.reset(token)
+
+
 def fa2_share(cc: tuple, seq: int, head_dim: int) -> float:
     """Share of the dense bf16/fp16 peak FlashAttention-2's causal forward + backward reaches at sequence length
-    ``seq`` and head size ``head_dim`` on a GPU of compute capability ``cc``, its grid full (module doc)."""
+    ``seq`` and head size ``head_dim`` on a GPU of compute capability ``cc``, its grid full (module doc); inside
+    :func:`flash_generation` (1), FlashAttention 1's."""
     a = arch(cc)
-    lo, hi = (_along_seq(FA2_CAUSAL_TFLOPS[(a, d)], seq) for d in (64, 128))
+    table = _FLASH_TABLES[_GENERATION.get()]
+    lo, hi = (_along_seq(table[(a, d)], seq) for d in (64, 128))
     w = (min(max(head_dim, 64), 128) - 64) / 64
     return (lo + w * (hi - lo)) / BENCH_PEAK_TFLOPS[a]
 

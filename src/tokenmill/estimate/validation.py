@@ -1,7 +1,8 @@
 """The estimator against published GPU measurements (``benchmarks/validation/published.toml``).
 
 :func:`load` reads the cases, :func:`run_case` estimates one (with the source's differences the config cannot
-express: memory its model holds that training never uses, a compiled model that returns only the loss),
+express: memory its model holds that training never uses, a compiled model that returns only the loss, attention
+kernels of FlashAttention 1),
 :func:`summarize` gives the mean absolute errors overall and per *regime* (eager / compiled, small / large
 micro-batch, one GPU / several, and the fine-tuning method: every weight trained, LoRA or QLoRA), and
 :func:`markdown_table` the table of docs/estimate.md. The same functions run ``benchmarks/validation/heldout.toml``,
@@ -44,6 +45,7 @@ class Case:
     other_mib: float = 0.0
     extra_mib: float = 0.0  # memory tokenmill's config keeps that the source's does not (added to the measurement)
     capacity_mib: Optional[float] = None  # the source GPU's memory where it differs from the table's GPU
+    flash_attention: int = 2  # the FlashAttention the source's fused attention ran (1: PyTorch 2.0/2.1, flash-attn 1.x)
     memory_metric: str = "allocated"
     memory_mib: Optional[float] = None
     tokens_per_sec: Optional[float] = None
@@ -63,6 +65,7 @@ def load(path: str | Path) -> tuple[list[Case], dict[str, Any]]:
         if spent is not None and not re.fullmatch(r"\d{4}-\d{2}-\d{2}", spent):
             raise DataError(f"{where}: 'spent' must be the date the case was evaluated (YYYY-MM-DD), "
                             f"got {spent!r}.")
+        get(c, "flash_attention", int, where, err=DataError, default=2, lo=1, hi=2)
         cases.append(Case(**c))
     return cases, doc.get("summary", {})
 
@@ -102,6 +105,7 @@ def regime_of(cfg: C.Config, nproc: int) -> tuple[str, str, str, str]:
 def run_case(case: Case) -> dict[str, Any]:
     """Estimate a case; its errors (estimate / measured - 1) where the source measured memory or speed."""
     from tokenmill.estimate import estimate
+    from tokenmill.estimate.attention import flash_generation
     cfg = config_of(case)
     gpu = gpu_spec(case.gpu)
     if case.capacity_mib or case.extra_mib or case.other_mib:
@@ -109,7 +113,8 @@ def run_case(case: Case) -> dict[str, Any]:
         # headroom the source had, as the config holds extra_mib more and other_mib less than the source did
         gpu = dataclasses.replace(gpu, memory_mb=(case.capacity_mib or gpu.memory_mb) + case.extra_mib
                                   - case.other_mib)
-    est = estimate(cfg, gpu, case.nproc)
+    with flash_generation(case.flash_attention):
+        est = estimate(cfg, gpu, case.nproc)
     out: dict[str, Any] = {"id": case.id, "regime": regime_of(cfg, case.nproc), "est_tokens_per_sec": est.tokens_per_sec,
                            "est_memory_mib": None, "memory_error": None, "speed_error": None}
     if case.memory_mib is not None:
