@@ -13,6 +13,15 @@ logits[..., :-1, :].contiguous()``; ``CrossEntropyLoss()(shift_logits.view(-1, V
 output (``CausalLMOutputWithPast``) keeps ``logits`` while the caller runs ``output.loss.backward()``.
 tokenmill: ``GPT.head_loss`` with the trainer's call (``model(x, y)[1]``: the logits dropped before backward).
 
+torchtune's chunked loss (``CEWithChunkedOutputLoss`` with a frozen tied head, as its LoRA and QLoRA recipes run
+it at 1814feb): the decoder computes the head's output for every chunk in the forward (``chunked_output``: bf16,
+2 bytes a logit of the whole batch, kept by the loss), and ``training.compile_loss`` compiles only each chunk's
+upcast + cross-entropy. What that compiled piece keeps for its backward is what Inductor's partitioner decides,
+traced here with its decompositions and ``min_cut_rematerialization_partition`` (:func:`torchtune_saved`): the
+chunk's bf16 logits (already alive) and two numbers a row, nothing of 4 bytes a logit; its backward writes one
+chunk's bf16 gradient while the chunk's logits are still held. So at the loss it holds 2 bytes a logit of the
+batch plus 2 of one chunk, against tokenmill's chunked loss measured here (:func:`chunked`: one chunk at a time).
+
     python benchmarks/validation/loss_bytes.py
 """
 
@@ -96,6 +105,61 @@ def measure() -> dict[str, float]:
     return per_logit
 
 
+CHUNKS = 8  # CEWithChunkedOutputLoss's num_output_chunks
+
+
+def torchtune_saved(n: int = 256, v: int = V) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Shapes and dtypes of what the compiled upcast + cross-entropy of one (n, v) bf16 chunk keeps for its backward
+    (torch.compile's Inductor decompositions and partitioner, traced without generating code)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+
+    saved: list[tuple[tuple[int, ...], torch.dtype]] = []
+
+    def forward_graph(gm, _inputs):
+        out = next(node for node in gm.graph.nodes if node.op == "output").args[0]
+        saved.extend((tuple(a.meta["val"].shape), a.meta["val"].dtype) for a in out[1:])
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=forward_graph, bw_compiler=lambda gm, _: make_boxed_func(gm.forward),
+                           partition_fn=min_cut_rematerialization_partition, decompositions=select_decomp_table())
+
+    def compute_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float(), labels, reduction="sum", ignore_index=-100)
+
+    torch._dynamo.reset()
+    logits = torch.randn(n, v, dtype=torch.bfloat16, requires_grad=True)
+    torch.compile(compute_cross_entropy, backend=backend)(logits, torch.randint(v, (n,))).backward()
+    torch._dynamo.reset()
+    return saved
+
+
+def chunked() -> float:
+    """tokenmill's chunked loss (``model.loss_impl='chunked'``, CHUNKS chunks, the head frozen as LoRA's): the peak
+    bytes it holds, a logit of the whole batch."""
+    from tokenmill import config as cfgs
+    from tokenmill.model.build import build_gpt
+
+    over = {"model.n_layer": 1, "model.n_embd": C, "model.n_head": 2, "model.block_size": T,
+            "model.loss_impl": "chunked", "model.loss_chunk_size": B * T // CHUNKS}
+    model = build_gpt(cfgs.resolve("gpt2-124m", overrides=over, overrides_from_string=False).model, V, "cpu",
+                      torch.bfloat16)
+    model.requires_grad_(False)
+    torch.manual_seed(0)
+    labels = torch.randint(V, (B, T))
+    hidden = torch.randn(B, T, C, dtype=torch.bfloat16, requires_grad=True)
+    counter = LiveBytes()
+    with counter:
+        loss = tokenmill(hidden, model, labels)[0]
+        loss.backward()
+        del loss
+    return counter.peak / (B * T * V)
+
+
 if __name__ == "__main__":
     for name, b in measure().items():
         print(f"{name:10s} {b:5.2f} bytes a logit at the loss's peak")
+    print(f"tokenmill's chunked loss ({CHUNKS} chunks, frozen head): {chunked():.2f} bytes a logit of the batch")
+    print("torchtune's compiled chunk cross-entropy keeps:", torchtune_saved())
