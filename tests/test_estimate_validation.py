@@ -14,8 +14,8 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 import tomllib
+import torch
 
 from tokenmill import config as C
 from tokenmill.cli import main

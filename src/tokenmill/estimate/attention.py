@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from typing import Iterator
+from collections.abc import Iterator
 
 BENCH_COMMIT = "60499abcfda1fabd48e1b97341f4f888c66991a3"
 _ASSETS = "https://github.com/Dao-AILab/flash-attention/blob/4f285b354796fb17df8636485b9a04df3ebbb7dc/assets/"
