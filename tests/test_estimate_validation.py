@@ -5,7 +5,6 @@ estimable (its errors are looked at once, by `update.py --heldout`, after the es
 `--heldout --fresh` selecting exactly the cases without a `spent` date."""
 
 import contextlib
-import dataclasses
 import hashlib
 import importlib.util
 import io
@@ -21,9 +20,9 @@ from tokenmill import config as C
 from tokenmill.cli import main
 from tokenmill.errors import DataError
 from tokenmill.estimate import estimate
-from tokenmill.estimate.gpus import gpu_spec
 from tokenmill.estimate.uncertainty import MIN_CASES, OVERALL, REGIME_ERRORS, error_for, regime_table
 from tokenmill.estimate.validation import (
+    case_gpu,
     config_of,
     fresh,
     load,
@@ -262,8 +261,7 @@ def test_torchtune_chunked_loss_holds_the_bytes_its_cases_state():
     published, _ = load(FILE)
     stated = {c.id: c.other_mib for c in published if "torchtune" in c.source and c.other_mib
               and c.flags.get("model.loss_impl") == "chunked"}
-    assert len(stated) == 6 and all(published_case.flags.get("lora.rank") for published_case in published
-                                    if published_case.id in stated), stated
+    assert len(stated) == 6 and all(c.flags.get("lora.rank") for c in published if c.id in stated), stated
     for case in (c for c in published if c.id in stated):
         logits = case.flags["train.batch_size"] * case.flags["model.block_size"] * 128256
         assert abs(stated[case.id] - (2 + 2 / mod.CHUNKS - t) * logits / 2**20) < 1.0, (case.id, t)
@@ -295,8 +293,7 @@ def test_answerai_layer_statement_is_where_the_peak_is_in_a_layer():
              and c.flags.get("lora.quantize_base") == "nf4"]
     in_layer = set()
     for case in cases:
-        gpu = dataclasses.replace(gpu_spec(case.gpu), memory_mb=gpu_spec(case.gpu).memory_mb - case.other_mib)
-        est = estimate(config_of(case), gpu, case.nproc)
+        est = estimate(config_of(case), case_gpu(case), case.nproc)
         if est.breakdown_mb["logits and loss"] < est.breakdown_mb["temporaries"]:
             in_layer.add(case.id)
     assert len(cases) == 11 and in_layer == set(LAYER_PEAK), in_layer

@@ -82,27 +82,34 @@ def tokenmill(hidden: torch.Tensor, model, labels: torch.Tensor) -> tuple[torch.
     return (model.head_loss(hidden, labels)[1],)  # the trainer's model(x, y)[1]: the logits dropped
 
 
-def measure() -> dict[str, float]:
+def _frozen_model(**over):
+    """A one-block bf16 model at this script's shapes, its weights frozen (the head too, as LoRA's)."""
     from tokenmill import config as cfgs
     from tokenmill.model.build import build_gpt
 
-    over = {"model.n_layer": 1, "model.n_embd": C, "model.n_head": 2, "model.block_size": T,
-            "model.tie_embeddings": False}
-    cfg = cfgs.resolve("gpt2-124m", overrides=over, overrides_from_string=False).model
-    model = build_gpt(cfg, V, "cpu", torch.bfloat16)
-    model.requires_grad_(False)
+    over = {"model.n_layer": 1, "model.n_embd": C, "model.n_head": 2, "model.block_size": T, **over}
+    model = build_gpt(cfgs.resolve("gpt2-124m", overrides=over, overrides_from_string=False).model, V, "cpu",
+                      torch.bfloat16)
+    return model.requires_grad_(False)
+
+
+def _peak_per_logit(run, head, labels: torch.Tensor) -> float:
+    """The peak live bytes of ``run``'s forward and backward on random hidden states, a logit of the batch."""
+    hidden = torch.randn(B, T, C, dtype=torch.bfloat16, requires_grad=True)
+    counter = LiveBytes()
+    with counter:
+        output = run(hidden, head, labels)
+        output[0].backward()
+        del output
+    return counter.peak / (B * T * V)
+
+
+def measure() -> dict[str, float]:
+    model = _frozen_model(**{"model.tie_embeddings": False})
     torch.manual_seed(0)
     labels = torch.randint(V, (B, T))
-    per_logit = {}
-    for name, run, head in (("hf-4.38", hf_438, model.lm_head.weight), ("tokenmill", tokenmill, model)):
-        hidden = torch.randn(B, T, C, dtype=torch.bfloat16, requires_grad=True)
-        counter = LiveBytes()
-        with counter:
-            output = run(hidden, head, labels)
-            output[0].backward()
-            del output
-        per_logit[name] = counter.peak / (B * T * V)
-    return per_logit
+    return {name: _peak_per_logit(run, head, labels)
+            for name, run, head in (("hf-4.38", hf_438, model.lm_head.weight), ("tokenmill", tokenmill, model))}
 
 
 CHUNKS = 8  # CEWithChunkedOutputLoss's num_output_chunks
@@ -139,23 +146,9 @@ def torchtune_saved(n: int = 256, v: int = V) -> list[tuple[tuple[int, ...], tor
 def chunked() -> float:
     """tokenmill's chunked loss (``model.loss_impl='chunked'``, CHUNKS chunks, the head frozen as LoRA's): the peak
     bytes it holds, a logit of the whole batch."""
-    from tokenmill import config as cfgs
-    from tokenmill.model.build import build_gpt
-
-    over = {"model.n_layer": 1, "model.n_embd": C, "model.n_head": 2, "model.block_size": T,
-            "model.loss_impl": "chunked", "model.loss_chunk_size": B * T // CHUNKS}
-    model = build_gpt(cfgs.resolve("gpt2-124m", overrides=over, overrides_from_string=False).model, V, "cpu",
-                      torch.bfloat16)
-    model.requires_grad_(False)
+    model = _frozen_model(**{"model.loss_impl": "chunked", "model.loss_chunk_size": B * T // CHUNKS})
     torch.manual_seed(0)
-    labels = torch.randint(V, (B, T))
-    hidden = torch.randn(B, T, C, dtype=torch.bfloat16, requires_grad=True)
-    counter = LiveBytes()
-    with counter:
-        loss = tokenmill(hidden, model, labels)[0]
-        loss.backward()
-        del loss
-    return counter.peak / (B * T * V)
+    return _peak_per_logit(tokenmill, model, torch.randint(V, (B, T)))
 
 
 if __name__ == "__main__":

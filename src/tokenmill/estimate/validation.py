@@ -25,7 +25,7 @@ import tomllib
 
 from tokenmill import config as C
 from tokenmill.errors import DataError
-from tokenmill.estimate.gpus import gpu_spec
+from tokenmill.estimate.gpus import GPU, gpu_spec
 from tokenmill.filecheck import get
 
 SMALL_BATCH_TOKENS = 8192  # a micro-batch of fewer tokens per GPU is 'small': the host can set the pace
@@ -102,19 +102,24 @@ def regime_of(cfg: C.Config, nproc: int) -> tuple[str, str, str, str]:
             "one" if nproc == 1 else "many", method_of(cfg))
 
 
+def case_gpu(case: Case) -> GPU:
+    """The GPU a case is estimated on: the table's, its capacity moved to the headroom the source had (the
+    allocator releases its cache at the capacity: the source's, not the table's, with the config holding
+    ``extra_mib`` more and ``other_mib`` less than the source did)."""
+    gpu = gpu_spec(case.gpu)
+    if case.capacity_mib or case.extra_mib or case.other_mib:
+        gpu = dataclasses.replace(gpu, memory_mb=(case.capacity_mib or gpu.memory_mb) + case.extra_mib
+                                  - case.other_mib)
+    return gpu
+
+
 def run_case(case: Case) -> dict[str, Any]:
     """Estimate a case; its errors (estimate / measured - 1) where the source measured memory or speed."""
     from tokenmill.estimate import estimate
     from tokenmill.estimate.attention import flash_generation
     cfg = config_of(case)
-    gpu = gpu_spec(case.gpu)
-    if case.capacity_mib or case.extra_mib or case.other_mib:
-        # the allocator releases its cache at the GPU's capacity: the source's (not the table's), with the same
-        # headroom the source had, as the config holds extra_mib more and other_mib less than the source did
-        gpu = dataclasses.replace(gpu, memory_mb=(case.capacity_mib or gpu.memory_mb) + case.extra_mib
-                                  - case.other_mib)
     with flash_generation(case.flash_attention):
-        est = estimate(cfg, gpu, case.nproc)
+        est = estimate(cfg, case_gpu(case), case.nproc)
     out: dict[str, Any] = {"id": case.id, "regime": regime_of(cfg, case.nproc), "est_tokens_per_sec": est.tokens_per_sec,
                            "est_memory_mib": None, "memory_error": None, "speed_error": None}
     if case.memory_mib is not None:
